@@ -1,0 +1,136 @@
+"""Speed and memory of the GPPO loss per estimator, against the plain PPO clip loss.
+
+Each case runs the part of a training step that the objective owns: from the policy's logits
+[N, V] (a leaf, as the LM head would produce) to log-probs, the loss, and backward into the
+logits. The baseline is a five-line PPO clip loss measured in the same run. Every case runs in
+a fresh subprocess so that its peak memory can be read on its own (CUDA: max_memory_allocated;
+CPU: peak RSS). Ratios > 1 mean slower / more memory than the baseline.
+
+    python benchmarks/loss_speed.py                      # CPU-sized default: N=8192, V=32768
+    python benchmarks/loss_speed.py --tokens 32768 --vocab 32768 152064 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = ["ppo-baseline", "sample", "cell", "binary", "topk", "topp", "full"]
+
+
+def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeats: int) -> dict:
+    import torch
+
+    import gppo
+
+    # Built chunk by chunk so that the set-up's own peak stays below the step's (CPU peak RSS).
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids, logp_behavior, top_logq, top_ids, full_rows = [], [], [], [], []
+    for rows in torch.arange(tokens).split(1024):
+        log_mu = torch.log_softmax(torch.randn(len(rows), vocab, generator=gen), -1).to(device)
+        sampled = torch.multinomial(log_mu.exp(), 1).squeeze(-1)
+        ids.append(sampled)
+        logp_behavior.append(log_mu.gather(-1, sampled[:, None]).squeeze(-1))
+        values, indices = log_mu.topk(top_k, -1)
+        top_logq.append(values)
+        top_ids.append(indices)
+        if case == "full":
+            full_rows.append(log_mu)
+    ids, logp_behavior, top_logq, top_ids = (torch.cat(x) for x in (ids, logp_behavior, top_logq, top_ids))
+    full_behavior = torch.cat(full_rows) if case == "full" else None
+    del full_rows
+    logits = torch.empty(tokens, vocab, device=device)
+    for rows in torch.arange(tokens).split(1024):
+        logits[rows] = 0.1 * torch.randn(len(rows), vocab, generator=gen).to(device)
+    logits.requires_grad_(True)
+    adv = torch.randn(tokens // 256 + 1, generator=gen).to(device).repeat_interleave(256)[:tokens]
+    mask = torch.ones(tokens, device=device)
+
+    def step():
+        log_pi = torch.log_softmax(logits.float(), -1)
+        logp = log_pi.gather(-1, ids[:, None]).squeeze(-1)
+        if case == "ppo-baseline":
+            ratio = torch.exp(logp - logp_behavior)
+            loss = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv).mean()
+        else:
+            batch = gppo.TokenBatch(
+                logp=logp[None], logp_behavior=logp_behavior[None], advantages=adv[None],
+                mask=mask[None], token_ids=ids[None], topk_ids=top_ids[None],
+                topk_logp_behavior=top_logq[None],
+                topk_logp=log_pi.gather(-1, top_ids)[None] if case in ("topk", "topp") else None,
+                logits=logits[None] if case == "full" else None,
+                logp_behavior_full=full_behavior[None] if case == "full" else None,
+            )
+            cfg = gppo.preset("dppo-topk-tv", estimator=case, top_k=top_k)
+            loss, _ = gppo.policy_loss(batch, cfg)
+        loss.backward()
+        logits.grad = None
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    sync()
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    step()  # warm-up (its peak counts)
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    if device.startswith("cuda"):
+        extra = torch.cuda.max_memory_allocated() - base
+    else:
+        extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"case": case, "seconds": statistics.median(times), "extra_bytes": max(extra, 0),
+            "logits_bytes": tokens * vocab * 4}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192, help="B*T tokens per batch")
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32768])
+    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print JSON
+    parser.add_argument("--one-vocab", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print(json.dumps(run_case(args.case, args.tokens, args.one_vocab, args.top_k, args.device, args.repeats)))
+        return
+    for vocab in args.vocab:
+        print(f"\nN={args.tokens} tokens, V={vocab}, K={args.top_k}, device={args.device}")
+        print(f"{'case':<14}{'ms':>10}{'time ratio':>12}{'extra MiB':>12}{'mem ratio':>11}{'extra/logits':>14}")
+        rows = []
+        for case in CASES:
+            out = subprocess.run(
+                [sys.executable, __file__, "--case", case, "--tokens", str(args.tokens), "--one-vocab",
+                 str(vocab), "--top-k", str(args.top_k), "--device", args.device, "--repeats",
+                 str(args.repeats), "--threads", str(args.threads)],
+                capture_output=True, text=True, check=True)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        base = rows[0]
+        for row in rows:
+            print(f"{row['case']:<14}{row['seconds'] * 1e3:>10.1f}{row['seconds'] / base['seconds']:>12.3f}"
+                  f"{row['extra_bytes'] / 2**20:>12.0f}{row['extra_bytes'] / max(base['extra_bytes'], 1):>11.2f}"
+                  f"{row['extra_bytes'] / row['logits_bytes']:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()

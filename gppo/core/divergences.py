@@ -1,0 +1,345 @@
+"""The divergence axis: f-divergences D_f(pi || mu) = sum_a mu(a) f(pi(a) / mu(a)) (DESIGN.md section 2).
+
+Every divergence is defined by its normalised generator f~(t) = f(t) - f'(1)(t - 1) >= 0, which has
+the same D_f between probability vectors and is the right single-sample estimate (for KL(mu||pi)
+it is Schulman's k3 = r - 1 - log r). One method carries all the numerics:
+
+    cell_terms(log p, log q) = q * f~(p / q)     elementwise, >= 0,
+
+computed from log-probabilities with the limits of the convention 0 * f(0 / 0) = 0:
+q = 0 gives p * lim_{t->inf} f~(t) / t, p = 0 gives q * f~(0) (either may be +inf, never NaN).
+Everything else (f, f~, D_f between vectors, binary and top-K cells) is built on it.
+Sources: Sason & Verdu, "f-Divergence Inequalities" (2016); Gilardoni (2010) for the alpha family.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+
+import torch
+
+_LOG2 = math.log(2.0)
+
+
+def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 stays float64; everything else (bf16, fp16, fp32) is computed in float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in its working dtype (float32, or float64 if it already is)."""
+    return x.to(_work_dtype(x))
+
+
+def log1mexp(log_x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(log_x)) for log_x <= 0, accurate near both ends (Maechler 2012)."""
+    log_x = log_x.clamp(max=0.0)
+    return torch.where(
+        log_x > -_LOG2, torch.log(-torch.expm1(log_x)), torch.log1p(-torch.exp(log_x))
+    )
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """An f-divergence. Subclasses give the interior cell term and the constants below.
+
+    Attributes:
+        name: registry name.
+        curvature: f''(1); locally D_f ~ (f''(1) / 2) * chi^2 (None for TV, which is not smooth).
+        f_prime_at_1: f'(1), the slope removed by normalisation (0 for TV by convention).
+        f_tilde_at_0: f~(0), the cell term's limit when p = 0 (per unit of q).
+        slope_at_inf: lim_{t->inf} f~(t) / t, the cell term's limit when q = 0 (per unit of p).
+    """
+
+    name: str = ""
+    curvature: float | None = None
+    f_prime_at_1: float = 0.0
+    f_tilde_at_0: float = 0.0
+    slope_at_inf: float = 0.0
+
+    # --- to implement -----------------------------------------------------------------------
+    def _interior(self, p, q, log_p, log_q):
+        """q * f~(p / q) for p, q > 0 (tensors of one dtype)."""
+        raise NotImplementedError
+
+    def tv_bound(self, delta: float) -> float:
+        """Largest total variation compatible with D_f <= delta (DESIGN.md section 2 table)."""
+        raise NotImplementedError
+
+    # --- shared numerics ------------------------------------------------------------------
+    def cell_terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        """Elementwise q * f~(p / q) from log-probabilities; zero cells give their limits."""
+        dtype = _work_dtype(log_p, log_q)
+        log_p, log_q = torch.broadcast_tensors(log_p.to(dtype), log_q.to(dtype))
+        p, q = log_p.exp(), log_q.exp()
+        interior = (p > 0) & (q > 0)
+        # Evaluate the interior formula on safe stand-ins, then patch the boundary limits in.
+        safe_log_p = torch.where(interior, log_p, torch.zeros_like(log_p))
+        safe_log_q = torch.where(interior, log_q, torch.zeros_like(log_q))
+        inside = self._interior(safe_log_p.exp(), safe_log_q.exp(), safe_log_p, safe_log_q)
+        zero = torch.zeros_like(p)
+        p_zero = torch.where(q > 0, q * self.f_tilde_at_0, zero)  # p = 0 < q
+        q_zero = torch.where(p > 0, p * self.slope_at_inf, zero)  # q = 0 < p
+        boundary = torch.where(p > 0, q_zero, p_zero)
+        return torch.where(interior, inside.clamp(min=0.0), boundary)
+
+    def f_normalized(self, t: torch.Tensor) -> torch.Tensor:
+        """f~(t) = f(t) - f'(1)(t - 1) >= 0, with f~(1) = 0."""
+        t = torch.as_tensor(t)
+        t = t.to(_work_dtype(t)) if t.is_floating_point() else t.to(torch.float32)
+        return self.cell_terms(torch.log(t), torch.zeros_like(t))
+
+    def f(self, t: torch.Tensor) -> torch.Tensor:
+        """The generator f(t) (convex, f(1) = 0)."""
+        t = torch.as_tensor(t)
+        t = t.to(_work_dtype(t)) if t.is_floating_point() else t.to(torch.float32)
+        return self.f_normalized(t) + self.f_prime_at_1 * (t - 1.0)
+
+    def between_log(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        """D_f(p || q) over the last axis from log-probabilities (-inf marks a zero cell)."""
+        return self.cell_terms(log_p, log_q).sum(-1)
+
+    def between(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """D_f(p || q) = sum q * f(p / q) over the last axis, for probability vectors p = pi, q = mu."""
+        p, q = torch.as_tensor(p), torch.as_tensor(q)
+        return self.between_log(torch.log(p), torch.log(q))
+
+    def normalized_inverse(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lo, hi) with lo <= 1 <= hi and f~(lo) = f~(hi) = delta: the ratios a single-sample
+        estimate allows. lo = 0 when f~(0) <= delta. Generic: bisection in log space."""
+        delta = torch.as_tensor(delta, dtype=torch.float64)
+        lo = _bisect_log_ratio(self, delta, upper_side=False)
+        lo = torch.where(delta >= self.f_tilde_at_0, torch.zeros_like(lo), lo)
+        return lo, _bisect_log_ratio(self, delta, upper_side=True)
+
+    def __repr__(self) -> str:
+        return f"divergence({self.name!r})"
+
+
+def _bisect_log_ratio(div: Divergence, delta: torch.Tensor, upper_side: bool, steps: int = 80):
+    """Solve f~(exp(u)) = delta for u in [0, 700] (upper side) or [-700, 0] (lower side)."""
+    inner = torch.zeros_like(delta)
+    outer = torch.full_like(delta, 700.0 if upper_side else -700.0)
+    for _ in range(steps):
+        mid = (inner + outer) / 2
+        inside = div.f_normalized(torch.exp(mid)) <= delta
+        inner, outer = torch.where(inside, mid, inner), torch.where(inside, outer, mid)
+    return torch.exp((inner + outer) / 2)
+
+
+def _clamp_tv(x: float) -> float:
+    return min(1.0, x)
+
+
+@dataclass(frozen=True, repr=False)
+class TotalVariation(Divergence):
+    """f(t) = |t - 1| / 2; D = (1/2) sum |p - q|."""
+
+    name: str = "tv"
+    f_tilde_at_0: float = 0.5
+    slope_at_inf: float = 0.5
+
+    def _interior(self, p, q, log_p, log_q):
+        return 0.5 * (p - q).abs()
+
+    def tv_bound(self, delta):
+        return _clamp_tv(delta)
+
+    def normalized_inverse(self, delta):
+        delta = torch.as_tensor(delta, dtype=torch.float64)
+        return (1 - 2 * delta).clamp(min=0.0), 1 + 2 * delta
+
+
+@dataclass(frozen=True, repr=False)
+class ForwardKL(Divergence):
+    """KL(mu || pi): f(t) = -log t, f~(t) = t - 1 - log t (k3)."""
+
+    name: str = "kl"
+    curvature: float = 1.0
+    f_prime_at_1: float = -1.0
+    f_tilde_at_0: float = math.inf
+    slope_at_inf: float = 1.0
+
+    def _interior(self, p, q, log_p, log_q):
+        x = log_p - log_q
+        return torch.where(x.abs() <= 1, q * (torch.expm1(x) - x), p - q - q * x)
+
+    def tv_bound(self, delta):
+        return _clamp_tv(math.sqrt(delta / 2))  # Pinsker
+
+
+@dataclass(frozen=True, repr=False)
+class ReverseKL(Divergence):
+    """KL(pi || mu): f(t) = t log t, f~(t) = t log t - t + 1."""
+
+    name: str = "rkl"
+    curvature: float = 1.0
+    f_prime_at_1: float = 1.0
+    f_tilde_at_0: float = 1.0
+    slope_at_inf: float = math.inf
+
+    def _interior(self, p, q, log_p, log_q):
+        x = log_q - log_p
+        return torch.where(x.abs() <= 1, p * (torch.expm1(x) - x), q - p - p * x)
+
+    def tv_bound(self, delta):
+        return _clamp_tv(math.sqrt(delta / 2))  # Pinsker
+
+
+@dataclass(frozen=True, repr=False)
+class PearsonChi2(Divergence):
+    """Pearson chi^2(pi || mu): f(t) = (t - 1)^2; D = sum (p - q)^2 / q."""
+
+    name: str = "chi2"
+    curvature: float = 2.0
+    f_tilde_at_0: float = 1.0
+    slope_at_inf: float = math.inf
+
+    def _interior(self, p, q, log_p, log_q):
+        x = log_p - log_q
+        return torch.where(x.abs() <= 1, q * torch.expm1(x) ** 2, (p - q) ** 2 / q)
+
+    def tv_bound(self, delta):
+        return _clamp_tv(0.5 * math.sqrt(delta))
+
+    def normalized_inverse(self, delta):
+        root = torch.as_tensor(delta, dtype=torch.float64).sqrt()
+        return (1 - root).clamp(min=0.0), 1 + root
+
+
+@dataclass(frozen=True, repr=False)
+class NeymanChi2(Divergence):
+    """Neyman chi^2 = chi^2(mu || pi): f(t) = (t - 1)^2 / t; D = sum (p - q)^2 / p."""
+
+    name: str = "neyman"
+    curvature: float = 2.0
+    f_tilde_at_0: float = math.inf
+    slope_at_inf: float = 1.0
+
+    def _interior(self, p, q, log_p, log_q):
+        x = log_q - log_p
+        return torch.where(x.abs() <= 1, p * torch.expm1(x) ** 2, (p - q) ** 2 / p)
+
+    def tv_bound(self, delta):
+        return _clamp_tv(0.5 * math.sqrt(delta))
+
+    def normalized_inverse(self, delta):
+        delta = torch.as_tensor(delta, dtype=torch.float64)
+        disc = (delta * delta + 4 * delta).sqrt()  # roots of t^2 - (2 + delta) t + 1 = 0
+        return (2 + delta - disc) / 2, (2 + delta + disc) / 2
+
+
+@dataclass(frozen=True, repr=False)
+class SquaredHellinger(Divergence):
+    """Squared Hellinger: f(t) = (sqrt t - 1)^2; D = sum (sqrt p - sqrt q)^2 in [0, 2]."""
+
+    name: str = "hellinger"
+    curvature: float = 0.5
+    f_tilde_at_0: float = 1.0
+    slope_at_inf: float = 1.0
+
+    def _interior(self, p, q, log_p, log_q):
+        x = log_p - log_q
+        return torch.where(
+            x.abs() <= 1, q * torch.expm1(x / 2) ** 2, (p.sqrt() - q.sqrt()) ** 2
+        )
+
+    def tv_bound(self, delta):
+        h = math.sqrt(delta)
+        return _clamp_tv(h * math.sqrt(max(0.0, 1 - h * h / 4)))  # Le Cam
+
+    def normalized_inverse(self, delta):
+        root = torch.as_tensor(delta, dtype=torch.float64).sqrt()
+        return (1 - root).clamp(min=0.0) ** 2, (1 + root) ** 2
+
+
+@dataclass(frozen=True, repr=False)
+class JensenShannon(Divergence):
+    """Jensen-Shannon: f(t) = (1/2)[t log(2t / (1 + t)) + log(2 / (1 + t))], in nats."""
+
+    name: str = "js"
+    curvature: float = 0.25
+    f_tilde_at_0: float = 0.5 * _LOG2
+    slope_at_inf: float = 0.5 * _LOG2
+
+    def _interior(self, p, q, log_p, log_q):
+        x = log_p - log_q  # log(p / (p + q)) = log sigmoid(x) = -softplus(-x)
+        softplus = torch.nn.functional.softplus
+        return 0.5 * (p * (_LOG2 - softplus(-x)) + q * (_LOG2 - softplus(x)))
+
+    def tv_bound(self, delta):
+        return _clamp_tv(math.sqrt(2 * delta))
+
+
+@dataclass(frozen=True, repr=False)
+class AlphaDivergence(Divergence):
+    """Alpha family: f(t) = (t^a - 1 - a(t - 1)) / (a(a - 1)); a -> 0 is KL(mu||pi), a -> 1 is
+    KL(pi||mu), a = 2 is chi^2 / 2, a = 1/2 is 2 * squared Hellinger."""
+
+    name: str = "alpha"
+    alpha: float = 0.5
+    curvature: float = 1.0
+
+    def __post_init__(self):
+        a = self.alpha
+        if not math.isfinite(a) or a in (0.0, 1.0):
+            raise ValueError(
+                f"divergence 'alpha' needs alpha finite and not 0 or 1 (got {a}); "
+                "use divergence='kl' for alpha -> 0 and 'rkl' for alpha -> 1"
+            )
+        object.__setattr__(self, "f_tilde_at_0", 1 / a if a > 0 else math.inf)
+        object.__setattr__(self, "slope_at_inf", 1 / (1 - a) if a < 1 else math.inf)
+
+    def _interior(self, p, q, log_p, log_q):
+        a = self.alpha
+        mixed = torch.exp(a * log_p + (1 - a) * log_q)  # q (p/q)^a
+        return (mixed - q - a * (p - q)) / (a * (a - 1))
+
+    def tv_bound(self, delta):
+        if not -1.0 <= self.alpha <= 2.0:
+            raise ValueError(
+                f"no TV bound is implemented for alpha={self.alpha}: the bound TV <= sqrt(D/2) "
+                "(Gilardoni 2010) holds for alpha in [-1, 2]"
+            )
+        return _clamp_tv(math.sqrt(delta / 2))
+
+    def __repr__(self) -> str:
+        return f"divergence('alpha', alpha={self.alpha})"
+
+
+DIVERGENCES: dict[str, type[Divergence]] = {
+    cls.name: cls
+    for cls in (
+        TotalVariation,
+        ForwardKL,
+        ReverseKL,
+        PearsonChi2,
+        NeymanChi2,
+        SquaredHellinger,
+        JensenShannon,
+        AlphaDivergence,
+    )
+}
+
+
+def closest(name: str, choices) -> str:
+    """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
+    match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def divergence(name: str, **params) -> Divergence:
+    """The divergence called `name`; `alpha` is the only parameter (for name='alpha')."""
+    if name not in DIVERGENCES:
+        raise ValueError(
+            f"unknown divergence {name!r}{closest(name, DIVERGENCES)}; "
+            f"choose one of {sorted(DIVERGENCES)}"
+        )
+    if params and name != "alpha":
+        raise ValueError(f"divergence {name!r} takes no parameters (got {sorted(params)})")
+    unknown = set(params) - {"alpha"}
+    if unknown:
+        raise ValueError(f"divergence 'alpha' takes only `alpha` (got {sorted(unknown)})")
+    return DIVERGENCES[name](**params)

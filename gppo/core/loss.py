@@ -1,0 +1,185 @@
+"""`policy_loss`: the GPPO objective for one batch, with its metrics; `estimate`: D-hat alone.
+
+The signature is engine-neutral: the trainer, the verl plugin and the TRL trainer all build a
+`TokenBatch` and call `policy_loss(batch, config)` unchanged. For gradient accumulation or data
+parallelism pass the mini-batch's global `num_tokens` / `num_sequences`, so that summing the
+micro-batch losses gives exactly the mini-batch loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gppo.core.batch import GPPOInputError, TokenBatch, require, validate
+from gppo.core.config import GPPOConfig
+from gppo.core.divergences import upcast
+from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, run_estimator
+from gppo.core.rules import RULES, RuleContext
+
+# mu-probability buckets of the sampled token: the low-probability over-penalisation that
+# motivates GPPO shows up as a high masked fraction in the first buckets.
+Q_BUCKET_EDGES = (0.0, 1e-3, 1e-2, 0.1, 0.5, 1.0)
+Q_BUCKETS = tuple(
+    f"q[{lo:g},{hi:g}{']' if hi == 1.0 else ')'}" for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:])
+)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None,
+              num_tokens: float | None = None, num_sequences: float | None = None) -> torch.Tensor:
+    """Reduce per-token values [B,T] to a scalar (DESIGN.md section 6).
+
+    token-mean: sum l m / sum m;  seq-mean-token-mean: mean_i (sum_t l m / sum_t m);
+    seq-mean-token-sum: mean_i sum_t l m;  seq-mean-token-sum-norm (Dr. GRPO): sum l m / (N L).
+    Sequence means run over sequences with at least one token; L defaults to T.
+    """
+    m = mask.to(values.dtype)
+    values = torch.where(mask.bool(), values, 0.0)
+    if mode == "token-mean":
+        return values.sum() / (num_tokens if num_tokens is not None else m.sum())
+    lengths = m.sum(-1)
+    n_seq = num_sequences if num_sequences is not None else (lengths > 0).sum()
+    per_sequence = values.sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_sequence = per_sequence / lengths.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_sequence = per_sequence / (norm_length or values.shape[-1])
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    return per_sequence.sum() / n_seq
+
+
+def reference_kl(batch: TokenBatch, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate [B,T], differentiable through logp (or logits for 'full').
+
+    With x = log p - log p_ref: k1 = x, k2 = x^2 / 2, k3 = exp(-x) - 1 + x (Schulman 2020);
+    full = sum_v pi_v (log pi_v - log ref_v), exact over the vocabulary.
+    """
+    valid = batch.token_mask
+    if estimator == "full":
+        require(batch, ["logits", "logp_ref_full"], "kl_estimator='full'")
+        log_pi = torch.log_softmax(torch.where(valid[..., None], upcast(batch.logits), 0.0), dim=-1)
+        log_ref = torch.where(valid[..., None], upcast(batch.logp_ref_full), 0.0)
+        return (log_pi.exp() * (log_pi - log_ref)).sum(-1)
+    require(batch, ["logp_ref"], f"the KL penalty (kl_estimator={estimator!r})")
+    x = torch.where(valid, upcast(batch.logp) - upcast(batch.logp_ref), 0.0)
+    x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return x
+    if estimator == "k2":
+        return 0.5 * x * x
+    return torch.expm1(-x) + x
+
+
+def entropy_from_logits(logits: torch.Tensor, valid: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Mean entropy of the current policy over valid tokens, chunked, no gradient."""
+    with torch.no_grad():
+        flat = logits.reshape(-1, logits.shape[-1])
+        positions = valid.reshape(-1).nonzero().squeeze(-1)
+        total = torch.zeros((), device=logits.device)
+        for chunk in positions.split(chunk_size):
+            log_pi = torch.log_softmax(flat.index_select(0, chunk).float(), dim=-1)
+            total = total + -(log_pi.exp() * log_pi).sum()
+        return total / positions.numel()
+
+
+def estimate(config: GPPOConfig, batch: TokenBatch) -> torch.Tensor:
+    """D-hat [B,T] of `config.divergence` by `config.estimator` (no gradient; 0 where mask = 0)."""
+    if config.estimator is None:
+        raise GPPOInputError(
+            f"this config (rule {config.rule!r}) has no estimator; set divergence and estimator "
+            "to estimate a divergence"
+        )
+    validate(batch)
+    return run_estimator(config, batch)
+
+
+def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | None = None,
+                num_sequences: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GPPO loss (scalar, to minimise) and its metrics.
+
+    loss = agg_t(l_t) + kl_coef * agg_t(KL_t), l_t from `config.rule` on r = exp(log pi - log anchor).
+    """
+    if not isinstance(config, GPPOConfig):
+        raise TypeError(f"config must be a gppo.GPPOConfig (gppo.preset(...)), got {type(config).__name__}")
+    validate(batch)
+    anchor = anchor_of(batch, config.anchor)
+    valid = batch.token_mask
+    # Padding may hold anything (even NaN): select it away so that neither the loss nor the
+    # gradient ever reads it (torch.where passes no gradient to the unselected side).
+    logp = torch.where(valid, upcast(batch.logp), 0.0)
+    logq = torch.where(valid, anchor.logq.to(logp.dtype), 0.0)
+    ctx = RuleContext(
+        config=config,
+        batch=batch,
+        adv=torch.where(valid, batch.token_advantages().to(logp.dtype), 0.0),
+        valid=valid,
+        logp=logp,
+        log_ratio=(logp - logq).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
+        logq=logq,
+    )
+    out = RULES[config.rule](ctx)
+    per_token = out.loss
+    if config.behavior_weight_cap is not None:
+        behavior_log_ratio = (upcast(batch.logp_old) - upcast(batch.logp_behavior)).clamp(
+            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        per_token = per_token * behavior_log_ratio.exp().clamp(max=config.behavior_weight_cap).detach()
+    agg = dict(mode=config.loss_agg_mode, norm_length=config.norm_length, num_tokens=num_tokens,
+               num_sequences=num_sequences)
+    pg_loss = aggregate(per_token, ctx.valid, **agg)
+    loss = pg_loss
+    kl = None
+    if config.kl_coef > 0:
+        kl = reference_kl(batch, config.kl_estimator)
+        loss = loss + config.kl_coef * aggregate(kl, ctx.valid, **agg)
+    elif batch.logp_ref is not None and config.kl_estimator != "full":  # monitored, not penalised
+        kl = reference_kl(batch, config.kl_estimator)
+    return loss, _metrics(ctx, out, pg_loss, kl)
+
+
+def _metrics(ctx: RuleContext, out, pg_loss: torch.Tensor, kl: torch.Tensor | None) -> dict[str, float]:
+    """Scalar metrics over valid tokens; one host sync. Groups with no tokens are left out."""
+    valid = ctx.valid
+    with torch.no_grad():
+        vf = valid.float()
+        n = vf.sum()
+        r = ctx.ratio.detach()
+        values: dict[str, torch.Tensor] = {
+            "loss/policy": pg_loss.detach(),
+            "ratio/mean": (r * vf).sum() / n,
+            "ratio/min": torch.where(valid, r, torch.inf).min(),
+            "ratio/max": torch.where(valid, r, -torch.inf).max(),
+        }
+        counts: dict[str, torch.Tensor] = {}  # metric -> number of tokens it averages over
+
+        def frac(name: str, hit: torch.Tensor, group: torch.Tensor):
+            values[name] = (hit & group).sum() / group.sum().clamp(min=1)
+            counts[name] = group.sum()
+
+        if out.blocked is not None:
+            blocked = out.blocked & valid
+            frac("masked_frac", blocked, valid)
+            frac("masked_frac/adv_pos", blocked, valid & (ctx.adv > 0))
+            frac("masked_frac/adv_neg", blocked, valid & (ctx.adv < 0))
+            q = ctx.logq.detach().exp()
+            for name, lo, hi in zip(Q_BUCKETS, Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:]):
+                group = valid & (q >= lo) & ((q < hi) if hi < 1 else (q <= hi))
+                frac(f"masked_frac/{name}", blocked, group)
+                values[f"token_frac/{name}"] = group.sum() / n
+        if ctx.config.truncation is not None:
+            frac("truncated_frac", r > ctx.config.truncation, valid)
+        if ctx.config.estimator is not None:
+            est = ctx.estimate()
+            values["divergence/mean"] = (est * vf).sum() / n
+            values["divergence/max"] = torch.where(valid, est, 0.0).max()
+        if kl is not None:
+            values["kl_ref"] = (kl.detach() * vf).sum() / n
+        if ctx.batch.logits is not None:
+            values["entropy"] = entropy_from_logits(ctx.batch.logits, valid, ctx.config.full_chunk_size)
+        names = list(values)
+        numbers = torch.stack([values[k].float().reshape(()) for k in names]
+                              + [c.float().reshape(()) for c in counts.values()]).tolist()
+    result = dict(zip(names, numbers[: len(names)]))
+    for name, count in zip(counts, numbers[len(names):]):
+        if count == 0:
+            del result[name]
+    return result

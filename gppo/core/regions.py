@@ -1,0 +1,76 @@
+"""Trust regions as ratio intervals: the r = p/q a token may reach within radius delta.
+
+For the estimators whose value depends only on the sampled token's p and q (sample, cell,
+binary), the region {D-hat <= delta} is an interval [lo, hi] around r = 1 because D-hat is convex
+in r with its minimum 0 at r = 1. This is what the clip-style rules clip to, and what
+`gppo.theory` plots as the geometry of a divergence (PPO: constant; RIPO: |r-1| <= sqrt(delta/q);
+binary TV: |r-1| <= delta/q).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from gppo.core.divergences import Divergence, log1mexp
+
+
+@functools.lru_cache(maxsize=256)
+def sample_interval(div: Divergence, delta_low: float, delta_high: float) -> tuple[float, float]:
+    """[lo, hi] of the single-sample estimate f~(r) <= delta (independent of q)."""
+    lo, _ = div.normalized_inverse(torch.tensor(float(delta_low), dtype=torch.float64))
+    _, hi = div.normalized_inverse(torch.tensor(float(delta_high), dtype=torch.float64))
+    return float(lo), float(hi)
+
+
+def binary_divergence(div: Divergence, log_q: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    """D_f on {a, rest} when the token of probability q = exp(log_q) moves to p = r q."""
+    log_p = log_q + log_ratio
+    return div.cell_terms(log_p, log_q) + div.cell_terms(log1mexp(log_p), log1mexp(log_q))
+
+
+def _bisect(fn, inside, outside, delta, steps=80):
+    """Boundary of {fn(x) <= delta} between an inside point and an outside point (per element)."""
+    for _ in range(steps):
+        mid = (inside + outside) / 2
+        ok = fn(mid) <= delta
+        inside, outside = torch.where(ok, mid, inside), torch.where(ok, outside, mid)
+    return inside
+
+
+def ratio_interval(div: Divergence, estimator: str, q: torch.Tensor, delta_low, delta_high):
+    """Per-token [lo, hi] of r = p/q allowed by `estimator`'s estimate of `div` within the radii.
+
+    q is the anchor probability of the sampled token (any shape). hi never exceeds 1/q (p <= 1).
+    The interval is computed in float64 and returned in that dtype.
+    """
+    q = torch.as_tensor(q, dtype=torch.float64)
+    cap = 1.0 / q
+    if estimator == "sample":
+        lo, hi = sample_interval(div, float(delta_low), float(delta_high))
+        return torch.full_like(q, lo), torch.full_like(q, hi)
+    if estimator == "cell":  # q f~(r) <= delta  <=>  f~(r) <= delta / q
+        lo, _ = div.normalized_inverse(delta_low / q)
+        _, hi = div.normalized_inverse(delta_high / q)
+        return lo, torch.minimum(hi, cap)
+    if estimator == "binary":  # bisection on log r: the lower bound can be astronomically small
+        fn = functools.partial(binary_divergence, div, torch.log(q))
+        zero, log_cap = torch.zeros_like(q), torch.log(cap)
+        floor = torch.full_like(q, -745.0)  # exp(-745) underflows to r = 0
+        lo = torch.where(fn(floor) <= delta_low, zero, _bisect(fn, zero, floor, delta_low).exp())
+        hi = torch.where(fn(log_cap) <= delta_high, cap, _bisect(fn, zero, log_cap, delta_high).exp())
+        return lo, hi
+    raise ValueError(
+        f"estimator {estimator!r} has no ratio interval: its estimate depends on other tokens' "
+        "probabilities, not only on the sampled token's p and q"
+    )
+
+
+def dcpo_interval(q: torch.Tensor, eps_low: float, eps_high: float):
+    """DCPO's bounds 0.5 + 0.5 sqrt(max(1 - 4 eps_low / q, 0)) <= r <= 0.5 + 0.5 sqrt(1 + 4 eps_high / q)
+    (Yang et al. 2025, 2509.02333): |r - 1| r q <= eps on each side."""
+    q = torch.as_tensor(q, dtype=torch.float64)
+    lo = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0.0))
+    hi = 0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)
+    return lo, hi

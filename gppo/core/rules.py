@@ -1,0 +1,186 @@
+"""Trust-region rules: how the estimate (or the ratio) turns into the per-token loss (DESIGN.md s.4).
+
+Every rule returns the per-token loss l_t [B,T] (to be aggregated) and which tokens had their
+gradient blocked by the trust region (for metrics). Notation: r = pi/anchor of the sampled token,
+A its advantage, sg[.] stop-gradient, C the truncation of the importance weight: with C set, no
+token's gradient weight exceeds C (mask / truncate: sg[min(r, C)] log p; the others: their loss
+times sg[min(x, C) / x], x the ratio they weight by).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from gppo.core.config import GPPOConfig
+from gppo.core.estimators import run_estimator
+from gppo.core.regions import dcpo_interval, ratio_interval, sample_interval
+
+
+@dataclass
+class RuleContext:
+    """Per-token quantities shared by the rules ([B,T], float32 or float64)."""
+
+    config: GPPOConfig
+    batch: object  # TokenBatch
+    adv: torch.Tensor
+    valid: torch.Tensor  # bool
+    logp: torch.Tensor  # differentiable
+    log_ratio: torch.Tensor  # differentiable, clamped to +-20
+    logq: torch.Tensor  # anchor log-prob of the sampled token
+    _estimate: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        return self.log_ratio.exp()
+
+    def estimate(self) -> torch.Tensor:
+        """D-hat [B,T] of config.divergence x config.estimator (no gradient), computed once."""
+        if self._estimate is None:
+            self._estimate = run_estimator(self.config, self.batch)
+        return self._estimate
+
+    def interval(self):
+        """Per-token ratio interval [lo, hi] of the clip-style rules, in the loss dtype."""
+        cfg = self.config
+        if cfg.clip_bounds == "dcpo":
+            lo, hi = dcpo_interval(self.logq.detach().double().exp(), cfg.delta_low, cfg.delta_high)
+        elif cfg.estimator == "sample":  # scalar bounds: no per-token work
+            lo, hi = sample_interval(cfg.divergence_fn, cfg.delta_low, cfg.delta_high)
+            as_tensor = lambda x: torch.tensor(x, dtype=self.logp.dtype, device=self.logp.device)
+            return as_tensor(lo), as_tensor(hi)
+        else:
+            lo, hi = ratio_interval(cfg.divergence_fn, cfg.estimator, self.logq.detach().double().exp(),
+                                    cfg.delta_low, cfg.delta_high)
+        return lo.to(self.logp.dtype), hi.to(self.logp.dtype)
+
+
+@dataclass
+class RuleOutput:
+    loss: torch.Tensor  # per-token loss [B,T]
+    blocked: torch.Tensor | None  # bool [B,T]: gradient zeroed by the trust region
+
+
+def _truncation_weight(x: torch.Tensor, cap: float | None) -> torch.Tensor | float:
+    """sg[min(x, C) / x]: multiplies a loss whose gradient weight is x so that it never exceeds C."""
+    if cap is None:
+        return 1.0
+    x = x.detach()
+    return x.clamp(max=cap) / x
+
+
+def _policy_gradient(ctx: RuleContext, keep: torch.Tensor | None) -> torch.Tensor:
+    """-A * w * keep, with gradient -A * min(r, C) * grad log p on kept tokens.
+
+    C = inf: ratio form w = r. C finite: w = sg[min(r, C)] * log p (DPPO Eq. 12, CISPO)."""
+    cap = ctx.config.truncation
+    if cap is None:
+        weight = ctx.ratio
+    else:
+        weight = ctx.ratio.detach().clamp(max=cap) * ctx.logp
+    loss = -ctx.adv * weight
+    return loss if keep is None else loss * keep
+
+
+def _dual_clipped(ctx: RuleContext) -> torch.Tensor:
+    c = ctx.config.dual_clip
+    if c is None:
+        return torch.zeros_like(ctx.valid)
+    return (ctx.adv < 0) & (ctx.ratio.detach() > c)
+
+
+def mask_rule(ctx: RuleContext) -> RuleOutput:
+    """DPPO's directional mask: drop a token's gradient only when it is outside the region and the
+    update pushes it further out: (A>0, r>1, D>delta_high) or (A<0, r<1, D>delta_low)."""
+    est, r, adv, cfg = ctx.estimate(), ctx.ratio.detach(), ctx.adv, ctx.config
+    blocked = ((adv > 0) & (r > 1) & (est > cfg.delta_high)) | (
+        (adv < 0) & (r < 1) & (est > cfg.delta_low)
+    )
+    blocked = blocked | _dual_clipped(ctx)
+    return RuleOutput(_policy_gradient(ctx, keep=(~blocked).float()), blocked)
+
+
+def truncate_rule(ctx: RuleContext) -> RuleOutput:
+    """CISPO / PG-IS: no mask; -sg[min(r, C)] * A * log p (ratio form when C is None)."""
+    return RuleOutput(_policy_gradient(ctx, keep=None), None)
+
+
+def clip_rule(ctx: RuleContext) -> RuleOutput:
+    """PPO: -min(r A, clip(r, lo, hi) A), [lo, hi] the region's ratio interval (PPO: 1 -+ eps);
+    dual clip for A<0: -max(., c A). Same gradient as the mask rule on the same region."""
+    lo, hi = ctx.interval()
+    r, adv = ctx.ratio, ctx.adv
+    objective = torch.minimum(r * adv, torch.clamp(r, lo, hi) * adv)
+    rd = r.detach()
+    blocked = ((adv > 0) & (rd > hi)) | ((adv < 0) & (rd < lo))
+    if ctx.config.dual_clip is not None:
+        objective = torch.where(adv < 0, torch.maximum(objective, ctx.config.dual_clip * adv), objective)
+        blocked = blocked | _dual_clipped(ctx)
+    return RuleOutput(-objective * _truncation_weight(r, ctx.config.truncation), blocked)
+
+
+def soft_rule(ctx: RuleContext) -> RuleOutput:
+    """SAPO's soft gate: -sigma(tau (r - 1)) * (4 / tau) * A, tau = tau_pos if A > 0 else tau_neg
+    (gradient weight 4 sigma (1 - sigma) r, equal to 1 at r = 1)."""
+    cfg = ctx.config
+    tau = torch.where(ctx.adv > 0, torch.full_like(ctx.adv, cfg.tau_pos), cfg.tau_neg)
+    gate = torch.sigmoid(tau * (ctx.ratio - 1)) * (4 / tau)
+    return RuleOutput(-ctx.adv * gate * _truncation_weight(ctx.ratio, cfg.truncation), None)
+
+
+def _sequence_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return (x * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+
+
+def seq_clip_rule(ctx: RuleContext) -> RuleOutput:
+    """GSPO(-token): s_i = exp(mean_t log r_it) with per-token gradient s_i grad log p_it,
+    loss -min(s A, clip(s, lo, hi) A) with the sample-estimator interval (GSPO: 1 -+ eps)."""
+    lo, hi = ctx.interval()
+    seq_log_ratio = _sequence_mean(ctx.log_ratio.detach(), ctx.valid)
+    s = torch.exp(seq_log_ratio[:, None] + ctx.logp - ctx.logp.detach())
+    adv = ctx.adv
+    objective = torch.minimum(s * adv, torch.clamp(s, lo, hi) * adv)
+    sd = s.detach()
+    blocked = ((adv > 0) & (sd > hi)) | ((adv < 0) & (sd < lo))
+    return RuleOutput(-objective * _truncation_weight(s, ctx.config.truncation), blocked)
+
+
+def geo_mean_rule(ctx: RuleContext) -> RuleOutput:
+    """GMPO: rho_i = exp(mean_t l'_it), l' = log r clipped to [log lo, log hi] in the harmful
+    direction only (A>0: min(log r, log hi); A<0: max(log r, log lo)); loss -A_i rho_i on every
+    token of sequence i (use seq-mean-token-mean to get GMPO's mean_i)."""
+    lo, hi = ctx.interval()
+    log_lo, log_hi = torch.log(lo), torch.log(hi)
+    lr, adv = ctx.log_ratio, ctx.adv
+    clipped = torch.where(adv > 0, torch.minimum(lr, log_hi), torch.maximum(lr, log_lo))
+    rho = torch.exp(_sequence_mean(clipped, ctx.valid))
+    lrd = lr.detach()
+    blocked = ((adv > 0) & (lrd > log_hi)) | ((adv < 0) & (lrd < log_lo))
+    rho = rho[:, None] * _truncation_weight(rho[:, None], ctx.config.truncation)
+    return RuleOutput(-adv * rho, blocked)
+
+
+def seq_mask_rule(ctx: RuleContext) -> RuleOutput:
+    """Trust Region Masking: drop sequence i when max_t (or mean_t) D-hat_it > delta_high;
+    IS-weighted policy gradient on the sequences kept."""
+    est = ctx.estimate()
+    if ctx.config.seq_reduce == "max":
+        stat = torch.where(ctx.valid, est, -math.inf).amax(-1)
+    else:
+        stat = _sequence_mean(est, ctx.valid)
+    keep = (stat <= ctx.config.delta_high)[:, None].expand_as(est)
+    return RuleOutput(_policy_gradient(ctx, keep=keep.float()), ~keep & ctx.valid)
+
+
+RULES: dict[str, Callable[[RuleContext], RuleOutput]] = {
+    "mask": mask_rule,
+    "clip": clip_rule,
+    "soft": soft_rule,
+    "truncate": truncate_rule,
+    "seq-clip": seq_clip_rule,
+    "geo-mean": geo_mean_rule,
+    "seq-mask": seq_mask_rule,
+}

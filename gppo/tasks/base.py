@@ -1,0 +1,34 @@
+"""The task interface: problems with exact verifiers, for the embedded default and for tests."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One verifiable problem. `answer` is the reference the verifier compares against."""
+
+    prompt: str
+    answer: str
+    metadata: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+class Task(Protocol):
+    """A family of synthetic problems with an exact verifier and an imperfect teacher."""
+
+    name: str
+
+    def sample(self, rng: random.Random) -> Problem:
+        """Draw one problem."""
+        ...
+
+    def score(self, problem: Problem, completion: str) -> float:
+        """Reward in [0, 1] of a completion (the generated text after the prompt, EOS removed)."""
+        ...
+
+    def demonstration(self, problem: Problem, rng: random.Random) -> str:
+        """A completion from the imperfect teacher used for the supervised warm start."""
+        ...

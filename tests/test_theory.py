@@ -1,0 +1,97 @@
+"""gppo.theory: ratio intervals against closed forms, geometry scaling, improvement bounds."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import gppo
+from gppo import theory
+
+Q = np.array([1e-4, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.9])
+
+
+def test_tv_sample_is_ppo_clip():
+    lo, hi = theory.ratio_interval("tv", "sample", Q, 0.1, 0.14)
+    np.testing.assert_allclose(lo, 0.8)
+    np.testing.assert_allclose(hi, 1.28)
+
+
+def test_chi2_cell_is_ripo():
+    lo, hi = theory.ratio_interval("chi2", "cell", Q, 0.05)
+    width = np.sqrt(0.05 / Q)
+    np.testing.assert_allclose(lo, np.clip(1 - width, 0, None), rtol=1e-9)
+    np.testing.assert_allclose(hi, np.minimum(1 + width, 1 / Q), rtol=1e-9)
+
+
+def test_tv_binary_is_absolute_probability_change():
+    lo, hi = theory.ratio_interval("tv", "binary", Q, 0.15)
+    np.testing.assert_allclose(lo, np.clip(1 - 0.15 / Q, 0, None), rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(hi, np.minimum(1 + 0.15 / Q, 1 / Q), rtol=1e-8)
+
+
+def test_chi2_binary_closed_form():
+    lo, hi = theory.ratio_interval("chi2", "binary", Q, 0.05)
+    width = np.sqrt(0.05 * (1 - Q) / Q)  # (p-q)^2 / (q (1-q)) <= delta
+    np.testing.assert_allclose(lo, np.clip(1 - width, 0, None), rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(hi, np.minimum(1 + width, 1 / Q), rtol=1e-8)
+
+
+@pytest.mark.parametrize("name", ["kl", "rkl", "neyman", "hellinger", "js"])
+@pytest.mark.parametrize("estimator", ["sample", "cell", "binary"])
+def test_intervals_solve_the_boundary_equation(name, estimator):
+    """At a finite bound the estimate equals delta exactly (found by bisection or closed form)."""
+    div = gppo.divergence(name)
+    delta = 0.05
+    lo, hi = theory.ratio_interval(name, estimator, Q, delta)
+    for q, l, h in zip(Q, lo, hi):
+        for r, interior in ((l, l > 0), (h, h < 1 / q * (1 - 1e-12))):
+            if not interior:
+                continue
+            logq = torch.tensor(math.log(q), dtype=torch.float64)
+            logp = logq + math.log(r)
+            if estimator == "sample":
+                value = div.f_normalized(torch.tensor(r, dtype=torch.float64))
+            elif estimator == "cell":
+                value = div.cell_terms(logp, logq)
+            else:
+                value = div.between(torch.tensor([q * r, 1 - q * r], dtype=torch.float64),
+                                    torch.tensor([q, 1 - q], dtype=torch.float64))
+            assert value.item() == pytest.approx(delta, rel=1e-6)
+        assert l <= 1 <= h
+
+
+def test_geometry_scaling_with_probability():
+    """PPO's interval is constant, RIPO's half-width grows like q^-1/2, binary TV's like q^-1."""
+    q = np.array([1e-4, 1e-3])
+    geo = theory.geometry(["tv", "chi2"], ["sample", "cell", "binary"], q, 0.01)
+    ppo_lo, ppo_hi = geo[("tv", "sample")]
+    assert ppo_hi[0] == ppo_hi[1]
+    _, ripo_hi = geo[("chi2", "cell")]
+    assert (ripo_hi[0] - 1) / (ripo_hi[1] - 1) == pytest.approx(math.sqrt(10), rel=1e-6)
+    _, tv_hi = geo[("tv", "binary")]
+    assert (tv_hi[0] - 1) / (tv_hi[1] - 1) == pytest.approx(10, rel=1e-6)
+
+
+def test_improvement_bounds():
+    # KL radius 0.02 -> TV <= 0.1 (Pinsker); DPPO: min(2 xi T (T-1) 0.01, 4 xi T 0.1)
+    assert theory.tv_radius("kl", 0.02) == pytest.approx(0.1)
+    assert theory.improvement_bound("kl", 0.02, xi=1.0, horizon=10, surrogate=5.0) == pytest.approx(5.0 - 1.8)
+    assert theory.improvement_bound("kl", 0.02, xi=1.0, horizon=1000) == pytest.approx(-400.0)
+    assert theory.improvement_bound("tv", 0.1, xi=2.0, gamma=0.9) == pytest.approx(-2 * 2 * 0.9 / 0.01 * 0.01)
+    # a larger radius never gives a better guarantee
+    for name in ("tv", "kl", "chi2", "hellinger", "js"):
+        bounds = [theory.improvement_bound(name, d, xi=1.0, horizon=100) for d in (0.001, 0.01, 0.1)]
+        assert bounds[0] >= bounds[1] >= bounds[2]
+    with pytest.raises(ValueError, match="exactly one"):
+        theory.improvement_bound("tv", 0.1, xi=1.0)
+
+
+@pytest.mark.parametrize("name", ["kl", "chi2", "hellinger", "js"])
+def test_matched_delta_gives_the_reference_interval(name):
+    delta = theory.matched_delta(name, reference="tv", reference_delta=0.15, estimator="binary", q=0.5)
+    ref_hi = theory.ratio_interval("tv", "binary", [0.5], 0.15)[1][0]
+    hi = theory.ratio_interval(name, "binary", [0.5], delta)[1][0]
+    assert hi == pytest.approx(ref_hi, rel=1e-6)
+    assert theory.matched_delta("tv", "tv", 0.15) == pytest.approx(0.15, rel=1e-6)
