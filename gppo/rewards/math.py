@@ -1,0 +1,305 @@
+"""Math answer rewards: extract the final answer, compare it to the reference with math-verify.
+
+Extraction (`extract_answer`) searches only the text after the last `</think>` when there is one:
+
+1. the last complete `\\boxed{...}` or `\\fbox{...}` (nested braces allowed; with several boxes
+   only the last counts);
+2. otherwise the last "the answer is X", "final answer is X", "Answer: X" or "#### X", up to the
+   end of its line (surrounding `$`, `\\(...\\)`, `**` and a final period are removed);
+3. otherwise nothing: the verdict is `unparsable`.
+
+Equivalence is math-verify's `parse` + `verify` (gold first; verify is not symmetric), with both
+sides in `$...$` so math-verify reads them as LaTeX: a bare gold such as `\\frac{1}{\\sqrt{2}}`
+otherwise parses to nothing. math-verify bounds its own run time with `signal.alarm`, which fails
+outside the main thread, so its timeouts are disabled and every comparison runs in a small pool
+of persistent worker processes instead: a worker that misses the deadline is killed and
+restarted, and the verdict is `timeout`. This works from any thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence
+
+
+class MathVerdict(str, Enum):
+    """How an answer compares with the gold answer; `reward` maps it to 1 or 0."""
+
+    CORRECT = "correct"
+    WRONG = "wrong"
+    UNPARSABLE = "unparsable"  # no answer found, or math-verify could not read it
+    TIMEOUT = "timeout"
+
+    @property
+    def reward(self) -> float:
+        """1 for a correct answer, 0 otherwise."""
+        return 1.0 if self is MathVerdict.CORRECT else 0.0
+
+
+@dataclass(frozen=True)
+class MathResult:
+    """The verdict on one completion, the answer extracted from it, and any data error."""
+
+    verdict: MathVerdict
+    answer: str | None
+    error: str | None = None
+
+    @property
+    def reward(self) -> float:
+        """The verdict's reward."""
+        return self.verdict.reward
+
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANCHOR = re.compile(r"(?:(?:final answer|the answer) is|^[ \t*]*answer[ \t*]*:|####)[ \t:*]*(.+)$",
+                     re.IGNORECASE | re.MULTILINE)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final answer in a completion (see the module docstring for the rules), or None."""
+    text = completion.rsplit("</think>", 1)[-1]
+    boxed = _last_box(text)
+    if boxed is not None:
+        return boxed.strip()
+    anchored = _ANCHOR.findall(text)
+    if not anchored:
+        return None
+    answer = anchored[-1].strip().rstrip(".").strip()
+    for left, right in (("**", "**"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if answer.startswith(left) and answer.endswith(right) and len(answer) > len(left) + len(right):
+            answer = answer[len(left):-len(right)].strip()
+    return answer or None
+
+
+def _last_box(text: str) -> str | None:
+    """The contents of the last complete box, in one pass over the braces (degenerate outputs
+    repeating an unclosed `\\boxed{` thousands of times stay linear)."""
+    box_starts = {m.end() for m in _BOX.finditer(text)}  # just after each box's "{"
+    if not box_starts:
+        return None
+    open_at: list[int] = []
+    last: tuple[int, int] | None = None
+    for brace in re.finditer(r"[{}]", text):
+        if brace.group() == "{":
+            open_at.append(brace.end())
+        elif open_at:
+            start = open_at.pop()
+            if start in box_starts and (last is None or start > last[0]):
+                last = (start, brace.start())
+    return None if last is None else text[last[0]:last[1]]
+
+
+def normalize_gold(answer: object) -> str:
+    """A gold answer as math-verify parses it: in `$...$` unless already boxed or in `$`."""
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)
+    text = str(answer).strip()
+    if not text:
+        raise ValueError("the gold answer is empty")
+    if "\\boxed" in text or text.startswith("$"):
+        return text
+    return f"${text}$"
+
+
+def score_math(completions: Sequence[str], golds: Sequence[object],
+               timeout_s: float = 5.0) -> list[MathResult]:
+    """Verdicts for each completion against its gold answer, in a shared `MathScorer` pool of
+    min(4, CPU count) worker processes started on first use."""
+    return _default_scorer().score(completions, golds, timeout_s)
+
+
+def check_golds(golds: Sequence[object], timeout_s: float = 5.0) -> list[str | None]:
+    """For each gold answer, None if math-verify reads it, else what is wrong with it."""
+    errors: list[str | None] = [None] * len(golds)
+    texts = []
+    for i, gold in enumerate(golds):
+        try:
+            texts.append(normalize_gold(gold))
+        except ValueError as e:
+            errors[i] = str(e)
+            texts.append(None)
+    todo = [i for i, t in enumerate(texts) if t is not None]
+    results = _default_scorer().judge([(texts[i], texts[i]) for i in todo], timeout_s)
+    for i, r in zip(todo, results):
+        if r.verdict is not MathVerdict.CORRECT:
+            errors[i] = r.error or (f"math-verify does not find the gold answer {golds[i]!r} equal "
+                                    f"to itself ({r.verdict.value})")
+    return errors
+
+
+class MathScorer:
+    """A pool of `workers` math-verify processes, started on first use and restarted on timeout."""
+
+    def __init__(self, workers: int | None = None):
+        count = workers or min(4, os.cpu_count() or 1)
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        for _ in range(count):
+            self._idle.put(_Worker())
+        self._count = count
+
+    def score(self, completions: Sequence[str], golds: Sequence[object],
+              timeout_s: float = 5.0) -> list[MathResult]:
+        """Extract each completion's answer and compare it with its gold answer."""
+        if len(completions) != len(golds):
+            raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
+        results: list[MathResult] = []
+        todo: list[tuple[int, str, str]] = []  # (index, gold, answer)
+        for i, (completion, gold) in enumerate(zip(completions, golds)):
+            answer = extract_answer(completion)
+            try:
+                gold_text = normalize_gold(gold)
+            except ValueError as e:
+                results.append(MathResult(MathVerdict.UNPARSABLE, answer, str(e)))
+                continue
+            results.append(MathResult(MathVerdict.UNPARSABLE, answer))
+            if answer is not None:
+                todo.append((i, gold_text, answer))
+        judged = self.judge([(gold, f"${answer}$") for _, gold, answer in todo], timeout_s)
+        for (i, _, answer), r in zip(todo, judged):
+            results[i] = MathResult(r.verdict, answer, r.error)
+        return results
+
+    def judge(self, pairs: Sequence[tuple[str, str]], timeout_s: float) -> list[MathResult]:
+        """Verdicts for (gold, answer) pairs of math-verify-ready strings."""
+        if not pairs:
+            return []
+
+        def one(pair: tuple[str, str]) -> MathResult:
+            worker = self._idle.get()
+            try:
+                return worker.ask(pair, timeout_s)
+            finally:
+                self._idle.put(worker)
+
+        with ThreadPoolExecutor(max_workers=min(self._count, len(pairs))) as pool:
+            return list(pool.map(one, pairs))
+
+    def close(self) -> None:
+        """Stop the worker processes (they restart on the next call)."""
+        for _ in range(self._count):
+            worker = self._idle.get()
+            worker.close()
+            self._idle.put(worker)
+
+
+_DEFAULT: MathScorer | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def _default_scorer() -> MathScorer:
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = MathScorer()
+            atexit.register(_DEFAULT.close)
+        return _DEFAULT
+
+
+# Loads this file under a private name, so the worker imports neither `gppo` (and torch) nor a
+# stdlib-shadowing `math` module; it sees the same sys.path as the caller.
+_WORKER_BOOT = (
+    "import sys, json, importlib.util as u; sys.path[:] = json.loads(sys.argv[1]); "
+    "s = u.spec_from_file_location('_gppo_math_worker', sys.argv[2]); "
+    "m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); m._serve()"
+)
+_STARTUP_TIMEOUT_S = 120.0
+
+
+class _Worker:
+    """One math-verify process answering one JSON request per line."""
+
+    def __init__(self):
+        self._proc: subprocess.Popen | None = None
+        self._buffer = b""
+
+    def ask(self, pair: tuple[str, str], timeout_s: float) -> MathResult:
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        try:
+            self._proc.stdin.write(json.dumps(pair).encode() + b"\n")
+            self._proc.stdin.flush()
+            line = self._read_line(time.monotonic() + timeout_s)
+        except (EOFError, BrokenPipeError):
+            self.close()
+            return MathResult(MathVerdict.UNPARSABLE, pair[1], "the math-verify worker crashed")
+        if line is None:
+            self.close()
+            return MathResult(MathVerdict.TIMEOUT, pair[1])
+        reply = json.loads(line)
+        return MathResult(MathVerdict(reply["verdict"]), pair[1], reply.get("error"))
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_BOOT, json.dumps(sys.path), os.path.abspath(__file__)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        self._buffer = b""
+        try:
+            ready = self._read_line(time.monotonic() + _STARTUP_TIMEOUT_S)
+        except EOFError:
+            ready = None
+        if ready != b"ready":
+            self.close()
+            raise RuntimeError("the math-verify worker did not start (its error is on stderr); check "
+                               "that `import math_verify` works here (pip install math-verify)")
+
+    def _read_line(self, deadline: float) -> bytes | None:
+        """The next reply line, None at the deadline; EOFError if the worker died."""
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise EOFError
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                pipe.close()
+            self._proc = None
+
+
+def _serve() -> None:
+    """Worker loop: a JSON [gold, answer] per stdin line -> a JSON verdict per line."""
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" warnings
+    from math_verify import parse, verify
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints from the libraries must not corrupt the replies
+    replies.write("ready\n")
+    replies.flush()
+    for line in sys.stdin:
+        gold, answer = json.loads(line)
+        gold_parsed = parse(gold, parsing_timeout=None)
+        if not gold_parsed:
+            reply = {"verdict": "unparsable", "error": f"math-verify cannot parse the gold answer {gold!r}"}
+        else:
+            answer_parsed = parse(answer, parsing_timeout=None)
+            if not answer_parsed:
+                reply = {"verdict": "unparsable"}
+            else:
+                correct = verify(gold_parsed, answer_parsed, timeout_seconds=None)
+                reply = {"verdict": "correct" if correct else "wrong"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()

@@ -1,0 +1,157 @@
+"""Benchmark registry and training-data loaders, on small hand-written fixtures in each public schema."""
+
+import base64
+import json
+import os
+import pickle
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gppo.data.benchmarks import BENCHMARKS, get_benchmark, load_benchmark
+from gppo.data.loaders import load_training_data, read_rows
+from gppo.rewards.code import AssertTest, CallTest, StdioTest
+
+FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
+
+# benchmark -> (problems in its fixture, first id, first answer or first test)
+EXPECTED = {
+    "aime24": (3, "60", "5"),
+    "aime25": (2, "0", "6"),
+    "amc23": (2, "0", "27"),
+    "math500": (2, "test/algebra/1.json", "2\\sqrt{2}"),
+    "minerva": (1, "0", "15"),
+    "olympiadbench": (2, "1606", "$2,-2$"),
+    "livecodebench": (2, "toy001", StdioTest("1 2\n", "3\n")),
+    "codeforces": (1, "9999/A", StdioTest("3 5\n", "5\n")),
+    "humanevalplus": (1, "Toy/0", AssertTest("def check(candidate):\n    assert candidate(1, 2) == 3\n"
+                                             "    assert candidate(-1, 1) == 0\n\n\ncheck(add)\n")),
+}
+
+
+def test_every_benchmark_has_a_fixture():
+    assert set(EXPECTED) == set(BENCHMARKS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture_maps_to_problems(name):
+    count, first_id, first = EXPECTED[name]
+    bench = get_benchmark(name)
+    result = load_benchmark(name, FIXTURES / f"{name}.jsonl")
+    assert len(result.records) == count
+    problem = result.records[0]
+    assert problem.id == first_id and problem.kind == bench.kind
+    if bench.kind == "math":
+        assert problem.answer == first and problem.tests is None
+        assert problem.prompt.endswith("\\boxed{}.")
+    else:
+        assert problem.tests[0] == first and problem.answer is None
+        assert "```python" in problem.prompt
+    assert (bench.temperature, bench.top_p) == (0.6, 0.95) and bench.n >= 1
+
+
+def test_livecodebench_decodes_private_and_functional_tests():
+    stdin, functional = load_benchmark("livecodebench", FIXTURES / "livecodebench.jsonl").records
+    # the second test is private, stored as base64(zlib(pickle(JSON)))
+    assert stdin.tests == [StdioTest("1 2\n", "3\n"), StdioTest("10 20\n", "30\n")]
+    assert functional.tests == [CallTest("double", [4], 8), CallTest("double", [-3], -6)]
+    assert "class Solution" in functional.prompt
+
+
+def test_pickled_tests_may_not_reference_code(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    row = json.loads((FIXTURES / "livecodebench.jsonl").read_text().splitlines()[0])
+    row["private_test_cases"] = base64.b64encode(zlib.compress(pickle.dumps(Payload()))).decode()
+    path = tmp_path / "lcb.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    result = load_benchmark("livecodebench", path)
+    assert result.records == [] and "refusing to unpickle" in result.errors[0].message
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_bad_rows_are_reported_and_the_rest_load():
+    math = load_benchmark("aime24", FIXTURES / "aime24_bad.jsonl")
+    assert [p.id for p in math.records] == ["1", "4"]
+    messages = [str(e) for e in math.errors]
+    assert messages[0] == "aime24 row 1 (id '2'): missing field 'answer' (columns seen: id, problem)"
+    assert messages[1].startswith("aime24 row 2 (id '3'): bad answer: math-verify cannot parse")
+    assert messages[2] == "aime24 row 4 (id '4'): duplicate id: the earlier row is kept"
+    code = load_benchmark("livecodebench", FIXTURES / "livecodebench_bad.jsonl")
+    assert [p.id for p in code.records] == ["ok001"]
+    assert "must be a list of objects with 'input' and 'output'" in code.errors[0].message
+    assert "need 'func_name'" in code.errors[1].message
+    codeforces = load_benchmark("codeforces", FIXTURES / "codeforces.jsonl")
+    assert "interactive problems are not supported" in codeforces.errors[0].message
+
+
+def test_benchmark_typo_names_the_closest():
+    with pytest.raises(ValueError, match="unknown benchmark 'aime2024': did you mean 'aime24'"):
+        get_benchmark("aime2024")
+    with pytest.raises(ValueError, match="did you mean 'livecodebench'"):
+        load_benchmark("livecodebnch", FIXTURES / "livecodebench.jsonl")
+    assert get_benchmark("MATH500").name == "math500"
+
+
+def test_missing_data_says_how_to_provide_it():
+    hint = r"data_files=\{'aime24'.*from_hub=True, dataset HuggingFaceH4/aime_2024"
+    with pytest.raises(ValueError, match=hint):
+        load_benchmark("aime24")
+
+
+def test_unreachable_hub_says_to_use_a_file(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    missing = replace(BENCHMARKS["aime24"], hub_id="gppo-tests/not-a-dataset")
+    monkeypatch.setitem(BENCHMARKS, "aime24", missing)
+    with pytest.raises(RuntimeError, match=r"could not load gppo-tests/not-a-dataset .* data_files="):
+        load_benchmark("aime24", from_hub=True)
+
+
+def test_parquet_and_json_files(tmp_path):
+    pyarrow, parquet = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = read_rows(FIXTURES / "math500.jsonl")
+    parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "math500.parquet")
+    (tmp_path / "math500.json").write_text(json.dumps(rows))
+    for path in (tmp_path / "math500.parquet", tmp_path / "math500.json"):
+        assert [p.answer for p in load_benchmark("math500", path).records] == ["2\\sqrt{2}", "(-1,1)"]
+
+
+def test_unreadable_files_are_clear_errors(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"problem": "x", "answer": "1"}\n{not json\n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        read_rows(tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match="unsupported data file type '.csv'"):
+        (tmp_path / "x.csv").write_text("a,b\n")
+        read_rows(tmp_path / "x.csv")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_rows(tmp_path / "missing.jsonl")
+
+
+def test_training_schemas():
+    deepscaler = load_training_data(FIXTURES / "deepscaler.jsonl")
+    assert deepscaler.schema == "deepscaler" and [r.answer for r in deepscaler.records] == ["8", "3"]
+    assert deepscaler.records[0].prompt.endswith("\\boxed{}.")
+    dapo = load_training_data(FIXTURES / "dapo_math.jsonl")
+    assert dapo.schema == "verl" and dapo.records[0].answer == "11" and dapo.records[0].id == "a0b1c2"
+    assert dapo.records[0].prompt.startswith("Solve the toy problem.")
+    skywork = load_training_data(FIXTURES / "skywork_math.jsonl").records[0]
+    assert skywork.answer == "3" and skywork.metadata["answers"] == ["3", "3.0"]
+
+
+def test_training_code_rows():
+    result = load_training_data(FIXTURES / "skywork_code.jsonl")
+    stdin, call = result.records
+    assert stdin.kind == "code" and stdin.tests == [StdioTest("1 2\n", "3\n"), StdioTest("5 5\n", "10\n")]
+    assert call.tests == [CallTest("negate", [3], -3), CallTest("negate", [-2], 2)]
+    assert len(result.errors) == 1 and "code ground truth has ['cases']" in result.errors[0].message
+
+
+def test_unknown_training_schema_lists_the_columns():
+    with pytest.raises(ValueError, match=r"columns \['label', 'question_text'\]"):
+        load_training_data(FIXTURES / "unknown_schema.jsonl")
+    with pytest.raises(ValueError, match="unknown schema 'dapo'"):
+        load_training_data(FIXTURES / "dapo_math.jsonl", schema="dapo")

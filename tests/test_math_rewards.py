@@ -1,0 +1,157 @@
+"""Math rewards: answer extraction, math-verify equivalence, timeouts outside the main thread."""
+
+import threading
+import time
+
+import pytest
+
+from gppo.rewards.math import MathVerdict, check_golds, extract_answer, normalize_gold, score_math
+
+C, W = MathVerdict.CORRECT, MathVerdict.WRONG
+
+# (gold, predicted answer, verdict): the prediction is scored as "\boxed{<predicted>}".
+PAIRS = [
+    # fractions and decimals
+    ("\\frac{1}{2}", "0.5", C),
+    ("\\frac{1}{2}", "1/2", C),
+    ("\\frac12", "\\dfrac{1}{2}", C),
+    ("0.5", "\\frac{2}{4}", C),
+    ("-\\frac{3}{4}", "-0.75", C),
+    ("\\frac{-3}{4}", "-\\frac34", C),
+    ("\\frac{9}{2}", "4\\frac{1}{2}", C),
+    ("\\frac{1}{3}", "0.333333", C),
+    ("\\frac{1}{3}", "0.33", W),
+    ("\\frac{1}{2}", "0.51", W),
+    ("\\frac{1}{2}", "\\frac{2}{1}", W),
+    ("3", "3.0", C),
+    ("0", "0.0", C),
+    ("1000", "1,000", C),
+    ("1000", "1{,}000", C),
+    ("100", "100.0001", W),
+    ("-2", "2", W),
+    # radicals, powers, constants, expressions
+    ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", C),
+    ("\\frac{1}{\\sqrt{2}}", "\\frac{\\sqrt2}{2}", C),
+    ("\\sqrt{8}", "2\\sqrt{2}", C),
+    ("3\\sqrt{2}", "\\sqrt{18}", C),
+    ("10^{6}", "1000000", C),
+    ("2^{10}", "1024", C),
+    ("\\log_2 8", "3", C),
+    ("\\pi", "3.14159265", C),
+    ("\\pi", "3.14", W),
+    ("2x+1", "1+2x", C),
+    ("2x+1", "2x-1", W),
+    ("x^2+2x+1", "(x+1)^2", C),
+    ("x^2", "x^3", W),
+    ("2+3i", "3i+2", C),
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", C),
+    # intervals and sets
+    ("(1,2)", "(1, 2)", C),
+    ("[1,2)", "[1, 2)", C),
+    ("(-\\infty, 3]", "(-\\infty,3]", C),
+    ("x \\in [1,2]", "[1,2]", C),
+    ("[1,2]", "(1,2)", W),
+    ("(1,2)", "[1,2)", W),
+    ("\\{1,2\\}", "\\{2,1\\}", C),
+    ("\\{1,2,3\\}", "\\{1,2\\}", W),
+    # several answers
+    ("1, 2", "2, 1", C),
+    ("x=1, x=2", "1, 2", C),
+    ("1, 2", "1, 3", W),
+    ("1, 2", "1", W),
+    # units, currency, degrees, percent
+    ("10\\text{ cm}", "10", C),
+    ("10 \\text{cm}", "10\\,\\mathrm{cm}", C),
+    ("10\\text{ cm}", "11", W),
+    ("12", "12 \\text{ apples}", C),
+    ("5", "\\$5.00", C),
+    ("90^\\circ", "90", C),
+    ("50\\%", "0.5", C),
+    ("5\\%", "5", C),  # math-verify accepts the number with or without its percent sign
+    ("25\\%", "0.3", W),
+    # equations, text, choices
+    ("x=3", "3", C),
+    ("3", "x=3", C),
+    ("y = 2x+1", "2x+1", C),
+    ("\\text{(B)}", "B", C),
+    ("\\text{Evelyn}", "\\text{Evelyn}", C),
+    ("\\text{even}", "\\text{odd}", W),
+    ("5", "\\text{five}", W),
+]
+
+
+def test_the_table_is_large_enough():
+    assert len(PAIRS) >= 40
+    assert {v for _, _, v in PAIRS} == {C, W}
+
+
+@pytest.mark.parametrize("gold, predicted, verdict", PAIRS)
+def test_equivalence(gold, predicted, verdict):
+    [result] = score_math([f"So the result is \\boxed{{{predicted}}}."], [gold])
+    assert result.verdict is verdict, (gold, predicted, result)
+    assert result.answer == predicted
+    assert result.reward == (1.0 if verdict is C else 0.0)
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("\\boxed{\\frac{a}{b^{2}}}", "\\frac{a}{b^{2}}"),  # nested braces
+        ("first \\boxed{1}, then \\boxed{2}", "2"),  # several boxes: the last counts
+        ("\\boxed{3} and a truncated \\boxed{\\frac{1}{", "3"),  # an unclosed box is ignored
+        ("\\fbox{7}", "7"),
+        ("\\boxed {8}", "8"),
+        ("The answer is $42$.", "42"),
+        ("So the final answer is \\(\\frac{1}{2}\\)", "\\frac{1}{2}"),
+        ("steps...\n**Answer:** 17\n", "17"),
+        ("Answer: $x^2$", "x^2"),
+        ("Natalia sold 72 clips.\n#### 72", "72"),
+        ("\\boxed{5}\nthe answer is 6", "5"),  # a box wins over an anchored phrase
+        ("<think>\\boxed{1}</think>The answer is 2.", "2"),  # only the text after </think>
+        ("I am not sure.", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+def test_unparsable_answers():
+    none, empty = score_math(["I cannot solve this.", "\\boxed{}"], ["3", "3"])
+    assert none.verdict is MathVerdict.UNPARSABLE and none.answer is None and none.reward == 0.0
+    assert empty.verdict is MathVerdict.UNPARSABLE and empty.answer == ""
+
+
+def test_bad_gold_answers_are_reported_not_raised():
+    [empty, unreadable] = score_math(["\\boxed{1}", "\\boxed{1}"], ["  ", "\\text{}"])
+    assert empty.verdict is MathVerdict.UNPARSABLE and "empty" in empty.error
+    assert unreadable.verdict is MathVerdict.UNPARSABLE and "gold answer" in unreadable.error
+    assert check_golds(["\\frac{1}{\\sqrt{2}}", "", "\\text{}", 27.0]) == [
+        None, "the gold answer is empty", "math-verify cannot parse the gold answer '$\\\\text{}$'", None]
+
+
+def test_gold_answers_are_wrapped_for_math_verify():
+    assert normalize_gold("\\frac{1}{\\sqrt{2}}") == "$\\frac{1}{\\sqrt{2}}$"
+    assert normalize_gold(27.0) == "$27$"
+    assert normalize_gold("\\boxed{3}") == "\\boxed{3}"
+    assert normalize_gold("$x$") == "$x$"
+
+
+def test_timeout_in_a_thread_kills_only_that_comparison():
+    results = []
+
+    def run():
+        results.extend(score_math(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{4}"], ["1", "4"], timeout_s=1.0))
+
+    start = time.monotonic()
+    worker = threading.Thread(target=run)  # math-verify's own signal.alarm would fail here
+    worker.start()
+    worker.join(timeout=60)
+    assert [r.verdict for r in results] == [MathVerdict.TIMEOUT, MathVerdict.CORRECT]
+    assert time.monotonic() - start < 30
+    assert score_math(["\\boxed{2}"], ["2"])[0].verdict is MathVerdict.CORRECT  # the pool recovered
+
+
+def test_mismatched_lengths_are_an_error():
+    with pytest.raises(ValueError, match="2 completions but 1 gold answers"):
+        score_math(["a", "b"], ["1"])
