@@ -234,4 +234,21 @@ def _write_summaries(summaries: list[BenchmarkSummary], out: Path, console: Cons
         writer.writerows(rows)
 
 
-__all__ = ["BenchmarkSummary", "avg_at_k", "evaluate", "k_values", "pass_at_k"]
+def evaluate_problems(engine: RolloutEngine, problems: Sequence, verifier, prompts: Sequence[str], k: int,
+                      temperature: float, max_new_tokens: int, seed: int) -> dict[str, float]:
+    """Held-out accuracy of problems with a verifier `verifier(problems, completions) -> scores`:
+    greedy, and avg@k / pass@k over k samples at `temperature` (used during training and by
+    `gppo eval --task`)."""
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed))
+    greedy_scores = verifier(problems, [g.text for g in greedy])
+    sampled = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                                                      n=k, seed=seed))
+    scores = verifier([problems[g.prompt_index] for g in sampled], [g.text for g in sampled])
+    per_problem = [scores[i * k:(i + 1) * k] for i in range(len(problems))]
+    correct = [sum(s >= 1.0 for s in row) for row in per_problem]
+    return {"eval/greedy": sum(greedy_scores) / len(problems), "eval/avg@k": avg_at_k(per_problem),
+            f"eval/pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(problems),
+            "eval/length_mean": sum(len(g.completion_ids) for g in sampled) / len(sampled)}
+
+
+__all__ = ["BenchmarkSummary", "avg_at_k", "evaluate", "evaluate_problems", "k_values", "pass_at_k"]

@@ -1,0 +1,123 @@
+"""From completions to scalar rewards: the verifier, user reward functions, shaping terms.
+
+reward = w_0 * verifier + sum_j w_j * user_fn_j + format bonus + DAPO soft overlong penalty.
+
+User functions follow TRL's convention: `fn(prompts=[...], completions=[...], completion_ids=[...],
+answer=[...], **columns) -> list[float | None]`, given as a dotted path `module:function`. A
+function that raises, or returns NaN/None/a wrong-length list, gives 0 for the affected samples
+and a counted warning; the run goes on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from gppo.tasks.base import Problem
+
+
+def load_function(path: str) -> Callable:
+    """Import `module:function` (or `module.function`)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"reward function {path!r} must be given as module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import module {module_name!r} of reward function {path!r}: {err}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"module {module_name!r} has no function {attr!r} (reward function {path!r})")
+    return fn
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max - buffer, then linear down to -1 at max."""
+    if buffer <= 0 or length <= max_length - buffer:
+        return 0.0
+    return max(-1.0, (max_length - buffer - length) / buffer)
+
+
+@dataclass
+class RewardResult:
+    rewards: list[float]
+    accuracy: list[float]  # the verifier alone
+    components: dict[str, list[float]] = field(default_factory=dict)
+    warnings: int = 0
+
+
+@dataclass
+class RewardPipeline:
+    """Scores completions of `Problem`s. `verifier(problems, completions) -> list[float]`."""
+
+    verifier: Callable[[Sequence[Problem], Sequence[str]], list[float]]
+    user_functions: list[tuple[str, Callable]] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    format_pattern: str | None = None
+    format_reward: float = 0.0
+    max_length: int = 0
+    overlong_buffer: int = 0
+
+    def __post_init__(self):
+        n = 1 + len(self.user_functions)
+        if not self.weights:
+            self.weights = [1.0] * n
+        if len(self.weights) != n:
+            raise ValueError(f"reward_weights has {len(self.weights)} values but there are {n} rewards "
+                             "(the verifier, then each reward function)")
+        self._format = re.compile(self.format_pattern, re.DOTALL) if self.format_pattern else None
+
+    def __call__(self, problems: Sequence[Problem], completions: Sequence[str],
+                 completion_ids: Sequence[Sequence[int]]) -> RewardResult:
+        n = len(completions)
+        accuracy = [float(v) for v in self.verifier(problems, completions)]
+        totals = [self.weights[0] * a for a in accuracy]
+        result = RewardResult(totals, accuracy, {"verifier": accuracy})
+        columns = {"prompts": [p.prompt for p in problems], "completions": list(completions),
+                   "completion_ids": [list(c) for c in completion_ids], "answer": [p.answer for p in problems]}
+        for (name, fn), weight in zip(self.user_functions, self.weights[1:]):
+            values, bad = self._call_user(fn, columns, n)
+            result.warnings += bad
+            if bad:
+                warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward "
+                              "(raised, NaN or None); they get 0", RuntimeWarning, stacklevel=2)
+            result.components[name] = values
+            totals = [t + weight * v for t, v in zip(totals, values)]
+        if self._format is not None:
+            bonus = [self.format_reward * bool(self._format.fullmatch(c.strip())) for c in completions]
+            result.components["format"] = bonus
+            totals = [t + b for t, b in zip(totals, bonus)]
+        if self.overlong_buffer > 0:
+            penalty = [overlong_penalty(len(ids), self.max_length, self.overlong_buffer) for ids in completion_ids]
+            result.components["overlong"] = penalty
+            totals = [t + p for t, p in zip(totals, penalty)]
+        result.rewards = totals
+        return result
+
+    @staticmethod
+    def _call_user(fn: Callable, columns: dict, n: int) -> tuple[list[float], int]:
+        try:
+            values = fn(**columns)
+            values = list(values)
+            if len(values) != n:
+                raise ValueError(f"returned {len(values)} values for {n} completions")
+        except Exception:  # noqa: BLE001 - a user function must never stop the run
+            return [0.0] * n, n
+        clean, bad = [], 0
+        for v in values:
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                v = math.nan
+            if math.isfinite(v):
+                clean.append(v)
+            else:
+                clean.append(0.0)
+                bad += 1
+        return clean, bad

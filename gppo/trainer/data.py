@@ -1,0 +1,123 @@
+"""Where problems come from (a built-in task or a data file) and how completions are verified.
+
+A source hands out `Problem`s in a seeded order and can save / restore its position, so that a
+resumed run sees exactly the problems an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from gppo.data.loaders import DataRecord, load_training_data
+from gppo.rewards.code import score_code
+from gppo.rewards.math import score_math
+from gppo.tasks import get_task, heldout_problems
+from gppo.tasks.base import Problem, Task
+
+
+class TaskSource:
+    """An endless stream of freshly drawn task problems."""
+
+    def __init__(self, task: Task, seed: int):
+        self.task, self.rng = task, random.Random(seed)
+
+    def take(self, n: int) -> list[Problem]:
+        return [self.task.sample(self.rng) for _ in range(n)]
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
+
+class DatasetSource:
+    """Records in a fresh seeded permutation every epoch."""
+
+    def __init__(self, problems: list[Problem], seed: int):
+        if not problems:
+            raise ValueError("the training data holds no usable problem")
+        self.problems, self.seed, self.epoch, self.cursor = problems, seed, 0, 0
+        self.order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(len(self.problems)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Problem]:
+        out = []
+        while len(out) < n:
+            if self.cursor == len(self.order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self.order = self._permutation()
+            out.append(self.problems[self.order[self.cursor]])
+            self.cursor += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self.order = self._permutation()
+
+
+def record_to_problem(record: DataRecord) -> Problem:
+    return Problem(record.prompt, record.answer or "", {"kind": record.kind, "tests": record.tests,
+                                                        "id": record.id, **record.metadata})
+
+
+def record_verifier(problems: Sequence[Problem], completions: Sequence[str]) -> list[float]:
+    """Math answers through math-verify, code through the sandbox; in batches of each kind."""
+    scores = [0.0] * len(problems)
+    for kind in ("math", "code"):
+        idx = [i for i, p in enumerate(problems) if p.metadata.get("kind") == kind]
+        if not idx:
+            continue
+        if kind == "math":
+            results = score_math([completions[i] for i in idx], [problems[i].answer for i in idx])
+        else:
+            results = score_code([completions[i] for i in idx], [problems[i].metadata["tests"] for i in idx])
+        for i, result in zip(idx, results):
+            scores[i] = float(result.reward)
+    return scores
+
+
+@dataclass
+class ProblemSet:
+    """What the trainer needs from the data: a training source, held-out problems, a verifier."""
+
+    train: TaskSource | DatasetSource
+    heldout: list[Problem]
+    verifier: Callable[[Sequence[Problem], Sequence[str]], list[float]]
+    name: str
+
+
+def _load_records(path: str) -> list[Problem]:
+    result = load_training_data(path)
+    if result.errors:
+        shown = "; ".join(str(e) for e in result.errors[:3])
+        print(f"warning: {len(result.errors)} rows of {path} were skipped: {shown}")
+    return [record_to_problem(r) for r in result.records]
+
+
+def build_problem_set(task: str, data: str | None, eval_data: str | None, eval_size: int, seed: int) -> ProblemSet:
+    """The built-in `task`, or the data file `data` (its first eval_size records held out unless
+    `eval_data` is given)."""
+    if data is None:
+        t = get_task(task)
+        return ProblemSet(TaskSource(t, seed), heldout_problems(t, eval_size),
+                          lambda problems, completions: [t.score(p, c) for p, c in zip(problems, completions)],
+                          task)
+    problems = _load_records(data)
+    if eval_data is not None:
+        heldout = _load_records(eval_data)[:eval_size]
+    else:
+        if len(problems) <= eval_size:
+            raise ValueError(f"{data} has {len(problems)} problems, not more than eval_size={eval_size}: "
+                             "lower --eval_size or give --eval_data")
+        heldout, problems = problems[:eval_size], problems[eval_size:]
+    return ProblemSet(DatasetSource(problems, seed), heldout, record_verifier, data)

@@ -1,0 +1,123 @@
+"""Run logging: metrics.jsonl (one flushed line per step), optional TensorBoard / W&B, PNG curves."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+
+from gppo.trainer.checkpoint import atomic_write_text
+
+
+class MetricsLog:
+    """Append-only `metrics.jsonl`; every line is flushed and fsynced before the step moves on."""
+
+    def __init__(self, path: Path, report_to: list[str], config: dict):
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.sinks = [sink for sink in (_tensorboard(path.parent, report_to), _wandb(path.parent, report_to, config))
+                      if sink is not None]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines of steps > step (a resumed run redoes them)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and _parse(line) is not None and _parse(line)["step"] <= step]
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+
+    def write(self, step: int, metrics: dict) -> None:
+        record = {"step": step, "time": time.time(), **{k: v for k, v in metrics.items() if _finite(v)}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        for sink in self.sinks:
+            sink(step, record)
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [r for r in map(_parse, self.path.read_text().splitlines()) if r is not None]
+
+
+def _parse(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:  # a line cut by a crash
+        return None
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _tensorboard(run_dir: Path, report_to: list[str]):
+    if "tensorboard" not in report_to:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warnings.warn("report_to includes tensorboard but it is not installed (pip install gppo[tensorboard])")
+        return None
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def sink(step, record):
+        for key, value in record.items():
+            if key not in ("step", "time"):
+                writer.add_scalar(key, value, step)
+        writer.flush()
+    return sink
+
+
+def _wandb(run_dir: Path, report_to: list[str], config: dict):
+    if "wandb" not in report_to:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        warnings.warn("report_to includes wandb but it is not installed (pip install gppo[wandb])")
+        return None
+    run = wandb.init(dir=str(run_dir), config=config, name=run_dir.name)
+    return lambda step, record: run.log({k: v for k, v in record.items() if k != "step"}, step=step)
+
+
+PLOTS = [
+    ("reward", ["rollout/reward_mean", "rollout/accuracy"]),
+    ("held-out accuracy", ["eval/greedy", "eval/avg@k"]),
+    ("trust region", ["loss/masked_frac"]),
+    ("entropy", ["loss/entropy"]),
+    ("divergence", ["loss/divergence/mean", "loss/kl_ref"]),
+    ("response length", ["rollout/length_mean"]),
+]
+
+
+def plot_curves(records: list[dict], path: Path, title: str) -> Path | None:
+    """One PNG with the main curves of a run (reward, accuracy, masked fraction, entropy, ...)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(name, keys) for name, keys in PLOTS if any(k in r for r in records for k in keys)]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
+    for ax, (name, keys) in zip(axes[0], panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points), marker="o" if len(points) < 12 else None, label=key.split("/")[-1])
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

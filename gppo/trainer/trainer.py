@@ -1,0 +1,396 @@
+"""The RL loop: rollout -> reward -> advantage -> GPPO update -> evaluation, with checkpoints.
+
+Every random choice of step k is seeded from (seed, k) or restored from the checkpoint (the data
+order), so a run resumed from step k reaches the same parameters as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import transformers
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from transformers import get_scheduler
+
+import gppo
+from gppo.advantages import group_advantages, informative_groups
+from gppo.evaluation import evaluate_problems
+from gppo.models.embedded import load_model_and_tokenizer
+from gppo.rewards.pipeline import RewardPipeline, load_function
+from gppo.rollout import SamplingParams, make_engine
+from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations, token_batch
+from gppo.trainer.checkpoint import (atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint,
+                                     set_rng_state)
+from gppo.trainer.config import ConfigError, TrainConfig, from_dict
+from gppo.trainer.data import build_problem_set
+from gppo.trainer.logging import MetricsLog, plot_curves
+
+_SEED_STRIDE = 1_000_003
+
+
+def default_threads() -> int:
+    """CPU threads to use: the cores not already busy (a second thread on a loaded core makes
+    small-model steps several times slower, see shared/MEASURED.md)."""
+    cores = os.cpu_count() or 1
+    return max(1, cores - round(os.getloadavg()[0]))
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ConfigError(f"dtype {name!r} is not one of {list(dtypes)}")
+    return dtypes[name]
+
+
+class MeanOf:
+    """Weighted means of metric dicts (weights: tokens for per-token metrics)."""
+
+    def __init__(self):
+        self.sums, self.weights = defaultdict(float), defaultdict(float)
+
+    def add(self, metrics: dict, weight: float = 1.0) -> None:
+        for key, value in metrics.items():
+            self.sums[key] += value * weight
+            self.weights[key] += weight
+
+    def result(self, prefix: str = "") -> dict:
+        return {prefix + k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+class Trainer:
+    """`Trainer(config).train()` runs a whole job; `Trainer.resume(run_dir).train()` continues one."""
+
+    def __init__(self, config: TrainConfig, resume: bool = False, console: Console | None = None):
+        self.config = config
+        self.console = console or Console()
+        self.run_dir = config.run_dir()
+        torch.set_num_threads(config.threads or default_threads())
+        transformers.utils.logging.disable_progress_bar()
+        self.device = _resolve_device(config.device)
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is not None and not resume:
+            raise ConfigError(f"{self.run_dir} already holds a run (last checkpoint {checkpoint.name}): continue "
+                              f"it with `gppo train --resume {self.run_dir}` or choose another --output_dir")
+        self._check_counts()
+
+        cfg = config.gppo_config()
+        self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
+        self.top_k = self.loss_config.top_k if self.loss_config.estimator in ("topk", "topp") else 0
+
+        self.base_model_path = self._base_model_path()
+        self.model, self.tokenizer = load_model_and_tokenizer(checkpoint or self.base_model_path,
+                                                              dtype=_dtype(config.dtype))
+        self.model.to(self.device)
+        self.ref_model = None
+        if self.loss_config.kl_coef > 0:
+            self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
+            self.ref_model.to(self.device).requires_grad_(False)
+        self.engine = make_engine(config.engine, self.model, self.tokenizer, model_path=checkpoint or self.base_model_path,
+                                  device=self.device, batch_size=config.rollout_batch_size,
+                                  gpu_memory_utilization=config.vllm_gpu_memory, seed=config.seed)
+        if self.top_k > self.engine.max_top_k_logprobs:
+            raise ConfigError(
+                f"preset {config.preset!r} (estimator {self.loss_config.estimator!r}) needs mu's top-{self.top_k} "
+                f"log-probs per token, but engine {config.engine!r} records at most "
+                f"{self.engine.max_top_k_logprobs}: lower --top_k or use another estimator")
+
+        self.problems = build_problem_set(config.task, config.data, config.eval_data, config.eval_size, config.seed)
+        self.rewards = RewardPipeline(
+            verifier=self.problems.verifier,
+            user_functions=[(path, load_function(path)) for path in config.reward_funcs],
+            weights=list(config.reward_weights), format_pattern=config.format_pattern,
+            format_reward=config.format_reward, max_length=config.max_new_tokens,
+            overlong_buffer=config.overlong_buffer)
+
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        sequences = config.prompts_per_step * config.group_size
+        updates = config.steps * config.epochs * math.ceil(sequences / config.mini_batch_size)
+        self.scheduler = get_scheduler(config.lr_schedule, self.optimizer, num_warmup_steps=config.warmup_steps,
+                                       num_training_steps=updates)
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", config.report_to, config.to_dict())
+        self.step = 0
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, overrides: dict | None = None, console: Console | None = None) -> "Trainer":
+        """Continue the run in `run_dir` from its last checkpoint (overrides, e.g. a larger `steps`)."""
+        run_dir = Path(run_dir)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} has no config.yaml: it is not a gppo run directory")
+        if latest_checkpoint(run_dir) is None:
+            raise ConfigError(f"{run_dir} has no finished checkpoint to resume from; start it again instead")
+        values = yaml.safe_load((run_dir / "config.yaml").read_text())
+        values.update(overrides or {})
+        values["output_dir"] = str(run_dir)
+        return cls(from_dict(values), resume=True, console=console)
+
+    # ------------------------------------------------------------------------------ set-up
+    def _check_counts(self) -> None:
+        c = self.config
+        for name in ("prompts_per_step", "group_size", "steps", "epochs", "mini_batch_size", "micro_batch_size",
+                     "max_new_tokens", "eval_size", "rollout_batch_size"):
+            if getattr(c, name) < 1:
+                raise ConfigError(f"{name} must be >= 1 (got {getattr(c, name)})")
+        if c.group_size < 2:
+            raise ConfigError("group_size must be >= 2: advantages are relative to the group")
+
+    def _base_model_path(self) -> Path:
+        if self.config.model is not None:
+            return Path(self.config.model)
+        if self.config.data is not None:
+            raise ConfigError("--data needs --model: the embedded tiny model only knows the built-in tasks")
+        from gppo.warmstart import embedded_checkpoint
+
+        return embedded_checkpoint(self.config.task)
+
+    def _restore(self, checkpoint: Path) -> None:
+        state = load_trainer_state(checkpoint)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.problems.train.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.log.truncate_after(self.step)
+        self.console.print(f"resumed {self.run_dir} from {checkpoint.name} (step {self.step})")
+
+    def save(self) -> Path:
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "data": self.problems.train.state_dict()}
+        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state, self.config.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------ rollout
+    def _prompt(self, text: str) -> str:
+        prompt = self.config.prompt_template.format(prompt=text)
+        if self.config.chat_template:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                        add_generation_prompt=True)
+        return prompt
+
+    def _sample(self, problems, n: int, temperature: float, seed: int, top_k: int = 0):
+        params = SamplingParams(temperature=temperature, max_new_tokens=self.config.max_new_tokens, n=n,
+                                top_k_logprobs=top_k, seed=seed)
+        return self.engine.generate([self._prompt(p.prompt) for p in problems], params)
+
+    def rollout(self) -> tuple[Rollout | None, dict]:
+        """Sample, score and (with dynamic sampling) refill until prompts_per_step informative groups."""
+        c = self.config
+        kept_gens, kept_rewards, all_rewards, all_accuracy, all_gens = [], [], [], [], []
+        warnings_count, rounds = 0, 0
+        start = time.time()
+        while True:
+            need = c.prompts_per_step - len(kept_rewards)
+            problems = self.problems.train.take(need)
+            seed = (c.seed * _SEED_STRIDE + self.step) * 64 + rounds
+            gens = self._sample(problems, c.group_size, c.temperature, seed, self.top_k)
+            repeated = [problems[g.prompt_index] for g in gens]
+            scored = self.rewards(repeated, [g.text for g in gens], [g.completion_ids for g in gens])
+            warnings_count += scored.warnings
+            rewards = torch.tensor(scored.rewards).view(need, c.group_size)
+            all_rewards.append(rewards)
+            all_accuracy.extend(scored.accuracy)
+            all_gens.extend(gens)
+            keep = informative_groups(rewards) if c.dynamic_sampling else torch.ones(need, dtype=torch.bool)
+            for group in keep.nonzero().flatten().tolist():
+                kept_rewards.append(rewards[group])
+                kept_gens.extend(gens[group * c.group_size:(group + 1) * c.group_size])
+            rounds += 1
+            if len(kept_rewards) == c.prompts_per_step or rounds > c.max_resample_rounds:
+                break
+        elapsed = time.time() - start
+        rewards = torch.cat(all_rewards)
+        lengths = torch.tensor([len(g.completion_ids) for g in all_gens], dtype=torch.float)
+        stats = {
+            "rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
+            "rollout/accuracy": sum(all_accuracy) / len(all_accuracy),
+            "rollout/zero_variance_groups": 1 - informative_groups(rewards).float().mean().item(),
+            "rollout/length_mean": lengths.mean().item(), "rollout/length_max": lengths.max().item(),
+            "rollout/truncated_frac": sum(g.finish_reason == "length" for g in all_gens) / len(all_gens),
+            "rollout/reward_fn_warnings": warnings_count, "rollout/rounds": rounds,
+            "rollout/groups_kept": len(kept_rewards),
+            "perf/rollout_tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
+        }
+        if not kept_rewards:
+            return None, stats
+        advantages = group_advantages(torch.stack(kept_rewards), c.advantage).flatten()
+        pad_id = self.tokenizer.pad_token_id
+        return rollout_from_generations(kept_gens, advantages, pad_id, self.top_k), stats
+
+    def _to_device(self, rollout: Rollout) -> Rollout:
+        return dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(self.device)
+                                               for f in dataclasses.fields(rollout)
+                                               if isinstance(getattr(rollout, f.name), torch.Tensor)})
+
+    @torch.no_grad()
+    def _recompute(self, rollout: Rollout) -> Rollout:
+        """Fill what the objective needs beyond the rollout: pi_old (anchor='old'), mu's full
+        distribution (estimator 'full', recomputed with the weights that sampled), the reference."""
+        cfg, temperature = self.loss_config, self.config.temperature
+        need_old = cfg.anchor == "old"
+        need_full = cfg.estimator == "full"
+        need_ref = self.ref_model is not None
+        if not (need_old or need_full or need_ref):
+            return rollout
+        parts = defaultdict(list)
+        for index in torch.arange(rollout.size, device=self.device).split(self.config.micro_batch_size):
+            sub = rollout.select(index)
+            width = rollout.token_ids.shape[1]
+
+            def pad(x, value=0.0):  # back to the full width T of the rollout
+                return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]), value=value)
+            if need_old or need_full:
+                out = policy_outputs(self.model, sub, temperature)
+                if need_old:
+                    parts["logp_old"].append(pad(out.logp))
+                    if out.topk_logp is not None:
+                        parts["topk_logp_old"].append(pad(out.topk_logp))
+                if need_full:
+                    parts["logp_behavior_full"].append(pad(out.log_probs))
+            if need_ref:
+                ref = policy_outputs(self.ref_model, sub, temperature)
+                parts["logp_ref"].append(pad(ref.logp))
+                if cfg.kl_estimator == "full":
+                    parts["logp_ref_full"].append(pad(ref.log_probs))
+        return dataclasses.replace(rollout, **{k: torch.cat(v) for k, v in parts.items()})
+
+    # ------------------------------------------------------------------------------ update
+    def update(self, rollout: Rollout) -> dict:
+        c = self.config
+        averages, per_update = MeanOf(), MeanOf()
+        shuffle = torch.Generator().manual_seed(c.seed * _SEED_STRIDE + self.step)
+        self.model.train()
+        for _ in range(c.epochs):
+            for minibatch in torch.randperm(rollout.size, generator=shuffle).split(c.mini_batch_size):
+                minibatch = minibatch.to(self.device)
+                self.optimizer.zero_grad(set_to_none=True)
+                tokens = rollout.response_mask[minibatch].sum()
+                total = 0.0
+                for micro in minibatch.split(c.micro_batch_size):
+                    sub = rollout.select(micro)
+                    outputs = policy_outputs(self.model, sub, c.temperature)
+                    loss, metrics = gppo.policy_loss(token_batch(sub, outputs), self.loss_config,
+                                                     num_tokens=tokens, num_sequences=len(minibatch))
+                    loss.backward()
+                    total += loss.item()
+                    metrics.pop("loss/policy", None)
+                    averages.add(metrics, weight=sub.response_mask.sum().item())
+                max_norm = c.max_grad_norm if c.max_grad_norm > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                per_update.add({"loss": total, "grad_norm": grad_norm.item(), "lr": self.scheduler.get_last_lr()[0]})
+        self.model.eval()
+        sync = getattr(self.engine, "update_weights", None)
+        if sync is not None:
+            sync(self.model)
+        return {**averages.result("loss/"), **per_update.result("optim/")}
+
+    def train_step(self) -> dict:
+        start = time.time()
+        rollout, metrics = self.rollout()
+        if rollout is None:
+            self.console.print(f"step {self.step + 1}: every group had equal rewards; no update")
+        else:
+            rollout = self._recompute(self._to_device(rollout))
+            update_start = time.time()
+            metrics.update(self.update(rollout))
+            trained = rollout.response_mask.sum().item() * self.config.epochs
+            metrics["perf/train_tokens_per_s"] = trained / max(time.time() - update_start, 1e-9)
+        self.step += 1
+        metrics["perf/step_seconds"] = time.time() - start
+        return metrics
+
+    # ------------------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        """Held-out accuracy: greedy, and sampled avg@k / pass@k with k = eval_samples."""
+        c = self.config
+        heldout = self.problems.heldout
+        return evaluate_problems(self.engine, heldout, self.problems.verifier, [self._prompt(p.prompt) for p in heldout],
+                                 c.eval_samples, c.temperature, c.max_new_tokens, seed=c.seed * _SEED_STRIDE + 7_777_777)
+
+    # ------------------------------------------------------------------------------ main loop
+    def train(self, stop_after: int | None = None) -> dict | None:
+        """Run to `config.steps`. `stop_after=k` returns after step k as if interrupted (tests)."""
+        c = self.config
+        if self.step == 0:
+            first = self.evaluate()
+            self.log.write(0, first)
+            self._print_eval(0, first)
+        columns = [TextColumn("[bold]gppo[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
+        with Progress(*columns, console=self.console, disable=not c.progress) as progress:
+            task = progress.add_task(f"{self.problems.name} {c.preset}", total=c.steps, completed=self.step, info="")
+            while self.step < c.steps:
+                metrics = self.train_step()
+                last = self.step == c.steps
+                if last or (c.eval_every and self.step % c.eval_every == 0):
+                    evaluation = self.evaluate()
+                    metrics.update(evaluation)
+                    self._print_eval(self.step, evaluation, progress.console)
+                self.log.write(self.step, metrics)
+                progress.update(task, completed=self.step, info=_progress_info(metrics))
+                if last or (c.save_every and self.step % c.save_every == 0):
+                    self.save()
+                if stop_after is not None and self.step >= stop_after and not last:
+                    return None
+        return self.finish()
+
+    def finish(self) -> dict:
+        """Final model, curves and summary (accuracy before and after RL)."""
+        final = self.run_dir / "final"
+        self.model.save_pretrained(final)
+        self.tokenizer.save_pretrained(final)
+        records = self.log.read()
+        plot = plot_curves(records, self.run_dir / "curves.png", f"{self.problems.name} | {self.config.preset}")
+        evals = [r for r in records if "eval/greedy" in r]
+        summary = {"run_dir": str(self.run_dir), "preset": self.config.preset, "steps": self.step,
+                   "before": {k: v for k, v in evals[0].items() if k.startswith("eval/")} if evals else {},
+                   "after": {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {},
+                   "curves": str(plot) if plot else None}
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        if evals:
+            b, a = summary["before"], summary["after"]
+            k = self.config.eval_samples
+            self.console.print(
+                f"[bold]held-out accuracy[/] ({len(self.problems.heldout)} problems) before RL: greedy "
+                f"{b['eval/greedy']:.3f}, sampled avg@{k} {b['eval/avg@k']:.3f}  ->  after {self.step} steps: "
+                f"greedy {a['eval/greedy']:.3f}, sampled avg@{k} {a['eval/avg@k']:.3f}")
+        self.console.print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, final/)")
+        return summary
+
+    def _print_eval(self, step: int, evaluation: dict, console: Console | None = None) -> None:
+        (console or self.console).print(
+            f"step {step:>4} | held-out greedy {evaluation['eval/greedy']:.3f} | sampled avg@"
+            f"{self.config.eval_samples} {evaluation['eval/avg@k']:.3f}")
+
+
+def _progress_info(m: dict) -> str:
+    parts = [f"reward {m.get('rollout/reward_mean', float('nan')):.3f}",
+             f"acc {m.get('rollout/accuracy', float('nan')):.3f}"]
+    if "loss/masked_frac" in m:
+        parts.append(f"masked {m['loss/masked_frac']:.3f}")
+    if "loss/kl_ref" in m:
+        parts.append(f"kl {m['loss/kl_ref']:.4f}")
+    if "loss/entropy" in m:
+        parts.append(f"ent {m['loss/entropy']:.3f}")
+    if "perf/rollout_tokens_per_s" in m:
+        parts.append(f"{m['perf/rollout_tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)

@@ -1,0 +1,256 @@
+"""The training loop on a micro model: advantages, rewards, rollout tensors, a short run,
+resume equivalence, and the errors a user can run into."""
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+import gppo
+from gppo.advantages import group_advantages, informative_groups
+from gppo.models.embedded import build_model, build_tokenizer, load_model_and_tokenizer
+from gppo.rewards.pipeline import RewardPipeline, load_function, overlong_penalty
+from gppo.rollout import SamplingParams
+from gppo.rollout.hf import HFEngine
+from gppo.tasks import get_task
+from gppo.tasks.base import Problem
+from gppo.trainer import ConfigError, Trainer
+from gppo.trainer.batch import policy_outputs, rollout_from_generations, token_batch
+from gppo.trainer.config import from_dict
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("micro")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def micro_config(model, out, **changes):
+    values = dict(model=str(model), output_dir=str(out), steps=3, prompts_per_step=4, group_size=4,
+                  max_new_tokens=6, eval_size=8, eval_samples=2, eval_every=2, mini_batch_size=8,
+                  micro_batch_size=4, save_every=1, progress=False, threads=1, lr=1e-3)
+    values.update(changes)
+    return from_dict(values)
+
+
+# ------------------------------------------------------------------------------ advantages
+def test_advantages_against_hand_computed_values():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    std = math.sqrt(1 / 3)  # unbiased std of (1, 0, 0, 1)
+    torch.testing.assert_close(group_advantages(rewards, "grpo", eps=0.0)[0],
+                               torch.tensor([0.5, -0.5, -0.5, 0.5]) / std)
+    assert (group_advantages(rewards, "grpo")[1] == 0).all()
+    torch.testing.assert_close(group_advantages(rewards, "dr_grpo")[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    # RLOO: reward minus the mean of the other three
+    torch.testing.assert_close(group_advantages(rewards, "rloo")[0], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]))
+    centred = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    expected = (centred - centred.mean()) / (centred.std() + 1e-6)
+    torch.testing.assert_close(group_advantages(rewards, "reinforce++").flatten(), expected)
+    assert informative_groups(rewards).tolist() == [True, False]
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        group_advantages(rewards, "ppo")
+
+
+# ------------------------------------------------------------------------------ rewards
+def test_overlong_penalty_and_format_reward():
+    assert overlong_penalty(10, 20, 5) == 0.0
+    assert overlong_penalty(15, 20, 5) == 0.0
+    assert overlong_penalty(18, 20, 5) == pytest.approx(-0.6)
+    assert overlong_penalty(20, 20, 5) == -1.0
+    assert overlong_penalty(20, 20, 0) == 0.0
+    task = get_task("addition")
+    problem = task.sample(__import__("random").Random(0))
+    pipeline = RewardPipeline(lambda ps, cs: [task.score(p, c) for p, c in zip(ps, cs)],
+                              format_pattern=r"\d+", format_reward=0.1, max_length=6, overlong_buffer=2)
+    out = pipeline([problem, problem], [problem.answer, "x"], [[1] * 3, [1] * 6])
+    assert out.accuracy == [1.0, 0.0]
+    assert out.rewards == pytest.approx([1.1, -1.0])
+
+
+def test_user_reward_functions_that_fail_count_warnings_and_give_zero():
+    verifier = lambda ps, cs: [0.0] * len(cs)  # noqa: E731
+    problems = [Problem("1+1=", "2")] * 4
+    fns = [(name, load_function(f"tests.reward_fns:{name}")) for name in ("raises", "half_nan", "wrong_length", "length_bonus")]
+    pipeline = RewardPipeline(verifier, fns)
+    with pytest.warns(RuntimeWarning, match="gave no finite reward"):
+        out = pipeline(problems, ["2", "22", "3", ""], [[1, 2]] * 4)
+    assert out.warnings == 4 + 2 + 4
+    assert out.components["half_nan"] == [1.0, 0.0, 1.0, 0.0]
+    assert out.rewards == pytest.approx([0.01 + 1, 0.02, 0.01 + 1, 0.0])
+    with pytest.raises(ValueError, match="no function 'missing'"):
+        load_function("tests.reward_fns:missing")
+    with pytest.raises(ValueError, match="cannot import module"):
+        load_function("no_such_module:fn")
+    with pytest.raises(ValueError, match="reward_weights has 3 values"):
+        RewardPipeline(verifier, fns[:1], weights=[1.0, 1.0, 1.0])
+
+
+# ------------------------------------------------------------------------------ rollout tensors
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_training_forward_reproduces_the_rollout_log_probs(micro_model, temperature):
+    """The trainer's layout (left-padded prompts, right-padded completions, position ids) gives
+    back exactly the log-probs and top-K log-probs the engine recorded while sampling."""
+    model, tokenizer = load_model_and_tokenizer(micro_model)
+    engine = HFEngine(model, tokenizer, batch_size=16)
+    prompts = ["1+2=", "345+678=", "9+99="]
+    gens = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=8, n=3, top_k_logprobs=5, seed=1))
+    rollout = rollout_from_generations(gens, torch.zeros(len(gens)), tokenizer.pad_token_id, top_k=5)
+    assert rollout.response_mask.sum(-1).tolist() == [len(g.completion_ids) for g in gens]
+    with torch.no_grad():
+        out = policy_outputs(model, rollout, temperature)
+    valid = rollout.response_mask.bool()
+    torch.testing.assert_close(out.logp[valid], rollout.logp_behavior[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.topk_logp[valid], rollout.topk_logp_behavior[valid], atol=1e-5, rtol=0)
+    # the behaviour top-K ids are torch.topk of the same distribution
+    top_ids = out.log_probs.topk(5, -1).indices
+    assert (top_ids[valid] == rollout.topk_ids[valid]).all()
+    # a sub-batch trimmed to its own columns gives the same values
+    sub = rollout.select(torch.tensor([1, 4]))
+    with torch.no_grad():
+        sub_out = policy_outputs(model, sub, temperature)
+    sub_valid = sub.response_mask.bool()
+    torch.testing.assert_close(sub_out.logp[sub_valid], sub.logp_behavior[sub_valid], atol=1e-5, rtol=0)
+    loss, metrics = gppo.policy_loss(token_batch(sub, sub_out), gppo.preset("dppo-topk-tv", top_k=5))
+    assert torch.isfinite(loss) and metrics["masked_frac"] == 0.0
+
+
+# ------------------------------------------------------------------------------ training
+def test_three_step_run_writes_everything(micro_model, tmp_path):
+    config = micro_config(micro_model, tmp_path / "run", preset="dppo-topk-kl", top_k=4,
+                          reward_funcs=["tests.reward_fns:length_bonus", "tests.reward_fns:raises"])
+    with pytest.warns(RuntimeWarning):
+        summary = Trainer(config).train()
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    step = records[1]
+    for key in ("rollout/reward_mean", "rollout/accuracy", "rollout/length_mean", "rollout/truncated_frac",
+                "rollout/zero_variance_groups", "loss/masked_frac", "loss/entropy", "loss/divergence/mean",
+                "optim/grad_norm", "perf/rollout_tokens_per_s"):
+        assert key in step, key
+    assert any(k.startswith("loss/masked_frac/q[") for k in step)
+    assert step["rollout/reward_fn_warnings"] == 16  # the raising function, for every sample
+    assert "eval/greedy" in records[0] and "eval/greedy" in records[2] and "eval/greedy" in records[3]
+    assert (run / "final" / "config.json").exists() and (run / "curves.png").exists()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert len(list((run / "checkpoints").glob("step_*"))) == 2  # keep_checkpoints
+    assert summary["before"]["eval/greedy"] == records[0]["eval/greedy"]
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["preset"] == "dppo-topk-kl" and saved["top_k"] == 4
+
+
+@pytest.mark.parametrize("preset,changes", [
+    ("ppo", dict(anchor="old", kl_coef=0.05)),
+    ("gspo", dict(advantage="rloo", dynamic_sampling=True)),
+    ("dppo-binary-kl", dict(estimator="full", kl_coef=0.05, kl_estimator="full", loss_agg_mode="seq-mean-token-sum-norm")),
+])
+def test_options_run(micro_model, tmp_path, preset, changes):
+    config = micro_config(micro_model, tmp_path / "run", preset=preset, steps=2, eval_every=0, save_every=0, **changes)
+    Trainer(config).train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 2
+    if changes.get("kl_coef"):
+        assert "loss/kl_ref" in records[1]
+
+
+def test_resume_reaches_the_same_parameters(micro_model, tmp_path):
+    full = Trainer(micro_config(micro_model, tmp_path / "full"))
+    full.train()
+    interrupted = Trainer(micro_config(micro_model, tmp_path / "resumed"))
+    assert interrupted.train(stop_after=1) is None
+    resumed = Trainer.resume(tmp_path / "resumed", {"progress": False})
+    assert resumed.step == 1
+    resumed.train()
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+    def rollout_metrics(path):
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r.get("rollout/reward_mean"), r.get("loss/ratio/max")) for r in rows]
+    assert rollout_metrics(tmp_path / "full") == rollout_metrics(tmp_path / "resumed")
+
+
+# ------------------------------------------------------------------------------ errors
+def test_config_errors(micro_model, tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'lrr' \\(did you mean 'lr'\\?\\)"):
+        from_dict({"lrr": 0.1})
+    with pytest.raises(ConfigError, match="did you mean 'delta_high'"):
+        from_dict({"delta_hihg": 0.1})
+    with pytest.raises(ConfigError, match="unknown preset 'dppo-binary'"):
+        from_dict({"preset": "dppo-binary"})
+    with pytest.raises(ValueError, match="unknown task 'adition'.*addition"):
+        Trainer(micro_config(micro_model, tmp_path / "a", task="adition"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Trainer(micro_config(tmp_path / "no-model", tmp_path / "b"))
+    with pytest.raises(ConfigError, match="records at most"):
+        Trainer(micro_config(micro_model, tmp_path / "c", preset="dppo-topk-tv", top_k=500))
+    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+        Trainer(micro_config(micro_model, tmp_path / "d", group_size=1))
+    with pytest.raises(ConfigError, match="--data needs --model"):
+        Trainer(from_dict({"data": "x.jsonl", "output_dir": str(tmp_path / "e")}))
+    Trainer(micro_config(micro_model, tmp_path / "f", steps=1, eval_every=0)).train()
+    with pytest.raises(ConfigError, match="already holds a run.*--resume"):
+        Trainer(micro_config(micro_model, tmp_path / "f", steps=1))
+
+
+def test_tokenizer_without_eos_is_refused(micro_model, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(micro_model, broken)
+    config_file = broken / "tokenizer_config.json"
+    data = json.loads(config_file.read_text())
+    data["eos_token"] = None
+    config_file.write_text(json.dumps(data))
+    special = broken / "special_tokens_map.json"
+    if special.exists():
+        values = json.loads(special.read_text())
+        values.pop("eos_token", None)
+        special.write_text(json.dumps(values))
+    with pytest.raises(ValueError, match="no EOS token"):
+        Trainer(micro_config(broken, tmp_path / "run"))
+
+
+def test_cli_help_lists_every_field_and_rejects_typos(capsys):
+    from gppo.cli import main
+    from gppo.trainer.config import ALL_KEYS
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = capsys.readouterr().out
+    for key in ALL_KEYS:
+        assert f"--{key}" in help_text, key
+    with pytest.raises(SystemExit):
+        main(["train", "--learning_rate", "0.1"])
+    assert "unknown option --learning_rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--delta-high", "0.1"])
+    assert "did you mean --delta_high" in capsys.readouterr().err
+    assert main(["presets"]) == 0
+    listing = capsys.readouterr().out
+    for name in gppo.PRESETS:
+        assert name in listing
+    assert main(["trian"]) == 2
+    assert "did you mean 'train'" in capsys.readouterr().err
+
+
+def test_yaml_config_and_flag_precedence(tmp_path):
+    import argparse
+
+    from gppo.trainer.config import add_config_arguments, config_from_args
+
+    path = tmp_path / "x.yaml"
+    path.write_text("preset: dapo\nlr: 0.01\ndelta_high: 0.2\nsteps: 5\n")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_config_arguments(parser)
+    config = config_from_args(parser.parse_args(["--config", str(path), "--lr", "0.5", "--divergence", "kl"]))
+    assert (config.preset, config.lr, config.steps) == ("dapo", 0.5, 5)
+    assert config.gppo_config().delta_high == 0.2 and config.gppo_config().divergence == "kl"
+    path.write_text("learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'learning_rate'"):
+        config_from_args(parser.parse_args(["--config", str(path)]))
