@@ -1,4 +1,4 @@
-"""The `gppo` command: train, eval, presets, warmstart."""
+"""The `gppo` command: train, eval, presets, warmstart, sweep, probe, geometry."""
 
 from __future__ import annotations
 
@@ -144,7 +144,109 @@ def _warmstart(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "eval": _eval, "presets": _presets, "warmstart": _warmstart}
+DELTA_HELP = ("reference TV radius at q = 0.5: every (divergence, estimator) gets the radii whose ratio interval "
+              "for a token of probability 0.5 is [1 - 2 delta, 1 + 2 delta], the one TV allows there (matched with "
+              "gppo.theory's estimate at the boundary ratio). topk, topp and full have no ratio interval and get "
+              "the binary radii: a finer partition never estimates less than binary, so at those radii they allow "
+              "at most the binary interval")
+
+
+def _sweep(argv: list[str]) -> int:
+    from gppo.trainer.config import ConfigError, add_config_arguments, config_values
+
+    parser = argparse.ArgumentParser(
+        prog="gppo sweep", allow_abbrev=False,
+        description="Run a grid of GPPO runs (divergences x estimators x seeds with the directional mask, or "
+                    "presets x seeds) in parallel, resumably, and summarize it over seeds (sweep.csv, sweep.md, "
+                    "heatmap.png). Training flags below apply to every run, e.g. --steps 60 --task countdown.")
+    grid = parser.add_argument_group("sweep")
+    grid.add_argument("--divergences", nargs="+", help="grid rows (default: every divergence but alpha)")
+    grid.add_argument("--estimators", nargs="+", help="grid columns (default: every estimator)")
+    grid.add_argument("--presets", nargs="+", help="run these presets (with their own radii) instead of a grid")
+    grid.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds of every cell (default: 0 1 2)")
+    grid.add_argument("--delta", type=float, help=DELTA_HELP + " (default: 0.15; presets keep their own radii)")
+    grid.add_argument("--workers", type=int, help="runs at once (default: the number of cores; each run uses "
+                      "--threads, default 1)")
+    grid.add_argument("--target", type=float, help="report the first step whose sampled avg@k reaches this accuracy")
+    grid.add_argument("--out", default="runs/sweep",
+                      help="sweep directory; rerun the same command to resume (default: runs/sweep)")
+    add_config_arguments(parser)
+    args, extra = parser.parse_known_args(argv)
+    _reject_unknown(parser, extra)
+
+    from gppo.sweep import run_sweep
+
+    try:
+        result = run_sweep(config_values(args), args.out, args.seeds, args.divergences, args.estimators, args.presets,
+                           args.delta, args.workers, args.target)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"gppo sweep: error: {err}", file=sys.stderr)
+        return 2
+    return 1 if result["failed"] else 0
+
+
+def _probe(argv: list[str]) -> int:
+    from gppo.trainer.config import ConfigError, add_config_arguments, config_values
+
+    parser = argparse.ArgumentParser(
+        prog="gppo probe", allow_abbrev=False,
+        description="Estimator faithfulness: sample from the model (mu), apply one GPPO update (pi), and compare "
+                    "every estimator of every divergence with the exact full-vocabulary D_f on each token (bias, "
+                    "Spearman, decision disagreement by mu-probability bucket, lower-bound violations). Training "
+                    "flags set the model, data and update (probe defaults: --lr 0.001 --epochs 1 "
+                    "--mini_batch_size 64).")
+    probe = parser.add_argument_group("probe")
+    probe.add_argument("--delta", type=float, default=0.15, help=DELTA_HELP + "; the probe's decisions use the binary "
+                       "radii of each divergence (default: 0.15)")
+    probe.add_argument("--divergences", nargs="+", help="default: every divergence but alpha")
+    probe.add_argument("--mass_k", nargs="+", type=int, default=[1, 5, 20, 50],
+                       help="K of the top-K mu-mass report (default: 1 5 20 50)")
+    probe.add_argument("--out", help="output directory (default: runs/probe-<task>)")
+    add_config_arguments(parser)
+    args, extra = parser.parse_known_args(argv)
+    _reject_unknown(parser, extra)
+
+    from gppo.geometry import DEFAULT_DIVERGENCES
+    from gppo.probe import run_probe
+
+    try:
+        base = config_values(args)
+        run_probe(base, args.out or f"runs/probe-{base.get('task', 'addition')}", args.delta,
+                  args.divergences or DEFAULT_DIVERGENCES, args.mass_k)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"gppo probe: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _geometry(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gppo geometry", allow_abbrev=False,
+        description="The ratio interval [lo, hi] of pi/mu that a token of probability q may reach within the "
+                    "trust region, per divergence and estimator (sample, cell, binary), for q in [1e-4, 1]: "
+                    "geometry.csv and geometry.png (hi - 1 and 1 - lo on log-log axes).")
+    parser.add_argument("--delta", type=float, default=0.15, help=DELTA_HELP + " (default: 0.15)")
+    parser.add_argument("--raw", action="store_true", help="use --delta itself as every radius instead of matching")
+    parser.add_argument("--divergences", nargs="+", help="default: every divergence but alpha")
+    parser.add_argument("--alpha", type=float, default=0.5, help="alpha of divergence 'alpha' (default: 0.5)")
+    parser.add_argument("--points", type=int, default=81, help="probabilities q on the log grid (default: 81)")
+    parser.add_argument("--out", default="runs/geometry", help="output directory (default: runs/geometry)")
+    args, extra = parser.parse_known_args(argv)
+    _reject_unknown(parser, extra)
+
+    from gppo.geometry import DEFAULT_DIVERGENCES, run_geometry
+
+    try:
+        run_geometry(args.out, args.delta, args.divergences or DEFAULT_DIVERGENCES, args.raw, args.points, args.alpha)
+    except ValueError as err:
+        print(f"gppo geometry: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}/geometry.csv and {args.out}/geometry.png")
+    return 0
+
+
+COMMANDS = {"train": _train, "eval": _eval, "presets": _presets, "warmstart": _warmstart, "sweep": _sweep,
+            "probe": _probe, "geometry": _geometry}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
               "  train      run GPPO RL (no arguments: the embedded default, a few CPU minutes)\n"
               "  eval       score a model on benchmarks or a built-in task\n"
               "  presets    list the presets (points of Divergence x Estimator x Rule)\n"
-              "  warmstart  supervised warm start of the embedded model\n")
+              "  warmstart  supervised warm start of the embedded model\n"
+              "  sweep      a grid of runs (divergences x estimators or presets, x seeds) and its summary\n"
+              "  probe      estimator faithfulness against the exact divergence after one update\n"
+              "  geometry   the ratio interval each divergence x estimator allows a token of probability q\n")
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:

@@ -5,8 +5,8 @@
   TRPO/Achiam bound or DPPO's finite-horizon bound (Thm 3.2 of 2602.04879).
 - `ratio_interval` / `geometry`: the interval of r = pi/mu a token of probability q may reach
   within radius delta under the sample, cell and binary estimators ("distinct geometries").
-- `matched_delta`: the radius of one divergence that allows the same ratio interval as a
-  reference point, to compare divergences at equal strength.
+- `matched_radii`: the radii of any divergence x estimator that allow the same movement as a TV
+  radius at q = 0.5, to compare divergences at equal strength (`gppo sweep`, `probe`, `geometry`).
 """
 
 from __future__ import annotations
@@ -95,12 +95,20 @@ def estimate_at_ratio(div: str | Divergence, estimator: str, q, ratio) -> np.nda
     return value.numpy()
 
 
-def matched_delta(div: str | Divergence, reference: str | Divergence = "tv", reference_delta: float = 0.15,
-                  estimator: str = "binary", q: float = 0.5, side: str = "high") -> float:
-    """The radius of `div` whose ratio interval at probability q has the same `side` ('high' or
-    'low') bound as `reference` at `reference_delta`: divergences compared at equal strength.
+REFERENCE_Q = 0.5
 
-    The boundary of {D-hat <= delta} is where D-hat = delta, so the matched radius is `div`'s
-    estimate at the reference's boundary ratio."""
-    bound = ratio_interval(reference, estimator, [q], reference_delta)[{"low": 0, "high": 1}[side]][0]
-    return float(estimate_at_ratio(div, estimator, [q], [bound])[0])
+
+def matched_radii(div: str | Divergence, estimator: str, delta: float) -> tuple[float, float]:
+    """(delta_low, delta_high) of `div` under `estimator` that allow the same movement as a TV
+    radius `delta` does for a token of probability q = 0.5: the ratio interval [1 - 2 delta,
+    1 + 2 delta] (there 1/2 |r - 1| <= delta and |p - q| <= delta coincide; PPO's eps = 2 delta).
+
+    The boundary of {D-hat <= radius} is where D-hat = radius, so each radius is the estimate at a
+    reference boundary ratio. Estimators without a ratio interval (topk, topp, full) get the binary
+    radii: their partitions refine {a, rest}, so their estimate is >= binary's and they never allow
+    more movement at the same radius."""
+    if not 0 < delta < 0.5:
+        raise ValueError(f"delta must be in (0, 0.5) (got {delta}): it is a TV radius at q = 0.5, whose ratio "
+                         "interval [1 - 2 delta, 1 + 2 delta] must keep r > 0")
+    est = estimator if estimator in ("sample", "cell", "binary") else "binary"
+    return tuple(float(estimate_at_ratio(div, est, [REFERENCE_Q], [1 + side * 2 * delta])[0]) for side in (-1, 1))

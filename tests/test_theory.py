@@ -15,7 +15,7 @@ Q = np.array([1e-4, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.9])
 def test_tv_sample_is_ppo_clip():
     lo, hi = theory.ratio_interval("tv", "sample", Q, 0.1, 0.14)
     np.testing.assert_allclose(lo, 0.8)
-    np.testing.assert_allclose(hi, 1.28)
+    np.testing.assert_allclose(hi, np.minimum(1.28, 1 / Q))  # p = r q never exceeds 1
 
 
 def test_chi2_cell_is_ripo():
@@ -88,10 +88,15 @@ def test_improvement_bounds():
         theory.improvement_bound("tv", 0.1, xi=1.0)
 
 
-@pytest.mark.parametrize("name", ["kl", "chi2", "hellinger", "js"])
-def test_matched_delta_gives_the_reference_interval(name):
-    delta = theory.matched_delta(name, reference="tv", reference_delta=0.15, estimator="binary", q=0.5)
-    ref_hi = theory.ratio_interval("tv", "binary", [0.5], 0.15)[1][0]
-    hi = theory.ratio_interval(name, "binary", [0.5], delta)[1][0]
-    assert hi == pytest.approx(ref_hi, rel=1e-6)
-    assert theory.matched_delta("tv", "tv", 0.15) == pytest.approx(0.15, rel=1e-6)
+@pytest.mark.parametrize("name", ["tv", "kl", "chi2", "hellinger", "js"])
+@pytest.mark.parametrize("estimator", ["sample", "cell", "binary"])
+def test_matched_radii_give_the_reference_interval(name, estimator):
+    """At q = 0.5 every matched (divergence, estimator) allows exactly TV's [1 - 2 delta, 1 + 2 delta]."""
+    low, high = theory.matched_radii(name, estimator, 0.15)
+    lo, hi = theory.ratio_interval(name, estimator, [0.5], low, high)
+    assert lo[0] == pytest.approx(0.7, rel=1e-6) and hi[0] == pytest.approx(1.3, rel=1e-6)
+    assert theory.matched_radii("tv", "binary", 0.15) == pytest.approx((0.15, 0.15))
+    assert theory.matched_radii("chi2", "cell", 0.15) == pytest.approx((0.045, 0.045))  # q (2 delta)^2
+    assert theory.matched_radii(name, "topk", 0.15) == theory.matched_radii(name, "binary", 0.15)
+    with pytest.raises(ValueError, match="delta must be in"):
+        theory.matched_radii(name, estimator, 0.5)

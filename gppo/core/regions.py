@@ -49,7 +49,7 @@ def ratio_interval(div: Divergence, estimator: str, q: torch.Tensor, delta_low, 
     cap = 1.0 / q
     if estimator == "sample":
         lo, hi = sample_interval(div, float(delta_low), float(delta_high))
-        return torch.full_like(q, lo), torch.full_like(q, hi)
+        return torch.full_like(q, lo), torch.full_like(q, hi).minimum(cap)
     if estimator == "cell":  # q f~(r) <= delta  <=>  f~(r) <= delta / q
         lo, _ = div.normalized_inverse(delta_low / q)
         _, hi = div.normalized_inverse(delta_high / q)

@@ -215,11 +215,14 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                help=f"{f.metadata['help']} (default: from the preset)")
 
 
+def config_values(args: argparse.Namespace) -> dict:
+    """The training keys given, flat (TrainConfig and GPPOConfig fields): --config YAML < flags."""
+    values = load_yaml(args.config) if getattr(args, "config", None) else {}
+    values.update(values.pop("loss", None) or {})
+    values.update({k: v for k, v in vars(args).items() if k in TRAIN_FIELDS or k in LOSS_FIELDS})
+    return values
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults < --config YAML < flags."""
-    values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    flags = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS or k in LOSS_FIELDS}
-    loss = {**(values.pop("loss", None) or {})}
-    values.update(flags)
-    values["loss"] = loss
-    return from_dict(values)
+    return from_dict(config_values(args))

@@ -234,15 +234,14 @@ class Trainer:
         pad_id = self.tokenizer.pad_token_id
         return rollout_from_generations(kept_gens, advantages, pad_id, self.top_k), stats
 
-    def _to_device(self, rollout: Rollout) -> Rollout:
-        return dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(self.device)
-                                               for f in dataclasses.fields(rollout)
-                                               if isinstance(getattr(rollout, f.name), torch.Tensor)})
-
     @torch.no_grad()
-    def _recompute(self, rollout: Rollout) -> Rollout:
-        """Fill what the objective needs beyond the rollout: pi_old (anchor='old'), mu's full
-        distribution (estimator 'full', recomputed with the weights that sampled), the reference."""
+    def prepare(self, rollout: Rollout) -> Rollout:
+        """The rollout on the training device, with what the objective needs beyond it: pi_old
+        (anchor='old'), mu's full distribution (estimator 'full', recomputed with the weights that
+        sampled), the reference model's log-probs (KL penalty)."""
+        rollout = dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(self.device)
+                                                  for f in dataclasses.fields(rollout)
+                                                  if isinstance(getattr(rollout, f.name), torch.Tensor)})
         cfg, temperature = self.loss_config, self.config.temperature
         need_old = cfg.anchor == "old"
         need_full = cfg.estimator == "full"
@@ -309,7 +308,7 @@ class Trainer:
         if rollout is None:
             self.console.print(f"step {self.step + 1}: every group had equal rewards; no update")
         else:
-            rollout = self._recompute(self._to_device(rollout))
+            rollout = self.prepare(rollout)
             update_start = time.time()
             metrics.update(self.update(rollout))
             trained = rollout.response_mask.sum().item() * self.config.epochs

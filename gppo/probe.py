@@ -1,0 +1,198 @@
+"""`gppo probe`: how faithful is each estimator to the exact divergence on a real model's tokens?
+
+Procedure: sample one rollout batch from the model (mu), apply one GPPO update with the trainer's
+own `update` (preset, lr, epochs and mini-batches from the settings; `PROBE_DEFAULTS` give a few
+mini-batch steps at lr 1e-3, enough to move the policy measurably), which gives pi. Then recompute
+mu and pi on the same tokens in float64 and, for every divergence and estimator, compare the
+estimate D-hat with the exact full-vocabulary D_f(pi || mu) (estimator 'full') on every token:
+
+- bias: mean(D-hat - D_f);
+- spearman: rank correlation of D-hat and D_f over tokens (ties share their average rank);
+- disagree: fraction of tokens where (D-hat > delta) != (D_f > delta), overall and per
+  mu-probability bucket of the sampled token (`gppo.core.loss.Q_BUCKETS`); delta is the
+  divergence's matched radius (`gppo.theory.matched_radii`, the binary/full radii), delta_high
+  where pi(a) > mu(a) and delta_low elsewhere, as the directional mask uses them;
+- violations: tokens where a lower-bound estimator (all but 'sample', which is not a bound)
+  exceeds D_f by more than 1e-6; data processing says there are none, so a count > 0 is a bug.
+
+Also reported: the mu-mass covered by mu's top-K (mean over tokens), for K in `mass_ks`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+import gppo
+from gppo.core.estimators import ESTIMATORS
+from gppo.core.loss import Q_BUCKET_EDGES, Q_BUCKETS
+from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
+from gppo.theory import matched_radii
+from gppo.report import markdown_table, print_table, pyplot, text_color, write_csv
+from gppo.trainer.batch import Rollout, response_logits
+from gppo.trainer.config import ConfigError, from_dict
+from gppo.trainer.trainer import Trainer
+
+PROBE_DEFAULTS = dict(lr=1e-3, epochs=1, prompts_per_step=32, group_size=8, mini_batch_size=64,
+                      micro_batch_size=64, progress=False)
+MASS_KS = (1, 5, 20, 50)
+VIOLATION_TOL = 1e-6
+
+
+def average_ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks 1..n of the values of x (float64); tied values share the mean of their positions."""
+    sorted_x, order = torch.sort(x)
+    _, inverse, counts = torch.unique_consecutive(sorted_x, return_inverse=True, return_counts=True)
+    last = counts.cumsum(0).to(torch.float64)  # 1-based position of each tie group's last member
+    ranks = torch.empty(len(x), dtype=torch.float64, device=x.device)
+    ranks[order] = (last - (counts - 1) / 2)[inverse]
+    return ranks
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Spearman's rho: Pearson correlation of the average ranks; NaN when x or y is constant."""
+    rx, ry = average_ranks(x), average_ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denominator = (rx.square().sum() * ry.square().sum()).sqrt()
+    return float((rx * ry).sum() / denominator) if denominator > 0 else math.nan
+
+
+@torch.no_grad()
+def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, divergences, config: gppo.GPPOConfig,
+                 mass_ks=MASS_KS, chunk: int = 64) -> dict:
+    """Per generated token (1-D tensors): q = mu(a), up = pi(a) > mu(a), mu's top-K mass 'mass@K', and
+    every estimate, keyed (divergence, estimator). top_k, top_p and alpha come from `config`."""
+    parts = defaultdict(list)
+    for index in torch.arange(rollout.size, device=rollout.input_ids.device).split(chunk):
+        sub = rollout.select(index)
+        log_mu = torch.log_softmax(response_logits(mu_model, sub, temperature).double(), -1)
+        log_pi = torch.log_softmax(response_logits(pi_model, sub, temperature).double(), -1)
+        vocab = log_mu.shape[-1]
+        topk_logq, topk_ids = log_mu.topk(min(config.top_k, vocab), -1)
+        ids = sub.token_ids[..., None]
+        batch = gppo.TokenBatch(
+            logp=log_pi.gather(-1, ids).squeeze(-1), logp_behavior=log_mu.gather(-1, ids).squeeze(-1),
+            advantages=torch.zeros(len(index), device=log_mu.device), mask=sub.response_mask,
+            token_ids=sub.token_ids, topk_ids=topk_ids, topk_logp_behavior=topk_logq,
+            topk_logp=log_pi.gather(-1, topk_ids), logits=log_pi, logp_behavior_full=log_mu)
+        valid = sub.response_mask.bool()
+        parts["q"].append(batch.logp_behavior.exp()[valid])
+        parts["up"].append((batch.logp > batch.logp_behavior)[valid])
+        covered = log_mu.exp().sort(-1, descending=True).values.cumsum(-1)
+        for k in mass_ks:
+            parts[f"mass@{k}"].append(covered[..., min(k, vocab) - 1][valid])
+        for div in divergences:
+            for est in ESTIMATORS:
+                point = gppo.GPPOConfig(divergence=div, alpha=config.alpha, estimator=est, rule="mask",
+                                        top_k=min(config.top_k, vocab), top_p=config.top_p)
+                parts[(div, est)].append(gppo.estimate(point, batch)[valid])
+    return {key: torch.cat(values) for key, values in parts.items()}
+
+
+def q_buckets(q: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Membership of each token in the mu-probability buckets of the loss metrics."""
+    return {name: (q >= lo) & ((q < hi) if hi < 1 else (q <= hi))
+            for name, lo, hi in zip(Q_BUCKETS, Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:])}
+
+
+def faithfulness(tokens: dict, delta: float, alpha: float = 0.5) -> list[dict]:
+    """One row per (divergence, estimator): bias, Spearman, decision disagreement and violations
+    against the exact D_f (see the module docstring)."""
+    divergences = list(dict.fromkeys(key[0] for key in tokens if isinstance(key, tuple)))
+    buckets = q_buckets(tokens["q"])
+    rows = []
+    for div in divergences:
+        low, high = matched_radii(make_divergence(div, alpha), "full", delta)
+        threshold = torch.where(tokens["up"], high, low)
+        exact = tokens[(div, "full")]
+        for est in ESTIMATORS:
+            value = tokens[(div, est)]
+            disagree = (value > threshold) != (exact > threshold)
+            row = {"divergence": div, "estimator": est, "delta_low": low, "delta_high": high,
+                   "tokens": len(value), "exact_mean": exact.mean().item(), "estimate_mean": value.mean().item(),
+                   "bias": (value - exact).mean().item(), "spearman": spearman(value, exact),
+                   "disagree": disagree.double().mean().item(),
+                   "violations": None if est == "sample" else int((value - exact > VIOLATION_TOL).sum())}
+            for name, member in buckets.items():
+                row[f"disagree {name}"] = disagree[member].double().mean().item() if member.any() else math.nan
+            rows.append(row)
+    return rows
+
+
+def plot_probe(rows: list[dict], path: Path, title: str) -> Path:
+    """Two Divergence x Estimator images: Spearman with the exact D_f, and the disagreement fraction."""
+    plt = pyplot()
+    divs = list(dict.fromkeys(r["divergence"] for r in rows))
+    ests = list(ESTIMATORS)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 * len(divs) + 2.2))
+    for ax, key, cmap, limits in zip(axes, ("spearman", "disagree"), ("viridis", "magma_r"), ((-1, 1), (0, None))):
+        grid = np.full((len(divs), len(ests)), np.nan)
+        for r in rows:
+            grid[divs.index(r["divergence"]), ests.index(r["estimator"])] = r[key]
+        image = ax.imshow(grid, cmap=cmap, vmin=limits[0], vmax=limits[1], aspect="auto")
+        for (i, j), value in np.ndenumerate(grid):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8, color=text_color(image, value))
+        fig.colorbar(image, ax=ax)
+        ax.set_xticks(range(len(ests)), ests)
+        ax.set_yticks(range(len(divs)), divs)
+        ax.set_title(f"{key} vs exact D_f")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, divergences=DEFAULT_DIVERGENCES,
+              mass_ks=MASS_KS, console: Console | None = None) -> dict:
+    """Sample, update once, compare every estimator with the exact D_f; write probe.csv, probe.md and
+    probe.png into `out`. Returns {"rows", "mass", "token_share", "update"}."""
+    console = console or Console()
+    if "output_dir" in base:
+        raise ConfigError("the probe writes into `out` (--out), not output_dir: remove output_dir")
+    matched_radii("tv", "full", delta)  # checks delta before any work
+    out = Path(out)
+    config = from_dict({**PROBE_DEFAULTS, **base, "output_dir": str(out)})
+    trainer = Trainer(config, console=console)
+    rollout, rollout_stats = trainer.rollout()
+    if rollout is None or not rollout.advantages.abs().max() > 0:
+        raise ValueError("every group of the rollout had equal rewards, so the update would not move the policy: "
+                         "use a model that solves some problems (the embedded warm start), more prompts "
+                         "(--prompts_per_step) or a graded reward (--reward_funcs)")
+    rollout = trainer.prepare(rollout)
+    mu_model = copy.deepcopy(trainer.model)
+    update = trainer.update(rollout)
+    loss_config = config.gppo_config()
+    tokens = token_values(mu_model, trainer.model, rollout, config.temperature, divergences, loss_config, mass_ks,
+                          config.micro_batch_size)
+    rows = faithfulness(tokens, delta, loss_config.alpha)
+    mass = {k: tokens[f"mass@{k}"].mean().item() for k in mass_ks}
+    share = {name: member.double().mean().item() for name, member in q_buckets(tokens["q"]).items()}
+
+    write_csv(rows, out / "probe.csv")
+    header = ["divergence", "estimator", "δ low / high", "exact mean", "bias", "spearman", "disagree",
+              *Q_BUCKETS, "violations"]
+    body = [[r["divergence"], r["estimator"], f"{r['delta_low']:.4g} / {r['delta_high']:.4g}",
+             f"{r['exact_mean']:.3g}", f"{r['bias']:.3g}", f"{r['spearman']:.3f}", f"{r['disagree']:.3f}",
+             *(f"{r[f'disagree {b}']:.3f}" for b in Q_BUCKETS),
+             "" if r["violations"] is None else str(r["violations"])] for r in rows]
+    setting = (f"{len(tokens['q'])} tokens; update: preset {config.preset}, lr {config.lr:g}, epochs {config.epochs}, "
+               f"{math.ceil(rollout.size / config.mini_batch_size)} mini-batches of {config.mini_batch_size} sequences "
+               f"(masked fraction {update.get('loss/masked_frac', math.nan):.3f}, rollout accuracy "
+               f"{rollout_stats['rollout/accuracy']:.3f}); decisions at radii matched to TV delta={delta:g} at q=0.5")
+    mass_table = markdown_table(["K", *map(str, mass_ks)],
+                                [["mu-mass of mu's top-K", *(f"{v:.4f}" for v in mass.values())]])
+    share_table = markdown_table(["bucket of mu(a)", *Q_BUCKETS],
+                                 [["share of tokens", *(f"{v:.3f}" for v in share.values())]])
+    (out / "probe.md").write_text(f"# gppo probe: {out}\n\n{setting}\n\n" + markdown_table(header, body)
+                                  + "\n" + mass_table + "\n" + share_table)
+    plot_probe(rows, out / "probe.png", setting)
+    print_table(console, "estimator faithfulness (disagree per bucket of mu(a))", header, body)
+    console.print(f"{setting}\nmu-mass of mu's top-K: " + ", ".join(f"K={k}: {v:.4f}" for k, v in mass.items()))
+    return {"rows": rows, "mass": mass, "token_share": share, "update": update}

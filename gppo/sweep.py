@@ -1,0 +1,320 @@
+"""`gppo sweep`: many runs (Divergence x Estimator x seeds, or presets x seeds) and their summary.
+
+Every run is an ordinary run directory OUT/<cell>-s<seed> written by `Trainer`, from the base
+training settings plus the cell's point. Grid cells use the directional mask (rule='mask',
+anchor='behavior') unless the base settings override rule or anchor; presets keep their own
+radii. Runs execute in up to `workers` processes (each with threads=1 unless set). A rerun skips
+runs that have summary.json, resumes those with a checkpoint (`Trainer.resume`), and starts the
+rest again (a run that stopped before its first checkpoint loses its metrics.jsonl).
+
+Radii: `delta` is a reference TV radius at q = 0.5, converted for each (divergence, estimator)
+by `gppo.theory.matched_radii` into the radii whose ratio interval at q = 0.5 is
+[1 - 2 delta, 1 + 2 delta] (topk, topp and full have no ratio interval and get the binary radii,
+which bound them from above: their estimates are >= binary's, so they move no further).
+
+Summary over seeds, per cell (OUT/sweep.csv, OUT/sweep.md, OUT/heatmap.png for a grid):
+- greedy, avg_at_k: held-out accuracy at the last evaluation; mean +- ci, where ci is the half
+  width of the 95% t-interval t_{0.975, n-1} s / sqrt(n) over the n seeds (s: sample std).
+- auc: area under eval/avg@k against the step (trapezoid over evaluated steps, step 0 included)
+  divided by the step range: the curve's mean level, in accuracy units.
+- steps_to_target: first evaluated step with avg@k >= target, averaged over the seeds that reach
+  it (target_reached counts them).
+- masked_frac, entropy: loss/masked_frac and loss/entropy averaged over the last 10 steps.
+- train_seconds: sum of perf/step_seconds (rollout + update; evaluations and start-up excluded).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from gppo.core.estimators import ESTIMATORS
+from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
+from gppo.theory import matched_radii
+from gppo.report import markdown_table, print_table, pyplot, text_color, write_csv
+from gppo.trainer.checkpoint import latest_checkpoint
+from gppo.trainer.config import ConfigError, TrainConfig, from_dict
+from gppo.trainer.logging import MetricsLog
+from gppo.trainer.trainer import Trainer
+
+LAST_STEPS = 10  # window of the end-of-run averages (masked fraction, entropy)
+# Keys the sweep sets itself: base settings may not give them (CLI flag to use instead).
+SET_BY_SWEEP = {"seed": "--seeds", "output_dir": "--out", "preset": "--presets (or the grid)"}
+SET_BY_GRID = {"divergence": "--divergences", "estimator": "--estimators", "delta_low": "--delta",
+               "delta_high": "--delta"}
+GRID_POINT = {"preset": "gppo", "rule": "mask", "anchor": "behavior"}  # base settings may override rule, anchor
+IGNORED_ON_RERUN = ("threads", "progress")  # may differ between a run and its rerun
+
+# t_{0.975, df} for df = 1..30 (two-sided 95%); larger df use the expansion in `t_quantile_975`.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+_Z975 = 1.959964
+
+
+def t_quantile_975(df: int) -> float:
+    """Student-t 97.5% quantile: table for df <= 30, else z + (z^3 + z)/(4 df) + (5z^5 + 16z^3 + 3z)/(96 df^2)
+    (Abramowitz & Stegun 26.7.5; error < 1e-3 for df > 30)."""
+    if df < 1:
+        raise ValueError(f"df must be >= 1 (got {df})")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = _Z975
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def mean_ci(values) -> tuple[float, float]:
+    """(mean, half width of the 95% t-interval) of the finite values; NaN where undefined."""
+    x = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
+    if len(x) == 0:
+        return math.nan, math.nan
+    if len(x) == 1:
+        return float(x[0]), math.nan
+    return float(x.mean()), t_quantile_975(len(x) - 1) * float(x.std(ddof=1)) / math.sqrt(len(x))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of the sweep: the cell it belongs to, its seed and its full configuration."""
+
+    cell: str
+    seed: int
+    config: TrainConfig
+
+
+def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
+         delta: float | None = None) -> list[Job]:
+    """The runs of a grid (divergences x estimators, the default; `delta` defaults to DEFAULT_DELTA)
+    or of `presets` (with their own radii), times `seeds`."""
+    refused = {**SET_BY_SWEEP, **({} if presets else SET_BY_GRID)}
+    for key in base:
+        if key in refused:
+            raise ConfigError(f"the sweep sets {key!r} for every run: remove it from the base settings and "
+                              f"use {refused[key]}")
+    if presets and (divergences or estimators):
+        raise ConfigError("give either presets or a grid (divergences / estimators), not both")
+    if presets and delta is not None:
+        raise ConfigError("--delta sets the grid's radii; presets keep their own (override them with "
+                          "--delta_low / --delta_high)")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds must be a non-empty list without repeats (got {list(seeds)})")
+    common = {"threads": 1, **base, "progress": False}
+    if presets:
+        cells = [(name, {**common, "preset": name}) for name in presets]
+    else:
+        cells = []
+        for div in divergences or DEFAULT_DIVERGENCES:
+            for est in estimators or list(ESTIMATORS):
+                try:
+                    low, high = matched_radii(make_divergence(div, base.get("alpha", 0.5)), est,
+                                              DEFAULT_DELTA if delta is None else delta)
+                except ValueError as err:
+                    raise ConfigError(f"--delta / --divergences: {err}") from None
+                cells.append((f"{div}-{est}", {**GRID_POINT, **common, "divergence": div, "estimator": est,
+                                               "delta_low": low, "delta_high": high}))
+    out = Path(out)
+    return [Job(cell, seed, from_dict({**values, "seed": seed, "output_dir": str(out / f"{cell}-s{seed}")}))
+            for cell, values in cells for seed in seeds]
+
+
+def _check_rerun(job: Job) -> None:
+    """A run directory left by an earlier sweep must hold the same configuration."""
+    saved_file = job.config.run_dir() / "config.yaml"
+    if not saved_file.is_file():
+        return
+    saved, planned = yaml.safe_load(saved_file.read_text()), job.config.to_dict()
+    changed = sorted(k for k in set(saved) | set(planned)
+                     if k not in IGNORED_ON_RERUN and saved.get(k) != planned.get(k))
+    if changed:
+        diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {planned.get(k)!r}" for k in changed[:5])
+        raise ConfigError(f"{job.config.run_dir()} was run with other settings ({diffs}): use another --out, "
+                          "or delete that run directory to redo it")
+
+
+def run_job(config: TrainConfig) -> None:
+    """Train one run to the end: resume it from its last checkpoint, or start it (again)."""
+    run_dir = config.run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "console.log", "a") as log:
+        console = Console(file=log, width=120)
+        try:
+            if latest_checkpoint(run_dir) is not None:
+                trainer = Trainer.resume(run_dir, {"threads": config.threads}, console=console)
+            else:
+                (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # stopped before its first checkpoint
+                trainer = Trainer(config, console=console)
+            trainer.train()
+        except Exception:
+            console.print_exception()
+            raise
+
+
+def _execute(jobs: list[Job], workers: int):
+    """Yield (job, error or None) as runs finish: in this process for workers=1, else in a pool."""
+    if workers == 1:
+        for job in jobs:
+            try:
+                run_job(job.config)
+                yield job, None
+            except Exception as err:  # one failed run must not stop the sweep
+                yield job, err
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(run_job, job.config): job for job in jobs}
+        for future in as_completed(futures):
+            yield futures[future], future.exception()
+
+
+# ------------------------------------------------------------------------------ summary
+def run_stats(run_dir: Path, target: float | None) -> dict:
+    """The per-run numbers of the summary (see the module docstring), from metrics.jsonl."""
+    records = MetricsLog(run_dir / "metrics.jsonl", [], {}).read()
+    evals = [r for r in records if "eval/avg@k" in r]
+    if not evals:
+        raise ValueError(f"{run_dir}/metrics.jsonl holds no evaluation")
+    steps = np.array([r["step"] for r in evals], dtype=np.float64)
+    avg = np.array([r["eval/avg@k"] for r in evals])
+    auc = float(avg[0]) if len(evals) == 1 else float(np.trapezoid(avg, steps) / (steps[-1] - steps[0]))
+    reached = [r["step"] for r in evals if target is not None and r["eval/avg@k"] >= target]
+    last = [r for r in records if r["step"] > 0][-LAST_STEPS:]
+
+    def tail_mean(key):
+        values = [r[key] for r in last if key in r]
+        return float(np.mean(values)) if values else math.nan
+
+    return {"greedy": evals[-1]["eval/greedy"], "avg_at_k": evals[-1]["eval/avg@k"], "auc": auc,
+            "steps_to_target": reached[0] if reached else None, "masked_frac": tail_mean("loss/masked_frac"),
+            "entropy": tail_mean("loss/entropy"),
+            "train_seconds": float(sum(r.get("perf/step_seconds", 0.0) for r in records))}
+
+
+def summarize(jobs: list[Job], target: float | None) -> list[dict]:
+    """One row per cell over its finished seeds, with the exact radii it used."""
+    rows = []
+    for cell in dict.fromkeys(job.cell for job in jobs):
+        cell_jobs = [j for j in jobs if j.cell == cell]
+        loss = cell_jobs[0].config.gppo_config()
+        stats = [run_stats(j.config.run_dir(), target) for j in cell_jobs
+                 if (j.config.run_dir() / "summary.json").is_file()]
+        row = {"cell": cell, "preset": cell_jobs[0].config.preset, "divergence": loss.divergence,
+               "estimator": loss.estimator, "rule": loss.rule,
+               "delta_low": loss.delta_low if loss.uses_estimate else None,
+               "delta_high": loss.delta_high if loss.uses_estimate else None,
+               "seeds": len(stats)}
+        for key in ("greedy", "avg_at_k", "auc"):
+            row[key], row[f"{key}_ci"] = mean_ci([s[key] for s in stats])
+        hits = [s["steps_to_target"] for s in stats if s["steps_to_target"] is not None]
+        row["steps_to_target"] = float(np.mean(hits)) if hits else None
+        row["target_reached"] = f"{len(hits)}/{len(stats)}" if target is not None else None
+        for key in ("masked_frac", "entropy", "train_seconds"):
+            row[key] = mean_ci([s[key] for s in stats])[0]
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _pm(row: dict, key: str) -> str:
+    ci = _fmt(row[f"{key}_ci"])
+    return _fmt(row[key]) + (f" ± {ci}" if ci else "")
+
+
+def display_rows(rows: list[dict], target: float | None) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted cells of the summary table (shared by sweep.md and the console)."""
+    header = ["cell", "rule", "δ low / high", "seeds", "greedy", "avg@k", "AUC avg@k",
+              f"steps to {target:g}" if target is not None else "steps to target", "masked", "entropy", "train s"]
+    body = []
+    for r in rows:
+        steps = "" if target is None else (f"{r['steps_to_target']:.0f} ({r['target_reached']})"
+                                           if r["steps_to_target"] is not None else "not reached")
+        delta = f"{r['delta_low']:.4g} / {r['delta_high']:.4g}" if r["delta_low"] is not None else ""
+        body.append([r["cell"], r["rule"], delta, str(r["seeds"]), _pm(r, "greedy"), _pm(r, "avg_at_k"),
+                     _pm(r, "auc"), steps, _fmt(r["masked_frac"]), _fmt(r["entropy"]), _fmt(r["train_seconds"], ".1f")])
+    return header, body
+
+
+def plot_heatmap(rows: list[dict], path: Path, title: str) -> Path:
+    """Divergence x Estimator image of the final avg@k mean, annotated with mean ± ci."""
+    plt = pyplot()
+    divs = list(dict.fromkeys(r["divergence"] for r in rows))
+    ests = list(dict.fromkeys(r["estimator"] for r in rows))
+    grid = np.full((len(divs), len(ests)), np.nan)
+    for r in rows:
+        grid[divs.index(r["divergence"]), ests.index(r["estimator"])] = r["avg_at_k"]
+    fig, ax = plt.subplots(figsize=(1.5 * len(ests) + 2.5, 0.7 * len(divs) + 1.8))
+    image = ax.imshow(grid, cmap="viridis", aspect="auto")
+    for r in rows:
+        ax.text(ests.index(r["estimator"]), divs.index(r["divergence"]), _pm(r, "avg_at_k").replace(" ± ", "\n± "),
+                ha="center", va="center", fontsize=8, color=text_color(image, r["avg_at_k"]))
+    fig.colorbar(image, ax=ax, label="final avg@k (mean over seeds)")
+    ax.set_xticks(range(len(ests)), ests)
+    ax.set_yticks(range(len(divs)), divs)
+    ax.set_xlabel("estimator")
+    ax.set_ylabel("divergence")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_summary(rows: list[dict], out: Path, target: float | None, note: str, heatmap_title: str | None) -> None:
+    """sweep.csv (exact numbers), sweep.md (the formatted table) and, given a title, heatmap.png."""
+    write_csv(rows, out / "sweep.csv")
+    (out / "sweep.md").write_text(f"# gppo sweep: {out}\n\n{note}\n\n" + markdown_table(*display_rows(rows, target)))
+    finished = [r for r in rows if r["seeds"]]
+    if heatmap_title and finished:
+        plot_heatmap(finished, out / "heatmap.png", heatmap_title)
+
+
+# ------------------------------------------------------------------------------ entry point
+def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
+              delta: float | None = None, workers: int | None = None, target: float | None = None,
+              progress: bool = True, console: Console | None = None) -> dict:
+    """Run (or finish) every run of the sweep, then write sweep.csv, sweep.md and, for a grid,
+    heatmap.png into `out`. Returns {"rows", "trained", "skipped", "failed"}.
+
+    workers > 1 starts worker processes with 'spawn' (fork is unsafe after torch has started its
+    thread pools), which re-imports the calling script: guard it with `if __name__ == "__main__":`.
+    """
+    console = console or Console()
+    workers = workers or os.cpu_count() or 1
+    if workers < 1:
+        raise ConfigError(f"workers must be >= 1 (got {workers})")
+    jobs = plan(base, out, seeds, divergences, estimators, presets, delta)
+    for job in jobs:
+        _check_rerun(job)
+    todo = [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
+    failed = []
+    columns = [TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
+    with Progress(*columns, console=console, disable=not progress) as bar:
+        task = bar.add_task("runs", total=len(jobs), completed=len(jobs) - len(todo),
+                            info=f"{len(todo)} to run, {min(workers, len(todo))} at a time")
+        for job, error in _execute(todo, min(workers, max(len(todo), 1))):
+            if error is not None:
+                failed.append(str(job.config.run_dir()))
+                bar.console.print(f"[red]failed[/] {job.config.run_dir()}: {error} (see console.log there)")
+            bar.update(task, advance=1, info=f"last: {job.cell} seed {job.seed}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(jobs, target)
+    delta = DEFAULT_DELTA if delta is None else delta
+    note = (f"{len(seeds)} seeds per cell; base settings {base or 'defaults'}; "
+            + ("presets keep their radii" if presets else
+               f"radii matched to TV delta={delta:g} at q=0.5 (interval [1-2δ, 1+2δ])"))
+    title = None if presets else f"final held-out avg@k, mean ± 95% CI over seeds (δ: TV {delta:g} at q=0.5, matched)"
+    write_summary(rows, out, target, note, title)
+    print_table(console, f"gppo sweep ({out})", *display_rows(rows, target))
+    return {"rows": rows, "trained": len(todo) - len(failed), "skipped": len(jobs) - len(todo), "failed": failed}

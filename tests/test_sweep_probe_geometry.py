@@ -1,0 +1,221 @@
+"""`gppo sweep`, `gppo probe`, `gppo geometry`: statistics against hand-computed values, and each
+command end to end on a micro model (resume and skip of sweep runs, probe consistency, closed-form
+ratio intervals)."""
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gppo import theory
+from gppo.cli import main
+from gppo.theory import matched_radii
+from gppo.models.embedded import build_model, build_tokenizer
+from gppo.probe import average_ranks, faithfulness, spearman
+from gppo.sweep import mean_ci, plan, run_stats, run_sweep, t_quantile_975
+from gppo.trainer import ConfigError, Trainer
+
+MICRO_RUN = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "6",
+             "--eval_size", "8", "--eval_samples", "2", "--eval_every", "1", "--mini_batch_size", "16",
+             "--micro_batch_size", "16", "--save_every", "1", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("micro")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------------------ statistics
+def test_t_quantiles_integrate_to_975_percent():
+    """Each tabulated / expanded quantile has Student-t CDF 0.975 (trapezoid over the density)."""
+    for df in (1, 2, 5, 30, 31, 60):
+        t = t_quantile_975(df)
+        x = np.linspace(0.0, t, 200_001)
+        log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+        density = np.exp(log_norm - (df + 1) / 2 * np.log1p(x * x / df))
+        assert 0.5 + np.trapezoid(density, x) == pytest.approx(0.975, abs=2e-5), df
+
+
+def test_mean_ci_by_hand():
+    mean, ci = mean_ci([1.0, 2.0, 3.0])  # s = 1, n = 3
+    assert mean == 2.0 and ci == pytest.approx(4.303 / math.sqrt(3))
+    assert mean_ci([0.5, None, math.nan]) == (0.5, pytest.approx(math.nan, nan_ok=True))
+    assert all(math.isnan(v) for v in mean_ci([]))
+
+
+def test_run_stats_by_hand(tmp_path):
+    records = [{"step": 0, "eval/greedy": 0.1, "eval/avg@k": 0.2}]
+    for step in range(1, 13):
+        records.append({"step": step, "loss/masked_frac": 0.01 * step, "loss/entropy": 1.0 + step,
+                        "perf/step_seconds": 2.0})
+    records[6].update({"eval/greedy": 0.5, "eval/avg@k": 0.6})  # step 6
+    records[12].update({"eval/greedy": 0.7, "eval/avg@k": 0.5})  # step 12
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats = run_stats(tmp_path, target=0.55)
+    # trapezoid: 6 * (0.2 + 0.6) / 2 + 6 * (0.6 + 0.5) / 2 = 5.7 over 12 steps
+    assert stats["auc"] == pytest.approx(5.7 / 12)
+    assert (stats["greedy"], stats["avg_at_k"], stats["steps_to_target"]) == (0.7, 0.5, 6)
+    assert stats["masked_frac"] == pytest.approx(0.01 * np.mean(range(3, 13)))  # last 10 steps
+    assert stats["entropy"] == pytest.approx(1.0 + np.mean(range(3, 13)))
+    assert stats["train_seconds"] == pytest.approx(24.0)
+    assert run_stats(tmp_path, target=0.9)["steps_to_target"] is None
+
+
+def test_spearman_with_ties_by_hand():
+    assert average_ranks(torch.tensor([3.0, 1.0, 3.0, 2.0])).tolist() == [3.5, 1.0, 3.5, 2.0]
+    # ranks x = (1, 2.5, 2.5, 4), y = (1, 3, 2, 4): Pearson = 4.5 / sqrt(4.5 * 5)
+    rho = spearman(torch.tensor([1.0, 2.0, 2.0, 3.0]), torch.tensor([1.0, 3.0, 2.0, 4.0]))
+    assert rho == pytest.approx(4.5 / math.sqrt(4.5 * 5))
+    assert spearman(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([9.0, 4.0, 1.0])) == pytest.approx(-1.0)
+    assert math.isnan(spearman(torch.ones(3), torch.tensor([1.0, 2.0, 3.0])))
+
+
+def test_faithfulness_counts_violations_and_disagreements():
+    """Synthetic tokens: one 'binary' value above the exact one is a violation; thresholds are
+    the matched radius on the side of the move."""
+    delta_tv = 0.15
+    exact = torch.tensor([0.01, 0.2, 0.3, 0.05], dtype=torch.float64)
+    tokens = {"q": torch.tensor([0.0005, 0.05, 0.3, 0.9]), "up": torch.tensor([True, False, True, True])}
+    for est in ("sample", "cell", "binary", "topk", "topp", "full"):
+        tokens[("tv", est)] = exact.clone()
+    tokens[("tv", "binary")] = torch.tensor([0.2, 0.2, 0.1, 0.05], dtype=torch.float64)  # token 0 over, token 2 under
+    rows = {r["estimator"]: r for r in faithfulness(tokens, delta_tv)}
+    binary = rows["binary"]
+    assert binary["violations"] == 1 and rows["sample"]["violations"] is None
+    assert binary["disagree"] == 0.5  # tokens 0 and 2 cross delta = 0.15 on one side only
+    assert binary["disagree q[0,0.001)"] == 1.0 and binary["disagree q[0.5,1]"] == 0.0
+    assert math.isnan(binary["disagree q[0.001,0.01)"])
+    assert binary["bias"] == pytest.approx((0.19 - 0.2) / 4)
+    assert rows["full"]["spearman"] == pytest.approx(1.0) and rows["full"]["disagree"] == 0.0
+
+
+# ------------------------------------------------------------------------------ matched radii
+def test_matched_radii_give_one_interval_at_q_half():
+    delta = 0.15
+    for name in ("tv", "kl", "chi2", "js"):
+        for est in ("sample", "cell", "binary"):
+            low, high = matched_radii(name, est, delta)
+            lo, hi = theory.ratio_interval(name, est, [0.5], low, high)
+            assert (lo[0], hi[0]) == (pytest.approx(1 - 2 * delta, rel=1e-6), pytest.approx(1 + 2 * delta, rel=1e-6))
+        assert matched_radii(name, "topk", delta) == matched_radii(name, "binary", delta)
+    assert matched_radii("chi2", "cell", delta)[1] == pytest.approx(0.5 * (2 * delta) ** 2)  # RIPO's 0.045
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 0.5\)"):
+        matched_radii("kl", "binary", 0.5)
+
+
+# ------------------------------------------------------------------------------ sweep
+def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
+    out = tmp_path / "sweep"
+    grid = ["--divergences", "tv", "kl", "--estimators", "binary", "topk", "--seeds", "0", "1", "--delta", "0.15"]
+    base = {"model": str(micro_model), "steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6,
+            "eval_size": 8, "eval_samples": 2, "eval_every": 1, "mini_batch_size": 16, "micro_batch_size": 16,
+            "save_every": 1, "lr": 1e-3}
+    jobs = plan(base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], delta=0.15)
+    assert [(j.cell, j.seed) for j in jobs][:3] == [("tv-binary", 0), ("tv-binary", 1), ("tv-topk", 0)]
+    # an interrupted run: stopped after step 1 of 2, with its checkpoint
+    interrupted = jobs[0].config
+    assert Trainer(interrupted).train(stop_after=1) is None
+    before = (interrupted.run_dir() / "metrics.jsonl").read_text().splitlines()
+
+    assert main(["sweep", "--model", str(micro_model), "--out", str(out), "--workers", "1", "--target", "0.5",
+                 *grid, *MICRO_RUN]) == 0
+    after = (interrupted.run_dir() / "metrics.jsonl").read_text().splitlines()
+    assert after[:2] == before and len(after) == 3  # steps 0 and 1 kept, step 2 trained on resume
+    assert "resumed" in (interrupted.run_dir() / "console.log").read_text()
+
+    rows = read_csv(out / "sweep.csv")
+    assert [r["cell"] for r in rows] == ["tv-binary", "tv-topk", "kl-binary", "kl-topk"]
+    assert all(r["seeds"] == "2" and r["rule"] == "mask" for r in rows)
+    kl = rows[2]
+    assert float(kl["delta_high"]) == pytest.approx(theory.matched_radii("kl", "binary", 0.15)[1])
+    assert float(rows[0]["delta_low"]) == pytest.approx(0.15)
+    assert kl["target_reached"] == "0/2"  # the untrained micro model solves nothing
+    assert "| tv-binary | mask | 0.15 / 0.15 | 2 |" in (out / "sweep.md").read_text()
+    assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
+
+    summaries = sorted(out.glob("*/summary.json"))
+    assert len(summaries) == 8
+    stamps = [p.stat().st_mtime_ns for p in summaries]
+    rerun = run_sweep(base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], workers=1, progress=False)
+    assert (rerun["trained"], rerun["skipped"], rerun["failed"]) == (0, 8, [])
+    assert [p.stat().st_mtime_ns for p in summaries] == stamps
+
+    with pytest.raises(ConfigError, match="was run with other settings.*lr"):
+        run_sweep({**base, "lr": 1e-4}, out, [0, 1], ["tv", "kl"], ["binary", "topk"], workers=1, progress=False)
+
+
+def test_sweep_plans_presets_and_refuses_what_it_sets(tmp_path):
+    jobs = plan({"steps": 5}, tmp_path, [3], presets=["ppo", "ripo"])
+    assert [(j.cell, j.seed, j.config.preset, j.config.threads) for j in jobs] == [("ppo", 3, "ppo", 1),
+                                                                                   ("ripo", 3, "ripo", 1)]
+    assert jobs[1].config.gppo_config().delta_high == 0.05  # presets keep their radii
+    assert jobs[0].config.run_dir() == tmp_path / "ppo-s3"
+    with pytest.raises(ConfigError, match="'seed'.*--seeds"):
+        plan({"seed": 1}, tmp_path)
+    with pytest.raises(ConfigError, match="'delta_low'.*--delta"):
+        plan({"delta_low": 0.1}, tmp_path)
+    with pytest.raises(ConfigError, match="not both"):
+        plan({}, tmp_path, presets=["ppo"], divergences=["kl"])
+    with pytest.raises(ConfigError, match="presets keep their own"):
+        plan({}, tmp_path, presets=["ppo"], delta=0.1)
+    with pytest.raises(ConfigError, match="divergence"):
+        plan({}, tmp_path, divergences=["kll"])
+
+
+def test_sweep_cli_names_the_closest_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["sweep", "--divergnces", "kl"])
+    assert "did you mean --divergences?" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ probe
+def test_probe_is_internally_consistent(micro_model, tmp_path):
+    out = tmp_path / "probe"
+    assert main(["probe", "--model", str(micro_model), "--out", str(out), "--divergences", "tv", "kl", "chi2",
+                 "--prompts_per_step", "8", "--group_size", "4", "--max_new_tokens", "6", "--mini_batch_size", "8",
+                 "--micro_batch_size", "16", "--reward_funcs", "tests.reward_fns:length_bonus", "--threads", "1",
+                 "--mass_k", "1", "5", "20", "64"]) == 0
+    rows = read_csv(out / "probe.csv")
+    assert len(rows) == 3 * 6
+    for r in rows:
+        assert float(r["exact_mean"]) > 0  # the update moved the policy
+        if r["estimator"] == "full":
+            assert float(r["spearman"]) == pytest.approx(1.0)
+            assert float(r["disagree"]) == 0.0 and float(r["bias"]) == 0.0
+        if r["estimator"] != "sample":
+            assert r["violations"] == "0" and float(r["bias"]) <= 0.0  # lower bounds of the exact D_f
+    md = (out / "probe.md").read_text()
+    mass = [float(x) for x in md.split("| mu-mass of mu's top-K |")[1].split("\n")[0].strip(" |").split(" | ")]
+    assert mass == sorted(mass) and mass[-1] == pytest.approx(1.0) and mass[0] < 1  # V = 55 < 64
+    assert (out / "probe.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------ geometry
+def test_geometry_csv_matches_closed_forms(tmp_path):
+    delta = 0.05
+    assert main(["geometry", "--raw", "--delta", str(delta), "--divergences", "tv", "chi2", "--points", "9",
+                 "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "geometry.csv")
+    assert len(rows) == 2 * 3 * 9
+    for r in rows:
+        q, lo, hi = float(r["q"]), float(r["lo"]), float(r["hi"])
+        # half widths, capped at p <= 1: PPO's interval is the same for every q (until the cap)
+        width = {("tv", "sample"): 2 * delta, ("chi2", "cell"): math.sqrt(delta / q),
+                 ("tv", "binary"): delta / q}.get((r["divergence"], r["estimator"]))
+        if width is not None:
+            assert lo == pytest.approx(max(0.0, 1 - width), rel=1e-6, abs=1e-12)
+            assert hi == pytest.approx(min(1 + width, 1 / q), rel=1e-6)
+    assert (tmp_path / "geometry.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["geometry", "--delta", "0.7", "--out", str(tmp_path)]) == 2  # matched radii need delta < 0.5
