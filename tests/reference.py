@@ -126,11 +126,12 @@ def cispo_loss(logp, logq, adv, mask, cap):
 
 
 def sapo_loss(logp, logq, adv, mask, tau_pos, tau_neg):
-    """SAPO (2511.20347): -sigma(tau (r - 1)) (4 / tau) A, tau by the sign of A; token-mean."""
+    """SAPO (2511.20347): -sigma(tau (r - 1)) (4 / tau) A, tau by the sign of A; mean over each
+    sequence's tokens, then over sequences."""
     r = torch.exp(logp - logq)
     a = adv[:, None].expand_as(r)
     tau = torch.where(a > 0, torch.full_like(r, tau_pos), torch.full_like(r, tau_neg))
-    return -(torch.sigmoid(tau * (r - 1)) * 4 / tau * a * mask).sum() / mask.sum()
+    return seq_mean_token_mean(-torch.sigmoid(tau * (r - 1)) * 4 / tau * a, mask)
 
 
 def dcpo_loss(logp, logq, adv, mask, eps_low, eps_high):

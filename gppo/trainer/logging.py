@@ -105,8 +105,12 @@ def plot_curves(records: list[dict], path: Path, title: str) -> Path | None:
     panels = [(name, keys) for name, keys in PLOTS if any(k in r for r in records for k in keys)]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
-    for ax, (name, keys) in zip(axes[0], panels):
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (name, keys) in zip(axes.flat, panels):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:

@@ -1,0 +1,205 @@
+"""TRL integration: `GPPOTrainer`, TRL's GRPOTrainer with the GPPO objective (`pip install gppo[trl]`).
+
+Generation, rewards, advantages, the reference model and logging stay TRL's; only the loss changes:
+`_compute_loss` (TRL's one extension point for the loss) builds a `gppo.TokenBatch` and calls
+`gppo.policy_loss` unchanged. Written against TRL 1.16.
+
+Which log-probs play which role (all at TRL's sampling temperature):
+- pi_old (logp_old): TRL's old-policy pass `old_per_token_logps` when TRL runs it (num_iterations > 1,
+  generation misaligned with optimizer steps, or vLLM), else the current log-probs detached (the
+  policy has not moved since generation);
+- mu (logp_behavior): vLLM's `sampling_per_token_logps` when vLLM generates (tokens vLLM could not
+  score fall back to pi_old, as in TRL), else pi_old, which is the sampling policy itself when
+  transformers' `generate` samples with the training weights;
+- top-K (estimators topk / topp): TRL records no top-K, so right after generation this trainer runs
+  one extra no-grad forward of the model that generated (the old-policy pass it controls) and keeps
+  that distribution's top-K ids and log-probs; the training forward then gathers the current
+  policy's log-probs at those ids from full logits. With transformers' `generate` that distribution
+  is mu. With vLLM it is pi_old (TRL asks vLLM for the sampled token's log-prob only), so top-K
+  needs anchor='old' there; anchor='behavior' is refused.
+Aggregation normalisers reproduce TRL's: token-mean divides by the accumulation window's token count
+(TRL's "dapo" normaliser), the sequence modes by its sequence count, and seq-mean-token-sum-norm's
+length defaults to max_completion_length (TRL's "dr_grpo").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+import torch
+from accelerate.utils import gather_object
+from trl import GRPOConfig, GRPOTrainer
+
+import gppo
+
+TOPK_ESTIMATORS = ("topk", "topp")
+# Inputs of TRL's log-prob pass for vision-language models, passed through unchanged.
+VISION_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+               "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# GRPOConfig fields that only TRL's own loss reads: gppo_preset / gppo_overrides replace them.
+TRL_LOSS_FIELDS = ("loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
+                   "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
+                   "vespo_k_neg", "vespo_lambda_neg")
+# GRPOConfig features implemented inside TRL's loss that GPPOTrainer does not apply.
+TRL_LOSS_FEATURES = ("top_entropy_quantile", "off_policy_mask_threshold", "entropy_coef",
+                     "use_adaptive_entropy")
+
+
+@dataclass
+class GPPOTrainerConfig(GRPOConfig):
+    """TRL's GRPOConfig plus the GPPO point: `gppo_preset` and `gppo_overrides`.
+
+    The KL penalty to the reference model is TRL's `beta` (gppo's kl_coef; estimator k3 by default,
+    as in TRL, without TRL's importance weight: use_bias_correction_kl=False is required when
+    beta != 0). TRL's own loss settings (loss_type, epsilon, ...) are refused when changed.
+    """
+
+    gppo_preset: str = field(default="gppo", metadata={"help": "GPPO preset: " + ", ".join(gppo.PRESETS)})
+    gppo_overrides: dict | str | None = field(
+        default=None,
+        metadata={"help": "GPPOConfig fields that override the preset, e.g. "
+                          '{"divergence": "hellinger", "delta_high": 0.2} (JSON on the command line)'})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.gppo_overrides, str):
+            self.gppo_overrides = json.loads(self.gppo_overrides)
+        defaults = {f.name: f.default for f in fields(GRPOConfig)}
+        changed = [name for name in TRL_LOSS_FIELDS if getattr(self, name) != defaults[name]]
+        if changed:
+            raise gppo.GPPOConfigError(
+                f"GPPOTrainer replaces TRL's loss, so {changed} would be ignored: choose the loss with "
+                "gppo_preset and gppo_overrides (docs/trl.md maps TRL's loss types to presets)")
+        changed = [name for name in TRL_LOSS_FEATURES if getattr(self, name) != defaults[name]]
+        if changed:
+            raise gppo.GPPOConfigError(
+                f"GPPOTrainer does not apply TRL's {changed}; leave them at their defaults")
+        if self.beta != 0 and self.use_bias_correction_kl:
+            raise gppo.GPPOConfigError(
+                "GPPOTrainer adds gppo's KL penalty beta * k3 without TRL's importance weight pi/pi_old "
+                "(use_bias_correction_kl, on by default in TRL); set use_bias_correction_kl=False")
+        self.gppo_config()
+
+    def gppo_config(self) -> gppo.GPPOConfig:
+        """The preset with `gppo_overrides`, kl_coef = beta and norm_length = max_completion_length."""
+        overrides = dict(self.gppo_overrides or {})
+        if "kl_coef" in overrides:
+            raise gppo.GPPOConfigError(
+                "set the KL coefficient with TRL's beta, not gppo_overrides['kl_coef']: TRL computes "
+                "the reference log-probs only when beta != 0")
+        overrides.setdefault("norm_length", self.max_completion_length)
+        cfg = gppo.preset(self.gppo_preset, kl_coef=self.beta, **overrides)
+        if cfg.estimator == "full" or cfg.kl_estimator == "full":
+            raise gppo.GPPOConfigError(
+                "GPPOTrainer cannot run estimator='full' or kl_estimator='full': the old policy's full "
+                "distribution [B,T,V] would have to be kept for the whole generation batch; use topk")
+        return cfg
+
+
+class GPPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer with the GPPO loss. Takes GRPOTrainer's arguments, with
+    `args=GPPOTrainerConfig(...)`; metrics are logged as gppo/<name>."""
+
+    _tag_names = ["trl", "gppo"]
+
+    def __init__(self, model, reward_funcs=None, args: GPPOTrainerConfig | None = None, **kwargs):
+        if not isinstance(args, GPPOTrainerConfig):
+            raise TypeError(f"GPPOTrainer needs args=GPPOTrainerConfig(...), got {type(args).__name__}")
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        self.gppo = args.gppo_config()
+        if self.aux_loss_enabled:
+            raise gppo.GPPOConfigError(
+                "GPPOTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0")
+        if self.use_vllm and self.gppo.estimator in TOPK_ESTIMATORS and self.gppo.anchor == "behavior":
+            raise gppo.GPPOConfigError(
+                f"estimator {self.gppo.estimator!r} with anchor='behavior' needs vLLM's top-K log-probs, "
+                "which GRPOTrainer does not request; use gppo_overrides={'anchor': 'old'} (top-K of the "
+                "old-policy pass) or a binary estimator")
+
+    def _completion_log_probs(self, model, inputs, rows: slice = slice(None)) -> torch.Tensor:
+        """log_softmax(logits / temperature) [B,T,V] at the completion positions (text-only models)."""
+        if any(inputs.get(key) is not None for key in VISION_KEYS):
+            raise gppo.GPPOConfigError("top-K estimators in GPPOTrainer support text-only models")
+        completion_ids = inputs["completion_ids"][rows]
+        input_ids = torch.cat([inputs["prompt_ids"][rows], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
+        length = completion_ids.size(1)
+        with self.accelerator.autocast():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                           logits_to_keep=length + 1, use_cache=False).logits[:, :-1]
+        return torch.log_softmax(logits.float() / self.temperature, dim=-1)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's generation batch, plus the generating policy's top-K for estimators topk / topp."""
+        output = super()._generate_and_score_completions(inputs)
+        if self.gppo.estimator not in TOPK_ESTIMATORS:
+            return output
+        ids, topk_logp, token_logp = [], [], []
+        chunk = self.args.per_device_train_batch_size
+        with torch.no_grad():
+            for start in range(0, output["completion_ids"].size(0), chunk):
+                rows = slice(start, start + chunk)
+                log_probs = self._completion_log_probs(self.model, output, rows)
+                values, indices = log_probs.topk(self.gppo.top_k, dim=-1)
+                ids.append(indices)
+                topk_logp.append(values)
+                token_logp.append(log_probs.gather(-1, output["completion_ids"][rows, :, None]).squeeze(-1))
+        output["gppo_topk_ids"] = torch.cat(ids)
+        output["gppo_topk_logp_old"] = torch.cat(topk_logp)
+        output["gppo_logp_old"] = torch.cat(token_logp)
+        return output
+
+    def _compute_loss(self, model, inputs):
+        cfg = self.gppo
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        topk_ids = topk_logp = topk_logp_old = None
+        if cfg.estimator in TOPK_ESTIMATORS:
+            log_probs = self._completion_log_probs(model, inputs)
+            logp = log_probs.gather(-1, completion_ids[..., None]).squeeze(-1)
+            topk_ids = inputs["gppo_topk_ids"]
+            topk_logp = log_probs.gather(-1, topk_ids)
+            entropies = -(log_probs.exp() * log_probs).sum(-1).detach()
+            logp_old, topk_logp_old = inputs["gppo_logp_old"], inputs["gppo_topk_logp_old"]
+        else:
+            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            logp, entropies, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+                **{key: inputs.get(key) for key in VISION_KEYS})
+            logp_old = inputs.get("old_per_token_logps")
+            logp_old = logp.detach() if logp_old is None else logp_old
+        sampling = inputs.get("sampling_per_token_logps")
+        logp_behavior = logp_old if sampling is None else torch.where(sampling.isnan(), logp_old, sampling)
+        batch = gppo.TokenBatch(
+            logp=logp, logp_behavior=logp_behavior, logp_old=logp_old, advantages=inputs["advantages"],
+            mask=mask, token_ids=completion_ids, topk_ids=topk_ids, topk_logp=topk_logp,
+            topk_logp_behavior=topk_logp_old if sampling is None else None, topk_logp_old=topk_logp_old,
+            logp_ref=inputs.get("ref_per_token_logps"))
+
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_tokens = num_sequences = None
+        if cfg.loss_agg_mode == "token-mean":
+            num_tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":  # the count spans the generation batch: rescale to one window
+                num_tokens = num_tokens * accumulation / self.args.steps_per_generation
+        else:
+            num_sequences = mask.size(0) * accumulation
+        loss, metrics = gppo.policy_loss(batch, cfg, num_tokens=num_tokens, num_sequences=num_sequences)
+        self._log_gppo_metrics(mode, metrics, entropies, mask)
+        return loss
+
+    def _log_gppo_metrics(self, mode: str, metrics: dict[str, float], entropies, mask) -> None:
+        """gppo's metrics averaged over processes (each over the processes that have it) and TRL's
+        token-mean entropy. loss/policy is left out: TRL logs the loss."""
+        gathered = gather_object([metrics])
+        for name in sorted({key for m in gathered for key in m} - {"loss/policy"}):
+            values = [m[name] for m in gathered if name in m]
+            self._metrics[mode][f"gppo/{name}"].append(sum(values) / len(values))
+        totals = self.accelerator.reduce(torch.stack([(entropies * mask).sum(), mask.sum().float()]),
+                                         reduction="sum")
+        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())

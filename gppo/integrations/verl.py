@@ -1,0 +1,195 @@
+"""verl plugin: the GPPO presets as verl policy-loss modes (`pip install gppo[verl]`, verl 0.9).
+
+Importing this module registers, with verl's `register_policy_loss`,
+    gppo            the preset named by `policy_loss.preset` (default "gppo"), with per-field overrides;
+    gppo_<preset>   every other preset, hyphens as underscores: gppo_ppo, gppo_dppo_binary_tv, ...
+All of them call `gppo.policy_loss` unchanged. Their settings live in `GPPOPolicyLossConfig`
+(`actor_rollout_ref.actor.policy_loss._target_`), validated when verl builds its ActorConfig at
+start-up (in the driver's `validate_config`, then in every actor worker).
+
+Loading: verl imports each `verl.plugins` entry point when `verl` is imported and only logs a
+failure at debug level. Hydra imports this module again to instantiate `GPPOPolicyLossConfig`, and
+that import is unguarded, so a broken install fails at start-up with its traceback.
+
+What verl 0.9.1 hands a policy loss (`verl.workers.utils.losses.ppo_loss`): old_log_prob,
+log_prob, advantages and response_mask [B,T], actor.loss_agg_mode, the ActorConfig (global batch
+sizes in `global_batch_info`) and rollout_is_weights [B,T] or None; nothing else. Hence:
+- the trust-region anchor is whatever verl put in old_log_prob: the rollout log-probs mu when
+  algorithm.rollout_correction.bypass_mode=true (anchor='behavior', gppo's default), the
+  recomputed pi_old otherwise (anchor='old'); the two must agree, checked at start-up;
+- estimators topk / topp / full are refused at start-up (no top-K, no logits reach the loss);
+- aggregation, KL to the reference and entropy stay verl's: actor.loss_agg_mode and
+  loss_scale_factor, actor.use_kl_loss / kl_loss_coef, actor.entropy_coeff.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+from verl.trainer.ppo.core_algos import register_policy_loss
+from verl.workers.config import PolicyLossConfig
+
+import gppo
+
+DEFAULT_PRESET = "gppo"
+# loss_mode -> preset; None: the preset is `policy_loss.preset`.
+MODES = {"gppo": None, **{"gppo_" + name.replace("-", "_"): name
+                           for name in gppo.PRESETS if name != DEFAULT_PRESET}}
+
+# GPPOConfig fields settable under policy_loss. verl owns aggregation and the KL penalty; the
+# top-K / full fields and behavior_weight_cap need inputs verl does not pass to a policy loss.
+OVERRIDABLE = ("divergence", "alpha", "estimator", "rule", "delta_low", "delta_high", "anchor",
+               "truncation", "dual_clip", "clip_bounds", "tau_pos", "tau_neg", "seq_reduce")
+
+_TOPK_INPUTS = "mu's top-K token ids and log-probs at every response position"
+UNAVAILABLE_ESTIMATORS = {"topk": _TOPK_INPUTS, "topp": _TOPK_INPUTS,
+                          "full": "the current logits and mu's full distribution"}
+
+
+@dataclass
+class GPPOPolicyLossConfig(PolicyLossConfig):
+    """verl's PolicyLossConfig plus the GPPO fields (null keeps the preset's value).
+
+    `bypass_mode` and `use_v1` restate algorithm.rollout_correction.bypass_mode and trainer.use_v1
+    (examples/verl/config/gppo_trainer.yaml interpolates them) so that the anchor can be checked
+    here, at start-up.
+    """
+
+    preset: Optional[str] = None
+    divergence: Optional[str] = None
+    alpha: Optional[float] = None
+    estimator: Optional[str] = None
+    rule: Optional[str] = None
+    delta_low: Optional[float] = None
+    delta_high: Optional[float] = None
+    anchor: Optional[str] = None
+    truncation: Optional[float] = None
+    dual_clip: Optional[float] = None
+    clip_bounds: Optional[str] = None
+    tau_pos: Optional[float] = None
+    tau_neg: Optional[float] = None
+    seq_reduce: Optional[str] = None
+    bypass_mode: Optional[bool] = None
+    use_v1: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.loss_mode not in MODES:
+            ignored = [name for name in ("preset", *OVERRIDABLE) if getattr(self, name) is not None]
+            if ignored:
+                raise gppo.GPPOConfigError(
+                    f"policy_loss sets GPPO fields {ignored} but loss_mode={self.loss_mode!r} is not a "
+                    f"gppo mode, so nothing would read them; use one of {sorted(MODES)}")
+            return
+        check_startup(self, self.gppo_config())
+
+    @property
+    def preset_name(self) -> str:
+        fixed = MODES[self.loss_mode]
+        if fixed is not None and self.preset not in (None, fixed):
+            raise gppo.GPPOConfigError(
+                f"policy_loss.loss_mode={self.loss_mode!r} fixes the preset {fixed!r} but "
+                f"policy_loss.preset={self.preset!r}; use loss_mode=gppo to choose the preset by name")
+        return fixed or self.preset or DEFAULT_PRESET
+
+    def gppo_config(self, loss_agg_mode: str = "token-mean",
+                    loss_scale_factor: int | None = None) -> gppo.GPPOConfig:
+        """The preset with this config's overrides and verl's aggregation (actor.loss_agg_mode,
+        actor.loss_scale_factor -> norm_length)."""
+        if loss_agg_mode == "token-sum":
+            raise gppo.GPPOConfigError(
+                "actor.loss_agg_mode='token-sum' has no GPPO counterpart; use token-mean, "
+                "seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm")
+        overrides = {name: getattr(self, name) for name in OVERRIDABLE if getattr(self, name) is not None}
+        return gppo.preset(self.preset_name, loss_agg_mode=loss_agg_mode,
+                           norm_length=loss_scale_factor, **overrides)
+
+
+def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> None:
+    """Refuse what verl cannot feed: top-K/full estimators, and an anchor that old_log_prob is not."""
+    mode = policy_loss.loss_mode
+    if cfg.estimator in UNAVAILABLE_ESTIMATORS:
+        raise gppo.GPPOConfigError(
+            f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs "
+            f"{UNAVAILABLE_ESTIMATORS[cfg.estimator]}; verl 0.9 passes a policy loss only the sampled "
+            "token's log-probs. Use an estimator among sample / cell / binary, e.g. "
+            "loss_mode=gppo_dppo_binary_tv instead of gppo_dppo_topk_tv")
+    if policy_loss.bypass_mode is None:
+        raise gppo.GPPOConfigError(
+            "policy_loss.bypass_mode is unset, so the plugin cannot tell whether verl's "
+            "old_log_prob holds the rollout log-probs (mu) or the recomputed pi_old: set "
+            "actor_rollout_ref.actor.policy_loss.bypass_mode='${algorithm.rollout_correction."
+            "bypass_mode}' (examples/verl/config/gppo_trainer.yaml does)")
+    if cfg.anchor == "behavior" and not policy_loss.bypass_mode:
+        raise gppo.GPPOConfigError(
+            f"loss_mode={mode!r} anchors the trust region on the rollout log-probs (anchor='behavior') "
+            "but algorithm.rollout_correction.bypass_mode=false makes verl pass the recomputed pi_old "
+            "as old_log_prob. Set algorithm.rollout_correction.bypass_mode=true (with "
+            "actor_rollout_ref.rollout.calculate_log_probs=true), or anchor on pi_old with "
+            "actor_rollout_ref.actor.policy_loss.anchor=old")
+    if cfg.anchor == "old" and policy_loss.bypass_mode:
+        raise gppo.GPPOConfigError(
+            "policy_loss.anchor='old' asks for the recomputed pi_old but "
+            "algorithm.rollout_correction.bypass_mode=true makes verl pass the rollout log-probs; "
+            "set bypass_mode=false or anchor=behavior")
+    if policy_loss.bypass_mode and policy_loss.use_v1 is not True:
+        raise gppo.GPPOConfigError(
+            "bypass_mode=true needs trainer.use_v1=true (and policy_loss.use_v1='${trainer.use_v1}'): "
+            "verl's legacy trainer rewrites policy_loss.loss_mode to 'bypass_mode' when bypass_mode "
+            "is on (verl.trainer.ppo.rollout_corr_helper.apply_bypass_mode)")
+
+
+def global_normalizers(info: dict, loss_agg_mode: str) -> tuple[float | None, float | None]:
+    """(num_tokens, num_sequences) for gppo.policy_loss from verl's global_batch_info.
+
+    verl's agg_loss divides a micro-batch sum by batch_num_tokens / dp_size (token-mean) or by
+    global_batch_size / dp_size (sequence modes), both counted over the global mini-batch.
+    """
+    token_mean = loss_agg_mode == "token-mean"
+    key = "batch_num_tokens" if token_mean else "global_batch_size"
+    dp_size = info.get("dp_size") or 1
+    total = info.get(key)
+    if total is None:
+        if dp_size > 1:
+            raise gppo.GPPOInputError(
+                f"verl passed no global_batch_info[{key!r}] with dp_size={dp_size}: the loss of a "
+                "data-parallel micro-batch needs the global count")
+        return None, None
+    per_rank = total / dp_size
+    return (per_rank, None) if token_mean else (None, per_rank)
+
+
+def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
+                             loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None):
+    """verl policy-loss function: TokenBatch from verl's arguments, then gppo.policy_loss.
+
+    old_log_prob is the anchor (module docstring). rollout_is_weights w >= 0 scale the advantages:
+    every GPPO rule's per-token loss has l(w A) = w l(A) for w >= 0 (its branch depends on sign(A)
+    only), which is verl's pg_losses * rollout_is_weights.
+    """
+    policy_loss = getattr(config, "policy_loss", None)
+    if not isinstance(policy_loss, GPPOPolicyLossConfig):
+        raise gppo.GPPOConfigError(
+            "the gppo loss modes read their settings from "
+            "actor_rollout_ref.actor.policy_loss._target_=gppo.integrations.verl.GPPOPolicyLossConfig; "
+            f"got {type(policy_loss).__name__}")
+    cfg = policy_loss.gppo_config(loss_agg_mode, config.loss_scale_factor)
+    preset_agg = gppo.preset(policy_loss.preset_name).loss_agg_mode
+    if preset_agg != loss_agg_mode:
+        warnings.warn(f"gppo preset {policy_loss.preset_name!r} is defined with loss_agg_mode="
+                      f"{preset_agg!r}; verl's actor.loss_agg_mode={loss_agg_mode!r} is used")
+    if rollout_is_weights is not None:
+        advantages = advantages * rollout_is_weights
+    # verl passes one anchor; both anchor fields hold it and cfg.anchor says which one it is
+    # (checked against bypass_mode at start-up).
+    batch = gppo.TokenBatch(logp=log_prob, logp_behavior=old_log_prob, logp_old=old_log_prob,
+                            advantages=advantages, mask=response_mask)
+    num_tokens, num_sequences = global_normalizers(config.global_batch_info, loss_agg_mode)
+    loss, metrics = gppo.policy_loss(batch, cfg, num_tokens=num_tokens, num_sequences=num_sequences)
+    # verl logs the loss itself (actor/pg_loss, summed over micro-batches); the rest are means.
+    return loss, {f"gppo/{name}": value for name, value in metrics.items() if name != "loss/policy"}
+
+
+for _mode in MODES:
+    register_policy_loss(_mode)(compute_policy_loss_gppo)

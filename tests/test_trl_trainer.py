@@ -1,0 +1,192 @@
+"""GPPOTrainer against TRL's own GRPOTrainer, on CPU with a tiny local Qwen2 model.
+
+TRL loss type -> equivalent GPPOTrainerConfig (also in docs/trl.md):
+
+| GRPOConfig                                              | GPPOTrainerConfig                                   |
+|---------------------------------------------------------|-----------------------------------------------------|
+| loss_type="dapo" (default), epsilon=0.2                 | gppo_preset="ppo"                                   |
+| loss_type="dapo", epsilon_high=0.28                     | gppo_preset="dapo"                                  |
+| loss_type="grpo"                                        | gppo_preset="grpo"                                  |
+| loss_type="dr_grpo"                                     | gppo_preset="ppo", loss_agg_mode seq-mean-token-sum-norm |
+| loss_type="cispo", epsilon_high=5.0                     | gppo_preset="cispo"                                 |
+| loss_type="sapo"                                        | gppo_preset="sapo", loss_agg_mode seq-mean-token-mean |
+| loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4 | gppo_preset="gspo" |
+| beta=0.04, use_bias_correction_kl=False (k3 KL)         | beta=0.04, use_bias_correction_kl=False             |
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import gppo  # noqa: E402
+from gppo.integrations.trl import GPPOTrainer, GPPOTrainerConfig  # noqa: E402
+from gppo.models.embedded import build_model, build_tokenizer  # noqa: E402
+
+PROMPTS = ["12+3=", "4*5=", "7-2=", "9+9=", "1+1=", "30/3=", "8-8=", "2*7="]
+
+# name: (GRPOConfig fields, GPPOTrainerConfig fields, noise on log pi_old, metric that must lie
+# strictly inside (0, 1) so that both branches of the rule are exercised)
+EQUIVALENTS = {
+    "ppo": ({}, dict(gppo_preset="ppo"), 0.5, "gppo/masked_frac"),
+    "dapo": (dict(epsilon_high=0.28), dict(gppo_preset="dapo"), 0.5, "gppo/masked_frac"),
+    "grpo": (dict(loss_type="grpo"), dict(gppo_preset="grpo"), 0.5, "gppo/masked_frac"),
+    "dr_grpo": (dict(loss_type="dr_grpo"),
+                dict(gppo_preset="ppo", gppo_overrides={"loss_agg_mode": "seq-mean-token-sum-norm"}),
+                0.5, "gppo/masked_frac"),
+    "cispo": (dict(loss_type="cispo", epsilon_high=5.0), dict(gppo_preset="cispo"), 2.5,
+              "gppo/truncated_frac"),
+    "sapo": (dict(loss_type="sapo"),
+             dict(gppo_preset="sapo", gppo_overrides={"loss_agg_mode": "seq-mean-token-mean"}), 0.5, None),
+    "gspo": (dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+             dict(gppo_preset="gspo"), 1e-3, "gppo/masked_frac"),
+    "ppo+kl": (dict(beta=0.04, use_bias_correction_kl=False),
+               dict(gppo_preset="ppo", beta=0.04, use_bias_correction_kl=False), 0.5, "gppo/masked_frac"),
+}
+
+
+def reward(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved 1-layer Qwen2 with gppo's character tokenizer (passed as an object: TRL would load
+    the folder with AutoTokenizer, which returns the wrong class for it)."""
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).save_pretrained(path / "model")
+    return str(path / "model"), tokenizer, path
+
+
+def make_trainer(tiny, trainer_cls, config_cls, **fields):
+    model, tokenizer, path = tiny
+    settings = dict(output_dir=str(path / "out"), use_cpu=True, report_to="none", seed=0,
+                    per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                    max_steps=2, logging_steps=1, learning_rate=5e-2, save_strategy="no", num_iterations=2)
+    args = config_cls(**{**settings, **fields})
+    return trainer_cls(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+
+
+def handcrafted_inputs(trainer, tokenizer, noise, beta):
+    """One micro-batch as TRL's generation step leaves it, with pi_old (and the reference)
+    perturbed away from pi so that ratios reach the clip / truncation bounds."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = tokenizer(PROMPTS[:4], return_tensors="pt", padding=True)
+    completion_ids = torch.randint(3, len(tokenizer), (4, 6), generator=gen)
+    completion_mask = (torch.arange(6)[None, :] < torch.tensor([6, 3, 5, 1])[:, None]).long()
+    inputs = dict(prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask,
+                  completion_ids=completion_ids, completion_mask=completion_mask,
+                  advantages=torch.tensor([1.0, -0.5, 0.8, -1.2]), num_items_in_batch=completion_mask.sum())
+    with torch.no_grad():
+        logp, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], completion_ids], 1),
+            torch.cat([inputs["prompt_mask"], completion_mask], 1), 6)
+    inputs["old_per_token_logps"] = logp + noise * torch.randn(logp.shape, generator=gen)
+    if beta:
+        inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=gen)
+    return inputs
+
+
+def loss_and_grads(trainer, inputs):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop during training
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("name", list(EQUIVALENTS))
+def test_gppo_loss_equals_trl_loss_and_gradient(tiny, name):
+    trl_fields, gppo_fields, noise, branch_metric = EQUIVALENTS[name]
+    trl = make_trainer(tiny, GRPOTrainer, GRPOConfig, **trl_fields)
+    ours = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, **gppo_fields)
+    inputs = handcrafted_inputs(trl, tiny[1], noise, trl_fields.get("beta", 0.0))
+    trl_loss, trl_grads = loss_and_grads(trl, inputs)
+    loss, grads = loss_and_grads(ours, inputs)
+    if branch_metric is not None:
+        assert 0 < ours._metrics["train"][branch_metric][-1] < 1
+    assert max(g.abs().max() for g in trl_grads) > 0
+    assert torch.allclose(loss, trl_loss, rtol=0, atol=1e-6), (loss, trl_loss)
+    for g, trl_g in zip(grads, trl_grads, strict=True):
+        assert torch.allclose(g, trl_g, rtol=0, atol=1e-6), (g - trl_g).abs().max()
+
+
+def final_parameters(trainer):
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_two_step_run_matches_grpo_trainer(tiny):
+    """Same seed, same generations: GPPOTrainer(ppo) logs TRL's losses and ends at TRL's weights.
+    With num_iterations=2 the second step reuses the batch, so its ratios are not 1."""
+    trl = make_trainer(tiny, GRPOTrainer, GRPOConfig)
+    trl.train()
+    ours = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, gppo_preset="ppo")
+    ours.train()
+    trl_losses = [h["loss"] for h in trl.state.log_history if "loss" in h]
+    losses = [h["loss"] for h in ours.state.log_history if "loss" in h]
+    assert len(losses) == 2 and losses[1] != 0
+    assert losses == pytest.approx(trl_losses, abs=1e-7)
+    assert ours.state.log_history[1]["gppo/ratio/max"] > 1
+    for p, trl_p in zip(final_parameters(ours), final_parameters(trl), strict=True):
+        assert torch.allclose(p, trl_p, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["dppo-binary-tv", "dppo-topk-tv", "cispo", "gppo"])
+def test_two_step_run_per_preset(tiny, preset):
+    trainer = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, gppo_preset=preset)
+    before = final_parameters(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert logs[1]["gppo/ratio/max"] > 1
+    metric = "gppo/truncated_frac" if preset == "cispo" else "gppo/masked_frac"
+    assert metric in logs[1] and "entropy" in logs[1]
+    assert any(not torch.equal(a, b) for a, b in zip(before, final_parameters(trainer)))
+
+
+def test_topk_pass_records_the_sampling_policy(tiny):
+    """The extra pass for top-K estimators scores the sampled tokens as TRL's own old-policy pass
+    does (the generating weights, i.e. mu under transformers' generate), and keeps that
+    distribution's top-K in descending order."""
+    trainer = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, gppo_preset="dppo-topk-tv",
+                           gppo_overrides={"top_k": 5}, max_steps=1)
+    trainer.train()
+    batch = trainer._buffered_inputs[0]
+    mask = batch["completion_mask"].bool()
+    assert torch.allclose(batch["gppo_logp_old"][mask], batch["old_per_token_logps"][mask], atol=1e-5)
+    topk = batch["gppo_topk_logp_old"]
+    assert topk.shape == (*mask.shape, 5) and batch["gppo_topk_ids"].shape == (*mask.shape, 5)
+    assert (topk[..., :-1] >= topk[..., 1:]).all()
+    assert (batch["gppo_logp_old"][mask] <= topk[..., 0][mask] + 1e-6).all()
+
+
+def test_config_refuses_what_it_would_ignore(tiny):
+    path = str(tiny[2] / "cfg")
+
+    def config(**fields):
+        return GPPOTrainerConfig(output_dir=path, use_cpu=True, **fields)
+
+    with pytest.raises(gppo.GPPOConfigError, match=r"\['loss_type', 'epsilon'\] would be ignored"):
+        config(loss_type="grpo", epsilon=0.1)
+    with pytest.raises(gppo.GPPOConfigError, match="top_entropy_quantile"):
+        config(top_entropy_quantile=0.2)
+    with pytest.raises(gppo.GPPOConfigError, match="beta"):
+        config(gppo_overrides={"kl_coef": 0.1})
+    with pytest.raises(gppo.GPPOConfigError, match="use_bias_correction_kl=False"):
+        config(beta=0.04)
+    with pytest.raises(gppo.GPPOConfigError, match="estimator='full'"):
+        config(gppo_overrides={"estimator": "full"})
+    with pytest.raises(gppo.GPPOConfigError, match="unknown preset"):
+        config(gppo_preset="dppo")
+    cfg = config(gppo_preset="dppo-binary-kl", beta=0.01, use_bias_correction_kl=False,
+                 gppo_overrides='{"divergence": "hellinger", "delta_high": 0.2}')
+    point = cfg.gppo_config()
+    assert (point.divergence, point.delta_high, point.kl_coef, point.rule) == ("hellinger", 0.2, 0.01, "mask")
+    with pytest.raises(TypeError, match="GPPOTrainerConfig"):
+        GPPOTrainer(model=tiny[0], reward_funcs=reward, args=GRPOConfig(output_dir=path, use_cpu=True))

@@ -1,0 +1,288 @@
+"""The verl plugin against verl 0.9 itself: its own policy-loss functions and its own caller.
+
+Config mapping tested here (also in docs/verl.md); float64 inputs, max abs diffs in the docs:
+
+| gppo loss_mode (+ policy_loss fields)       | verl loss_mode | verl actor settings                         |
+|---------------------------------------------|----------------|---------------------------------------------|
+| gppo_ppo, dual_clip=3                       | vanilla        | clip_ratio=0.2, clip_ratio_c=3              |
+| gppo_gspo (seq-mean-token-mean)             | gspo           | clip_ratio_low=3e-4, clip_ratio_high=4e-4   |
+| gppo_cispo                                  | cispo          | clip_ratio_low=1.0, clip_ratio_high=4.0     |
+| gppo_sapo (seq-mean-token-mean)             | sapo           | tau_pos=1.0, tau_neg=1.05                   |
+| gppo_gmpo (seq-mean-token-mean)             | geo_mean       | clip_ratio=0.4                              |
+| gppo_dppo_binary_tv, truncation=3           | dppo_tv        | clip_ratio=0.15, clip_ratio_c=3             |
+| gppo_dppo_binary_kl, truncation=3           | dppo_kl        | clip_ratio=0.05, clip_ratio_c=3             |
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+pytest.importorskip("hydra")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.errors import InstantiationException  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
+from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+import gppo  # noqa: E402
+from gppo.integrations.verl import MODES, GPPOPolicyLossConfig  # noqa: E402
+
+# The sapo comparison and the caller test run presets with another aggregation on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:gppo preset .* is defined with loss_agg_mode")
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "examples" / "verl" / "config")
+
+# (verl loss_mode, verl actor settings, gppo loss_mode, gppo fields, loss_agg_mode, noise on log
+# mu, metric whose value must lie strictly inside (0, 1) so that both branches are exercised)
+CASES = {
+    "ppo": ("vanilla", dict(clip_ratio=0.2, clip_ratio_c=3.0), "gppo_ppo", dict(dual_clip=3.0),
+            "token-mean", 0.7, "gppo/masked_frac"),
+    "gspo": ("gspo", dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4), "gppo_gspo", {},
+             "seq-mean-token-mean", 1e-3, "gppo/masked_frac"),
+    "cispo": ("cispo", dict(clip_ratio_low=1.0, clip_ratio_high=4.0), "gppo_cispo", {},
+              "token-mean", 1.5, "gppo/truncated_frac"),
+    "sapo": ("sapo", dict(tau_pos=1.0, tau_neg=1.05), "gppo_sapo", {}, "seq-mean-token-mean", 0.7,
+             None),
+    "gmpo": ("geo_mean", dict(clip_ratio=0.4, clip_ratio_low=0.4, clip_ratio_high=0.4), "gppo_gmpo",
+             {}, "seq-mean-token-mean", 0.7, "gppo/masked_frac"),
+    "dppo-binary-tv": ("dppo_tv", dict(clip_ratio=0.15, clip_ratio_low=0.15, clip_ratio_high=0.15,
+                                       clip_ratio_c=3.0),
+                       "gppo_dppo_binary_tv", dict(truncation=3.0), "token-mean", 0.7,
+                       "gppo/masked_frac"),
+    "dppo-binary-kl": ("dppo_kl", dict(clip_ratio=0.05, clip_ratio_low=0.05, clip_ratio_high=0.05,
+                                       clip_ratio_c=3.0),
+                       "gppo_dppo_binary_kl", dict(truncation=3.0), "token-mean", 0.7,
+                       "gppo/masked_frac"),
+}
+
+
+def actor_config(policy_loss, loss_agg_mode="token-mean", **settings):
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                       loss_agg_mode=loss_agg_mode, policy_loss=policy_loss, **settings)
+
+
+def gppo_policy_loss(mode, **fields):
+    """A GPPOPolicyLossConfig as verl's bypass mode (old_log_prob = rollout log-probs) builds it."""
+    return GPPOPolicyLossConfig(loss_mode=mode, bypass_mode=True, use_v1=True, **fields)
+
+
+def random_batch(noise, seed=0, batch=8, length=12):
+    """Log-probs in (log 0.02, log 0.98), log mu = log pi + noise, sequence advantages of both
+    signs broadcast to tokens (as verl passes them), ragged lengths >= 1."""
+    gen = torch.Generator().manual_seed(seed)
+    logp = torch.log(torch.rand(batch, length, generator=gen, dtype=torch.float64) * 0.96 + 0.02)
+    old = (logp + noise * torch.randn(batch, length, generator=gen, dtype=torch.float64)).clamp(max=-1e-3)
+    adv = torch.randn(batch, 1, generator=gen, dtype=torch.float64).expand(batch, length).clone()
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    return old, logp, adv, mask
+
+
+def loss_and_grad(fn, old, logp, adv, mask, agg, config, weights=None):
+    leaf = logp.clone().requires_grad_()
+    loss, metrics = fn(old_log_prob=old, log_prob=leaf, advantages=adv, response_mask=mask,
+                       loss_agg_mode=agg, config=config, rollout_is_weights=weights)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), grad, metrics
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gppo_mode_equals_verl_loss_and_gradient(name, seed):
+    verl_mode, settings, mode, fields, agg, noise, branch_metric = CASES[name]
+    old, logp, adv, mask = random_batch(noise, seed)
+    verl_cfg = actor_config(PolicyLossConfig(loss_mode=verl_mode), agg, **settings)
+    ours_cfg = actor_config(gppo_policy_loss(mode, **fields), agg)
+    verl_loss, verl_grad, _ = loss_and_grad(get_policy_loss_fn(verl_mode), old, logp, adv, mask, agg,
+                                            verl_cfg)
+    loss, grad, metrics = loss_and_grad(get_policy_loss_fn(mode), old, logp, adv, mask, agg, ours_cfg)
+    assert verl_grad.abs().max() > 0
+    if branch_metric is not None:
+        assert 0 < metrics[branch_metric] < 1, metrics
+    assert torch.allclose(loss, verl_loss, rtol=0, atol=1e-12), (loss, verl_loss)
+    assert torch.allclose(grad, verl_grad, rtol=0, atol=1e-12), (grad - verl_grad).abs().max()
+
+
+def verl_micro_batch(old, logp, adv, mask, weights, dp_size, extra_tokens, extra_sequences):
+    """The TensorDict and flat (no-padding) log-probs that verl's ppo_loss receives for one
+    micro-batch, with global counts as a data-parallel run of `dp_size` ranks sets them."""
+    batch, length = logp.shape
+    lengths = mask.sum(-1)
+    prompt_len = 3
+    attention = torch.cat([torch.ones(batch, prompt_len, dtype=torch.long), mask.long()], dim=1)
+    data = TensorDict({
+        "prompts": torch.ones(batch, prompt_len, dtype=torch.long),
+        "responses": torch.ones(batch, length, dtype=torch.long),
+        "attention_mask": attention, "response_mask": mask.long(), "old_log_probs": old,
+        "advantages": adv, "rollout_is_weights": weights,
+    }, batch_size=[batch])
+    tu.assign_non_tensor(data, dp_size=dp_size,
+                         batch_num_tokens=int(mask.sum()) * dp_size + extra_tokens,
+                         global_batch_size=batch * dp_size + extra_sequences)
+    leaf = logp.clone().requires_grad_()
+    # verl's model output: one log-prob per non-pad token; response token j is scored at
+    # position prompt_len + j - 1 of its sequence.
+    pieces = []
+    for i in range(batch):
+        n = int(lengths[i])
+        zeros = torch.zeros(prompt_len + n, dtype=logp.dtype)
+        pieces.append(torch.cat([zeros[: prompt_len - 1], leaf[i, :n], zeros[prompt_len - 1 + n:]]))
+    return data, leaf, torch.cat(pieces)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_verl_caller_with_global_batch_and_rollout_weights(agg):
+    """verl's own ppo_loss (field selection, global token / sequence counts of 2 data-parallel
+    ranks, rollout_is_weights) gives the same loss and gradient for vanilla and gppo_ppo."""
+    old, logp, adv, mask = random_batch(0.7, seed=3)
+    weights = torch.rand(logp.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 2
+    results = []
+    for policy_loss, settings in [(PolicyLossConfig(loss_mode="vanilla"), dict(clip_ratio_c=3.0)),
+                                  (gppo_policy_loss("gppo_ppo", dual_clip=3.0), {})]:
+        data, leaf, flat = verl_micro_batch(old, logp, adv, mask, weights, dp_size=2, extra_tokens=7,
+                                            extra_sequences=3)
+        loss, metrics = ppo_loss(actor_config(policy_loss, agg, **settings), {"log_probs": flat}, data)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        results.append((loss.detach(), grad))
+    (verl_loss, verl_grad), (loss, grad) = results
+    assert verl_grad.abs().max() > 0
+    assert torch.allclose(loss, verl_loss, rtol=0, atol=1e-12)
+    assert torch.allclose(grad, verl_grad, rtol=0, atol=1e-12)
+    assert "gppo/masked_frac" in metrics
+
+
+def test_entry_point_registers_every_mode():
+    from importlib.metadata import entry_points
+
+    (ep,) = [ep for ep in entry_points(group="verl.plugins") if ep.name == "gppo"]
+    assert ep.value == "gppo.integrations.verl"
+    assert ep.load().MODES == MODES
+    assert set(MODES) == {"gppo"} | {"gppo_" + n.replace("-", "_") for n in gppo.PRESETS if n != "gppo"}
+    for mode in MODES:
+        assert mode in POLICY_LOSS_REGISTRY
+
+
+def test_startup_refuses_topk_estimators():
+    for mode in ("gppo_dppo_topk_tv", "gppo_dppo_topk_kl"):
+        with pytest.raises(gppo.GPPOConfigError, match="top-K token ids"):
+            gppo_policy_loss(mode)
+    with pytest.raises(gppo.GPPOConfigError, match="estimator 'full'"):
+        gppo_policy_loss("gppo", estimator="full")
+
+
+def test_startup_checks_the_anchor_against_bypass_mode():
+    with pytest.raises(gppo.GPPOConfigError, match="bypass_mode is unset"):
+        GPPOPolicyLossConfig(loss_mode="gppo")
+    with pytest.raises(gppo.GPPOConfigError, match="anchor=old"):
+        GPPOPolicyLossConfig(loss_mode="gppo", bypass_mode=False)
+    with pytest.raises(gppo.GPPOConfigError, match="set bypass_mode=false or anchor=behavior"):
+        GPPOPolicyLossConfig(loss_mode="gppo", anchor="old", bypass_mode=True, use_v1=True)
+    with pytest.raises(gppo.GPPOConfigError, match="trainer.use_v1=true"):
+        GPPOPolicyLossConfig(loss_mode="gppo", bypass_mode=True, use_v1=False)
+    anchored_old = GPPOPolicyLossConfig(loss_mode="gppo", anchor="old", bypass_mode=False)
+    assert anchored_old.gppo_config().anchor == "old"
+
+
+def test_misconfigurations_fail_loudly():
+    with pytest.raises(gppo.GPPOConfigError, match="not a gppo mode"):
+        GPPOPolicyLossConfig(loss_mode="vanilla", divergence="kl")
+    with pytest.raises(gppo.GPPOConfigError, match="fixes the preset 'cispo'"):
+        gppo_policy_loss("gppo_cispo", preset="ppo")
+    with pytest.raises(gppo.GPPOConfigError, match="hellinger"):
+        gppo_policy_loss("gppo", divergence="helinger")
+    old, logp, adv, mask = random_batch(0.1)
+    plain = actor_config(PolicyLossConfig(loss_mode="gppo_ppo"))
+    with pytest.raises(gppo.GPPOConfigError, match="_target_=gppo.integrations.verl.GPPOPolicyLossConfig"):
+        get_policy_loss_fn("gppo_ppo")(old, logp, adv, mask, "token-mean", plain)
+    with pytest.raises(gppo.GPPOConfigError, match="token-sum"):
+        get_policy_loss_fn("gppo")(old, logp, adv, mask, "token-sum", actor_config(gppo_policy_loss("gppo")))
+
+
+@pytest.mark.filterwarnings("default")
+def test_aggregation_differing_from_the_preset_is_announced():
+    old, logp, adv, mask = random_batch(0.1)
+    config = actor_config(gppo_policy_loss("gppo_gspo"))
+    with pytest.warns(UserWarning, match="'seq-mean-token-mean'; verl's actor.loss_agg_mode='token-mean'"):
+        get_policy_loss_fn("gppo_gspo")(old, logp, adv, mask, "token-mean", config)
+
+
+def compose_example(*overrides, name="gppo_trainer"):
+    """Compose as `python -m verl.trainer.main_ppo --config-dir=examples/verl/config` does."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name=name, overrides=["hydra.searchpath=[pkg://verl.trainer.config]",
+                                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                                                    *overrides])
+
+
+def test_example_config_takes_plain_hydra_overrides():
+    cfg = compose_example("actor_rollout_ref.actor.policy_loss.divergence=hellinger",
+                          "actor_rollout_ref.actor.policy_loss.delta_high=0.2")
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert isinstance(actor.policy_loss, GPPOPolicyLossConfig)
+    point = actor.policy_loss.gppo_config(actor.loss_agg_mode)
+    assert (point.divergence, point.estimator, point.delta_high, point.anchor) == (
+        "hellinger", "binary", 0.2, "behavior")
+    assert cfg.algorithm.rollout_correction.bypass_mode and cfg.actor_rollout_ref.rollout.calculate_log_probs
+
+    cfg = compose_example("actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_topk_tv")
+    with pytest.raises(InstantiationException, match="top-K"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    cfg = compose_example("algorithm.rollout_correction.bypass_mode=false")
+    with pytest.raises(InstantiationException, match="anchor=old"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    cfg = compose_example("algorithm.rollout_correction.bypass_mode=false",
+                          "actor_rollout_ref.actor.policy_loss.anchor=old")
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss.gppo_config().anchor == "old"
+
+
+def test_verl_own_config_with_command_line_overrides():
+    """Without the example config: verl's ppo_trainer plus the overrides docs/verl.md lists."""
+    from hydra import initialize_config_module
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.actor.policy_loss._target_=gppo.integrations.verl.GPPOPolicyLossConfig",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_binary_kl",
+            "algorithm.rollout_correction.bypass_mode=true",
+            "+actor_rollout_ref.actor.policy_loss.bypass_mode=${algorithm.rollout_correction.bypass_mode}",
+            "+actor_rollout_ref.actor.policy_loss.use_v1=${trainer.use_v1}",
+            "+actor_rollout_ref.actor.policy_loss.delta_high=0.1",
+        ])
+    point = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss.gppo_config()
+    assert (point.divergence, point.estimator, point.delta_low, point.delta_high) == (
+        "kl", "binary", 0.05, 0.1)
+
+
+def test_verl_legacy_bypass_rewrites_loss_mode():
+    """The fact behind the use_v1 guard: verl 0.9.1's legacy trainer calls apply_bypass_mode, which
+    overwrites policy_loss.loss_mode (the v1 trainer only swaps old_log_probs)."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+    policy_loss = OmegaConf.create({"loss_mode": "gppo"})
+    batch = DataProto.from_dict(tensors={"rollout_log_probs": torch.zeros(2, 3)})
+    apply_bypass_mode(batch, OmegaConf.create({"bypass_mode": True}), policy_loss)
+    assert policy_loss.loss_mode == "bypass_mode"
+    assert torch.equal(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"])
+
+
+def test_real_model_example_passes_verl_validation():
+    """The launch script's config composes and passes verl's own start-up validation, which also
+    instantiates GPPOPolicyLossConfig and so runs the plugin's start-up checks."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    script = (Path(CONFIG_DIR).parent / "run_qwen3_1.7b_dapo_math.sh").read_text()
+    assert '--config-dir="$HERE/config" --config-name=qwen3_1.7b_dapo_math' in script
+    cfg = compose_example(name="qwen3_1.7b_dapo_math")
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen3-1.7B-Base"
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "gppo"
