@@ -1,0 +1,32 @@
+"""Task registry: `get_task("addition")`, `get_task("countdown", counts=(3,))`."""
+
+from __future__ import annotations
+
+import difflib
+import random
+
+from gppo.tasks.arithmetic import AdditionTask
+from gppo.tasks.base import Problem, Task
+from gppo.tasks.countdown import CountdownTask
+
+TASKS = {"addition": AdditionTask, "countdown": CountdownTask}
+
+HELDOUT_SEED = 20_250_001  # default seed of the fixed evaluation set (training draws use small seeds)
+
+
+def get_task(name: str, **kwargs) -> Task:
+    """Build the task registered under `name`, passing `kwargs` to its constructor."""
+    if name not in TASKS:
+        close = difflib.get_close_matches(name, TASKS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown task {name!r}: {hint}valid tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name](**kwargs)
+
+
+def heldout_problems(task: Task, n: int, seed: int = HELDOUT_SEED) -> list[Problem]:
+    """A fixed, seeded list of `n` problems for evaluation (same seed, same list)."""
+    rng = random.Random(seed)
+    return [task.sample(rng) for _ in range(n)]
+
+
+__all__ = ["TASKS", "AdditionTask", "CountdownTask", "Problem", "Task", "get_task", "heldout_problems"]

@@ -1,0 +1,149 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+
+from gppo.models.embedded import build_model, build_tokenizer
+from gppo.rollout.base import SamplingParams
+from gppo.rollout.hf import HFEngine
+
+torch.set_num_threads(1)
+
+PROMPTS = ["1+2=", "123+456=", "2 3 7 -> 27:", "9"]
+
+
+@pytest.fixture(scope="module")
+def micro():
+    tok = build_tokenizer()
+    return build_model(tok, seed=0, hidden=32, layers=1).eval(), tok
+
+
+def full_pass_logprobs(model, gen, temperature):
+    """log_softmax(logits / T) of one unpadded forward pass over prompt + completion."""
+    ids = torch.tensor([gen.prompt_ids + gen.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(gen.prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0])
+def test_logprobs_and_topk_match_a_full_forward_pass(micro, temperature):
+    model, tok = micro
+    engine = HFEngine(model, tok, batch_size=5)  # 8 sequences: two chunks, mixed prompt lengths
+    gens = engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=10, n=2,
+                                                    top_k_logprobs=4, seed=0))
+    assert [g.prompt_index for g in gens] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for g in gens:
+        assert g.prompt_ids == tok(PROMPTS[g.prompt_index])["input_ids"]
+        ref = full_pass_logprobs(model, g, temperature)
+        ids = torch.tensor(g.completion_ids)
+        torch.testing.assert_close(torch.tensor(g.logprobs), ref.gather(-1, ids[:, None]).squeeze(-1),
+                                   atol=1e-5, rtol=0)
+        top_lp, top_ids = ref.topk(4, dim=-1)
+        assert torch.equal(torch.tensor(g.topk_ids), top_ids)
+        torch.testing.assert_close(torch.tensor(g.topk_logprobs), top_lp, atol=1e-5, rtol=0)
+        if temperature == 0:
+            assert torch.equal(ids, ref.argmax(-1))
+
+
+def test_eos_stops_each_sequence_and_padding_does_not_leak(micro):
+    model, tok = micro
+    engine = HFEngine(model, tok, batch_size=64)
+    # A model that likes EOS: boost its logit so sequences stop at different steps.
+    weight = model.get_output_embeddings().weight
+    saved = weight[tok.eos_token_id].detach().clone()
+    with torch.no_grad():
+        weight[tok.eos_token_id] *= 3
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=8, n=16, seed=1)
+        gens = engine.generate(PROMPTS, params)
+        reasons = {g.finish_reason for g in gens}
+        assert reasons == {"stop", "length"}
+        for g in gens:
+            eos_at = [i for i, t in enumerate(g.completion_ids) if t == tok.eos_token_id]
+            if g.finish_reason == "stop":
+                assert eos_at == [len(g.completion_ids) - 1]
+            else:
+                assert eos_at == [] and len(g.completion_ids) == params.max_new_tokens
+            assert len(g.logprobs) == len(g.completion_ids)
+            assert g.text == tok.decode(g.completion_ids, skip_special_tokens=True)
+            assert "<eos>" not in g.text
+            ref = full_pass_logprobs(model, g, 1.0)
+            torch.testing.assert_close(torch.tensor(g.logprobs),
+                                       ref.gather(-1, torch.tensor(g.completion_ids)[:, None]).squeeze(-1),
+                                       atol=1e-5, rtol=0)
+        # Greedy: a prompt gives the same completion alone as inside a left-padded batch.
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+        batched = engine.generate(PROMPTS, greedy)
+        for p, g in zip(PROMPTS, batched):
+            assert engine.generate([p], greedy)[0].completion_ids == g.completion_ids
+    finally:
+        with torch.no_grad():
+            weight[tok.eos_token_id] = saved
+
+
+def test_max_new_tokens_gives_length(micro):
+    model, tok = micro
+    gens = HFEngine(model, tok).generate(["1+2="], SamplingParams(max_new_tokens=1, n=4, seed=0))
+    for g in gens:
+        assert len(g.completion_ids) == 1
+        assert g.finish_reason == ("stop" if g.completion_ids[0] == tok.eos_token_id else "length")
+
+
+def test_seeded_reproducibility(micro):
+    model, tok = micro
+    engine = HFEngine(model, tok, batch_size=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=123)
+    a, b = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    assert [g.completion_ids for g in a] == [g.completion_ids for g in b]
+    assert [g.logprobs for g in a] == [g.logprobs for g in b]
+    c = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=124))
+    assert [g.completion_ids for g in a] != [g.completion_ids for g in c]
+
+
+def test_top_p_truncates_the_recorded_distribution(micro):
+    model, tok = micro
+    gens = HFEngine(model, tok).generate(PROMPTS, SamplingParams(top_p=0.5, max_new_tokens=6, seed=0,
+                                                                  top_k_logprobs=len(tok)))
+    for g in gens:
+        for step_lps in g.topk_logprobs:
+            kept = torch.tensor(step_lps).exp()
+            assert abs(kept.sum().item() - 1) < 1e-5  # renormalised over the kept tokens
+            assert (kept == 0).sum() > 0  # some tokens truncated
+            assert kept[0] > 0
+
+
+def test_engine_api_and_errors(micro):
+    model, tok = micro
+    engine = HFEngine(model, tok)
+    assert engine.max_top_k_logprobs == len(tok)
+    with pytest.raises(ValueError, match="exceeds the vocabulary"):
+        engine.generate(["1"], SamplingParams(top_k_logprobs=len(tok) + 1))
+    with pytest.raises(ValueError, match="temperature >= 0"):
+        engine.generate(["1"], SamplingParams(temperature=-1))
+    with pytest.raises(ValueError, match="empty after tokenization"):
+        engine.generate([""], SamplingParams())
+    no_eos = build_tokenizer()
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="no EOS token"):
+        HFEngine(model, no_eos)
+
+
+def test_other_architecture_with_absolute_positions():
+    """GPT-2 adds learned absolute position embeddings: wrong position_ids under left padding
+    would change its log-probs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    model = GPT2LMHeadModel(config).eval()
+    gens = HFEngine(model, tok).generate(PROMPTS, SamplingParams(max_new_tokens=8, n=2, seed=0))
+    for g in gens:
+        ref = full_pass_logprobs(model, g, 1.0)
+        torch.testing.assert_close(torch.tensor(g.logprobs),
+                                   ref.gather(-1, torch.tensor(g.completion_ids)[:, None]).squeeze(-1),
+                                   atol=1e-5, rtol=0)
