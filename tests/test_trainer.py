@@ -254,3 +254,22 @@ def test_yaml_config_and_flag_precedence(tmp_path):
     path.write_text("learning_rate: 0.1\n")
     with pytest.raises(ConfigError, match="unknown config key 'learning_rate'"):
         config_from_args(parser.parse_args(["--config", str(path)]))
+
+
+def test_gppo_eval_on_a_benchmark_file_and_on_a_task(micro_model, tmp_path, capsys):
+    from gppo.cli import main
+
+    out = tmp_path / "eval"
+    fixture = "tests/fixtures/benchmarks/aime24.jsonl"
+    args = ["eval", "--model", str(micro_model), "--benchmark", "aime24", "--data", fixture, "-n", "2",
+            "--max_tokens", "4", "--out", str(out), "--device", "cpu"]
+    assert main(args) == 0
+    assert (out / "summary.md").exists() and (out / "aime24.jsonl").exists()
+    scored = len((out / "aime24.jsonl").read_text().splitlines())
+    assert main(args) == 0  # resumable: nothing is generated again
+    assert len((out / "aime24.jsonl").read_text().splitlines()) == scored
+    assert main(["eval", "--model", str(micro_model), "--benchmark", "aime2024", "--data", fixture]) == 2
+    assert "did you mean" in capsys.readouterr().err
+    assert main(["eval", "--model", str(micro_model), "--task", "addition", "--eval_size", "8", "-n", "2",
+                 "--max_tokens", "4"]) == 0
+    assert "eval/pass@2" in capsys.readouterr().out
