@@ -23,11 +23,11 @@ from typing import Mapping, Sequence
 
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from gppo.data.benchmarks import BenchmarkProblem, get_benchmark, load_benchmark
 from gppo.data.loaders import RowError
 from gppo.rewards.code import Limits, score_code
+from gppo.report import markdown_table, print_table
 from gppo.rewards.math import score_math
 from gppo.rollout.base import Generation, RolloutEngine, SamplingParams
 
@@ -219,15 +219,9 @@ def _write_summaries(summaries: list[BenchmarkSummary], out: Path, console: Cons
     header = ["benchmark", "problems", "bad rows", "failed", "n", "avg@n"] + [f"pass@{k}" for k in ks]
     rows = [[s.benchmark, str(s.problems), str(len(s.row_errors)), str(s.failed), str(s.n), f"{s.avg:.4f}"]
             + [f"{s.pass_at[k]:.4f}" if k in s.pass_at else "" for k in ks] for s in summaries]
-    table = Table(title="evaluation")
-    for column in header:
-        table.add_column(column, justify="left" if column == "benchmark" else "right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell or "-" for cell in row) + " |" for row in rows]
-    (out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print_table(console, "evaluation", header, rows)
+    (out / "summary.md").write_text(markdown_table(header, [[cell or "-" for cell in row] for row in rows]),
+                                    encoding="utf-8")
     with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(header)

@@ -31,7 +31,7 @@ from rich.console import Console
 
 import gppo
 from gppo.core.estimators import ESTIMATORS
-from gppo.core.loss import Q_BUCKET_EDGES, Q_BUCKETS
+from gppo.core.loss import Q_BUCKETS, q_buckets
 from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
 from gppo.theory import matched_radii
 from gppo.report import markdown_table, print_table, pyplot, text_color, write_csv
@@ -93,12 +93,6 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
                                         top_k=min(config.top_k, vocab), top_p=config.top_p)
                 parts[(div, est)].append(gppo.estimate(point, batch)[valid])
     return {key: torch.cat(values) for key, values in parts.items()}
-
-
-def q_buckets(q: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Membership of each token in the mu-probability buckets of the loss metrics."""
-    return {name: (q >= lo) & ((q < hi) if hi < 1 else (q <= hi))
-            for name, lo, hi in zip(Q_BUCKETS, Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:])}
 
 
 def faithfulness(tokens: dict, delta: float, alpha: float = 0.5) -> list[dict]:

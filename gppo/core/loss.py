@@ -24,6 +24,12 @@ Q_BUCKETS = tuple(
 )
 
 
+def q_buckets(q: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Boolean membership of each probability in the buckets Q_BUCKETS (the last one closed)."""
+    return {name: (q >= lo) & ((q < hi) if hi < 1 else (q <= hi))
+            for name, lo, hi in zip(Q_BUCKETS, Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:])}
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None,
               num_tokens: float | None = None, num_sequences: float | None = None) -> torch.Tensor:
     """Reduce per-token values [B,T] to a scalar (DESIGN.md section 6).
@@ -160,9 +166,8 @@ def _metrics(ctx: RuleContext, out, pg_loss: torch.Tensor, kl: torch.Tensor | No
             frac("masked_frac", blocked, valid)
             frac("masked_frac/adv_pos", blocked, valid & (ctx.adv > 0))
             frac("masked_frac/adv_neg", blocked, valid & (ctx.adv < 0))
-            q = ctx.logq.detach().exp()
-            for name, lo, hi in zip(Q_BUCKETS, Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:]):
-                group = valid & (q >= lo) & ((q < hi) if hi < 1 else (q <= hi))
+            for name, bucket in q_buckets(ctx.logq.detach().exp()).items():
+                group = valid & bucket
                 frac(f"masked_frac/{name}", blocked, group)
                 values[f"token_frac/{name}"] = group.sum() / n
         if ctx.config.truncation is not None:
