@@ -106,7 +106,7 @@ def test_shipped_warm_start_is_an_imperfect_teacher(task_name, low, high):
     from gppo.warmstart import ASSETS, embedded_checkpoint
 
     path = ASSETS / task_name
-    assert (path / "config.json").exists(), f"shipped warm start missing: regenerate it (gppo/warmstart.py)"
+    assert (path / "config.json").exists(), "shipped warm start missing: regenerate it (gppo/warmstart.py)"
     assert embedded_checkpoint(task_name) == path
     model, tok = load_model_and_tokenizer(path)
     task, problems = get_task(task_name), heldout_problems(get_task(task_name), 256)

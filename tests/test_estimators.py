@@ -1,6 +1,5 @@
 """Estimator axis: data-processing order, equality cases, brute-force partitions, missing inputs."""
 
-import math
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """Trust-region rules and presets: every seed method against an independent reference, on loss
 values and on gradients with respect to logp; the claimed equivalences; aggregation; KL penalty."""
 
-import math
 
 import pytest
 import torch

@@ -139,7 +139,7 @@ def _validate(cfg: GPPOConfig) -> None:
             )
         _choice(cfg, "estimator", ESTIMATOR_NAMES)
         try:
-            cfg.divergence_fn
+            divergence(cfg.divergence, **({"alpha": cfg.alpha} if cfg.divergence == "alpha" else {}))
         except ValueError as err:
             raise GPPOConfigError(f"GPPOConfig.divergence: {err}") from None
         if allowed is not None and cfg.estimator not in allowed:

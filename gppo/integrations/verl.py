@@ -178,7 +178,7 @@ def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
     preset_agg = gppo.preset(policy_loss.preset_name).loss_agg_mode
     if preset_agg != loss_agg_mode:
         warnings.warn(f"gppo preset {policy_loss.preset_name!r} is defined with loss_agg_mode="
-                      f"{preset_agg!r}; verl's actor.loss_agg_mode={loss_agg_mode!r} is used")
+                      f"{preset_agg!r}; verl's actor.loss_agg_mode={loss_agg_mode!r} is used", stacklevel=2)
     if rollout_is_weights is not None:
         advantages = advantages * rollout_is_weights
     # verl passes one anchor; both anchor fields hold it and cfg.anchor says which one it is

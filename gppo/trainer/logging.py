@@ -61,7 +61,8 @@ def _tensorboard(run_dir: Path, report_to: list[str]):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        warnings.warn("report_to includes tensorboard but it is not installed (pip install gppo[tensorboard])")
+        warnings.warn("report_to includes tensorboard but it is not installed (pip install gppo[tensorboard])",
+                      stacklevel=2)
         return None
     writer = SummaryWriter(str(run_dir / "tensorboard"))
 
@@ -79,7 +80,7 @@ def _wandb(run_dir: Path, report_to: list[str], config: dict):
     try:
         import wandb
     except ImportError:
-        warnings.warn("report_to includes wandb but it is not installed (pip install gppo[wandb])")
+        warnings.warn("report_to includes wandb but it is not installed (pip install gppo[wandb])", stacklevel=2)
         return None
     run = wandb.init(dir=str(run_dir), config=config, name=run_dir.name)
     return lambda step, record: run.log({k: v for k, v in record.items() if k != "step"}, step=step)

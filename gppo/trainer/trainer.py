@@ -248,13 +248,13 @@ class Trainer:
         need_ref = self.ref_model is not None
         if not (need_old or need_full or need_ref):
             return rollout
+        width = rollout.token_ids.shape[1]
+
+        def pad(x):  # a trimmed micro-batch back to the rollout's width T
+            return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))
         parts = defaultdict(list)
         for index in torch.arange(rollout.size, device=self.device).split(self.config.micro_batch_size):
             sub = rollout.select(index)
-            width = rollout.token_ids.shape[1]
-
-            def pad(x, value=0.0):  # back to the full width T of the rollout
-                return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]), value=value)
             if need_old or need_full:
                 out = policy_outputs(self.model, sub, temperature)
                 if need_old:
