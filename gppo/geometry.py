@@ -29,7 +29,7 @@ from gppo import theory
 from gppo.theory import REFERENCE_Q, matched_radii
 from gppo.core.config import RATIO_INTERVAL_ESTIMATORS
 from gppo.core.divergences import DIVERGENCES, Divergence, divergence
-from gppo.report import pyplot, write_csv
+from gppo.report import pyplot, save_figure, write_csv
 
 DEFAULT_DELTA = 0.15  # DPPO's TV radius
 # alpha = 0.5 is twice the squared Hellinger distance: left out unless asked for (--divergences alpha).
@@ -72,11 +72,7 @@ def plot_geometry(rows: list[dict], path: Path, title: str) -> Path:
     axes[0].set_ylabel("hi - 1 (solid), 1 - lo (dashed)")
     axes[-1].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run_geometry(out: str | Path, delta: float = DEFAULT_DELTA, divergences=DEFAULT_DIVERGENCES, raw: bool = False,

@@ -45,6 +45,15 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path) -> Path:
+    """Lay `fig` out, write it to `path` as a PNG (creating the folder) and free it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
 def text_color(image, value: float) -> str:
     """Black or white, whichever reads better on the colour `image` gives `value` (Rec. 601 luma)."""
     r, g, b, _ = image.cmap(image.norm(value))

@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gppo.core.estimators import ESTIMATORS
 from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
 from gppo.theory import matched_radii
-from gppo.report import markdown_table, print_table, pyplot, text_color, write_csv
+from gppo.report import markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.trainer.checkpoint import latest_checkpoint
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.logging import MetricsLog
@@ -263,10 +263,7 @@ def plot_heatmap(rows: list[dict], path: Path, title: str) -> Path:
     ax.set_xlabel("estimator")
     ax.set_ylabel("divergence")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def write_summary(rows: list[dict], out: Path, target: float | None, note: str, heatmap_title: str | None) -> None:

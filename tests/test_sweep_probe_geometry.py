@@ -13,7 +13,6 @@ import torch
 from gppo import theory
 from gppo.cli import main
 from gppo.theory import matched_radii
-from gppo.models.embedded import build_model, build_tokenizer
 from gppo.probe import average_ranks, faithfulness, spearman
 from gppo.sweep import mean_ci, plan, run_stats, run_sweep, t_quantile_975
 from gppo.trainer import ConfigError, Trainer
@@ -21,15 +20,6 @@ from gppo.trainer import ConfigError, Trainer
 MICRO_RUN = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "6",
              "--eval_size", "8", "--eval_samples", "2", "--eval_every", "1", "--mini_batch_size", "16",
              "--micro_batch_size", "16", "--save_every", "1", "--lr", "1e-3"]
-
-
-@pytest.fixture(scope="module")
-def micro_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def read_csv(path):

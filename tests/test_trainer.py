@@ -10,7 +10,7 @@ import yaml
 
 import gppo
 from gppo.advantages import group_advantages, informative_groups
-from gppo.models.embedded import build_model, build_tokenizer, load_model_and_tokenizer
+from gppo.models.embedded import load_model_and_tokenizer
 from gppo.rewards.pipeline import RewardPipeline, load_function, overlong_penalty
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
@@ -19,15 +19,6 @@ from gppo.tasks.base import Problem
 from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.batch import policy_outputs, rollout_from_generations, token_batch
 from gppo.trainer.config import from_dict
-
-
-@pytest.fixture(scope="module")
-def micro_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def micro_config(model, out, **changes):

@@ -9,6 +9,7 @@ import time
 import warnings
 from pathlib import Path
 
+from gppo.report import pyplot, save_figure
 from gppo.trainer.checkpoint import atomic_write_text
 
 
@@ -98,11 +99,7 @@ PLOTS = [
 
 def plot_curves(records: list[dict], path: Path, title: str) -> Path | None:
     """One PNG with the main curves of a run (reward, accuracy, masked fraction, entropy, ...)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [(name, keys) for name, keys in PLOTS if any(k in r for r in records for k in keys)]
     if not panels:
         return None
@@ -121,8 +118,4 @@ def plot_curves(records: list[dict], path: Path, title: str) -> Path | None:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
