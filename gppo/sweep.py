@@ -25,9 +25,12 @@ Summary over seeds, per cell (OUT/sweep.csv, OUT/sweep.md, OUT/heatmap.png for a
 
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing
 import os
+import signal
+import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +49,7 @@ from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.logging import MetricsLog
 from gppo.trainer.trainer import Trainer
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAST_STEPS = 10  # window of the end-of-run averages (masked fraction, entropy)
 # Keys the sweep sets itself: base settings may not give them (CLI flag to use instead).
 SET_BY_SWEEP = {"seed": "--seeds", "output_dir": "--out", "preset": "--presets (or the grid)"}
@@ -158,6 +162,19 @@ def run_job(config: TrainConfig) -> None:
             raise
 
 
+def exit_with_parent(parent_pid: int) -> None:
+    """Pool-worker initializer: end this worker when the sweep process dies, however it dies.
+
+    A sweep killed with SIGTERM or SIGKILL would otherwise leave its workers training in the
+    background, racing the rerun that resumes the same run directories. On Linux the kernel sends
+    SIGTERM on the parent's death (prctl PR_SET_PDEATHSIG); elsewhere a killed sweep's workers
+    finish their current run."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _execute(jobs: list[Job], workers: int):
     """Yield (job, error or None) as runs finish: in this process for workers=1, else in a pool."""
     if workers == 1:
@@ -168,7 +185,8 @@ def _execute(jobs: list[Job], workers: int):
             except Exception as err:  # one failed run must not stop the sweep
                 yield job, err
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(run_job, job.config): job for job in jobs}
         for future in as_completed(futures):
             yield futures[future], future.exception()

@@ -5,6 +5,11 @@ ratio intervals)."""
 import csv
 import json
 import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,6 +111,41 @@ def test_matched_radii_give_one_interval_at_q_half():
 
 
 # ------------------------------------------------------------------------------ sweep
+KILLED_SWEEP = """
+import multiprocessing, os, signal, sys
+from concurrent.futures import ProcessPoolExecutor
+from gppo.sweep import exit_with_parent
+
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent,
+                               initargs=(os.getpid(),))
+    print(pool.submit(os.getpid).result(), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # as `kill -9` of a sweep would
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_workers_of_a_killed_sweep_exit(tmp_path):
+    script = tmp_path / "killed_sweep.py"
+    script.write_text(KILLED_SWEEP)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as stdout, open(err, "w") as stderr:  # files: a surviving worker would hold pipes open
+        done = subprocess.run([sys.executable, str(script)], stdout=stdout, stderr=stderr, timeout=300)
+    assert done.returncode == -signal.SIGKILL, err.read_text()
+    worker = int(out.read_text().split()[0])
+
+    def running() -> bool:  # a zombie (state Z) has exited and waits to be reaped
+        try:
+            return Path(f"/proc/{worker}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(), "the pool worker outlived its killed sweep"
+
+
 def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
     out = tmp_path / "sweep"
     grid = ["--divergences", "tv", "kl", "--estimators", "binary", "topk", "--seeds", "0", "1", "--delta", "0.15"]
