@@ -53,7 +53,7 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
 
     def step():
         log_pi = torch.log_softmax(logits.float(), -1)
-        logp = log_pi.gather(-1, ids[:, None]).squeeze(-1)
+        logp, topk_logp = gppo.gather_logp(log_pi, ids, top_ids if case in ("topk", "topp") else None)
         if case == "ppo-baseline":
             ratio = torch.exp(logp - logp_behavior)
             loss = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv).mean()
@@ -62,7 +62,7 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
                 logp=logp[None], logp_behavior=logp_behavior[None], advantages=adv[None],
                 mask=mask[None], token_ids=ids[None], topk_ids=top_ids[None],
                 topk_logp_behavior=top_logq[None],
-                topk_logp=log_pi.gather(-1, top_ids)[None] if case in ("topk", "topp") else None,
+                topk_logp=topk_logp[None] if topk_logp is not None else None,
                 logits=logits[None] if case == "full" else None,
                 logp_behavior_full=full_behavior[None] if case == "full" else None,
             )

@@ -20,6 +20,7 @@ from gppo.core import (
     aggregate,
     divergence,
     estimate,
+    gather_logp,
     policy_loss,
     preset,
     reference_kl,
@@ -30,5 +31,5 @@ __version__ = "0.1.0"
 __all__ = [
     "DIVERGENCES", "ESTIMATORS", "PRESETS", "RULES", "Divergence", "GPPOConfig",
     "GPPOConfigError", "GPPOInputError", "Preset", "TokenBatch", "aggregate", "divergence",
-    "estimate", "policy_loss", "preset", "reference_kl", "__version__",
+    "estimate", "gather_logp", "policy_loss", "preset", "reference_kl", "__version__",
 ]

@@ -1,6 +1,8 @@
 """Estimator axis: data-processing order, equality cases, brute-force partitions, missing inputs."""
 
 
+import math
+
 import pytest
 import torch
 
@@ -222,3 +224,39 @@ def test_estimators_registry_declares_inputs():
     assert gppo.ESTIMATORS["binary"].needs == ()
     with pytest.raises(gppo.GPPOConfigError, match="did you mean 'binary'"):
         gppo.preset("dppo-binary-tv", estimator="binry")
+
+
+def test_gather_logp_equals_separate_gathers_on_values_and_gradients():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 50, generator=gen, dtype=torch.float64, requires_grad=True)
+    token_ids = torch.randint(0, 50, (2, 5), generator=gen)
+    topk_ids = torch.randint(0, 50, (2, 5, 4), generator=gen)
+    weights = torch.randn(2, 5, 5, generator=gen, dtype=torch.float64)
+
+    def objective(logp, topk_logp):
+        return (logp * weights[..., 0]).sum() + (topk_logp * weights[..., 1:]).sum()
+
+    log_probs = torch.log_softmax(logits, -1)
+    logp, topk_logp = gppo.gather_logp(log_probs, token_ids, topk_ids)
+    (grad_one,) = torch.autograd.grad(objective(logp, topk_logp), logits, retain_graph=True)
+    separate = (log_probs.gather(-1, token_ids[..., None]).squeeze(-1), log_probs.gather(-1, topk_ids))
+    (grad_two,) = torch.autograd.grad(objective(*separate), logits)
+    assert torch.equal(logp, separate[0]) and torch.equal(topk_logp, separate[1])
+    torch.testing.assert_close(grad_one, grad_two)
+    only_tokens, none = gppo.gather_logp(log_probs, token_ids)
+    assert none is None and torch.equal(only_tokens, separate[0])
+
+
+@pytest.mark.parametrize("name", sorted(gppo.DIVERGENCES))
+def test_binary_estimate_stays_finite_when_a_probability_rounds_to_one(name):
+    # mu(a) = 1.0 in float32 (log-prob 0.0, common for confident tokens) leaves the rest cell with
+    # mass 0; chi2 / rkl / kl would be infinite there. The rest mass is floored as in top-K.
+    logp = torch.tensor([[math.log(0.9), 0.0]])
+    logq = torch.tensor([[0.0, math.log(0.9)]])
+    batch = gppo.TokenBatch(logp=logp.clone().requires_grad_(True), logp_behavior=logq,
+                            advantages=torch.tensor([-1.0]), mask=torch.ones(1, 2))
+    cfg = gppo.preset("dppo-binary-tv", divergence=name)
+    est = gppo.estimate(cfg, batch)
+    assert torch.isfinite(est).all() and (est > 0).all()
+    loss, metrics = gppo.policy_loss(batch, cfg)
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())

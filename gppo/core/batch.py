@@ -175,3 +175,13 @@ def validate(batch: TokenBatch) -> None:
         hint = hints.get(msg, "at a masked-in position; check the rollout log-probs and the "
                           "temperature, or mask such tokens out")
         raise GPPOInputError(f"{msg}: {hint}")
+
+
+def gather_logp(log_probs: torch.Tensor, token_ids: torch.Tensor, topk_ids: torch.Tensor | None = None):
+    """(logp [..., T], topk_logp [..., T, K] or None): the log-probs [..., T, V] of the sampled
+    tokens and of mu's top-K ids, read with ONE gather. Two gathers would cost a second dense
+    [..., T, V] gradient in backward: about +30 % on the log-softmax's time (benchmarks/)."""
+    if topk_ids is None:
+        return log_probs.gather(-1, token_ids[..., None]).squeeze(-1), None
+    both = log_probs.gather(-1, torch.cat([token_ids[..., None], topk_ids], dim=-1))
+    return both[..., 0], both[..., 1:]

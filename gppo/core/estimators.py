@@ -11,6 +11,8 @@ All estimates are computed without gradient, in float32 (float64 if the inputs a
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,9 +58,12 @@ def cell_estimate(div: Divergence, logp, logq) -> torch.Tensor:
 
 
 def binary_estimate(div: Divergence, logp, logq) -> torch.Tensor:
-    """Exact D_f on the partition {sampled token, rest}."""
-    rest = div.cell_terms(log1mexp(upcast(logp)), log1mexp(upcast(logq)))
-    return div.cell_terms(logp, logq) + rest
+    """Exact D_f on the partition {sampled token, rest}. A rest mass below REST_FLOOR (e.g. 0 when
+    a confident token's log-prob rounds to 0.0) counts as REST_FLOOR, as in the top-K estimator:
+    otherwise chi2, rkl or kl would be infinite for a token that merely rounded to probability 1."""
+    log_rest_floor = math.log(REST_FLOOR)
+    rest_p, rest_q = (log1mexp(upcast(x)).clamp(min=log_rest_floor) for x in (logp, logq))
+    return div.cell_terms(logp, logq) + div.cell_terms(rest_p, rest_q)
 
 
 def nucleus_estimate(div: Divergence, logp, logq, token_ids, topk_ids, topk_logp, topk_logq,

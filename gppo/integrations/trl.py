@@ -159,9 +159,8 @@ class GPPOTrainer(GRPOTrainer):
         topk_ids = topk_logp = topk_logp_old = None
         if cfg.estimator in TOPK_ESTIMATORS:
             log_probs = self._completion_log_probs(model, inputs)
-            logp = log_probs.gather(-1, completion_ids[..., None]).squeeze(-1)
             topk_ids = inputs["gppo_topk_ids"]
-            topk_logp = log_probs.gather(-1, topk_ids)
+            logp, topk_logp = gppo.gather_logp(log_probs, completion_ids, topk_ids)
             entropies = -(log_probs.exp() * log_probs).sum(-1).detach()
             logp_old, topk_logp_old = inputs["gppo_logp_old"], inputs["gppo_topk_logp_old"]
         else:

@@ -106,8 +106,7 @@ class PolicyOutputs:
 def policy_outputs(model, rollout: Rollout, temperature: float) -> PolicyOutputs:
     logits = response_logits(model, rollout, temperature)
     log_probs = torch.log_softmax(logits, -1)
-    logp = log_probs.gather(-1, rollout.token_ids[..., None]).squeeze(-1)
-    topk = log_probs.gather(-1, rollout.topk_ids) if rollout.topk_ids is not None else None
+    logp, topk = gppo.gather_logp(log_probs, rollout.token_ids, rollout.topk_ids)
     return PolicyOutputs(logp, topk, logits, log_probs)
 
 
