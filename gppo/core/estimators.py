@@ -12,7 +12,6 @@ All estimates are computed without gradient, in float32 (float64 if the inputs a
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Callable
 
