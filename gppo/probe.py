@@ -34,7 +34,7 @@ from gppo.core.estimators import ESTIMATORS
 from gppo.core.loss import Q_BUCKETS, q_buckets
 from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
 from gppo.theory import matched_radii
-from gppo.report import markdown_table, print_table, pyplot, save_figure, text_color, write_csv
+from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.trainer.batch import Rollout, response_logits
 from gppo.trainer.config import ConfigError, from_dict
 from gppo.trainer.trainer import Trainer
@@ -171,7 +171,7 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
               *Q_BUCKETS, "violations"]
     body = [[r["divergence"], r["estimator"], f"{r['delta_low']:.4g} / {r['delta_high']:.4g}",
              f"{r['exact_mean']:.3g}", f"{r['bias']:.3g}", f"{r['spearman']:.3f}", f"{r['disagree']:.3f}",
-             *("–" if math.isnan(r[f"disagree {b}"]) else f"{r[f'disagree {b}']:.3f}" for b in Q_BUCKETS),
+             *(fmt(r[f"disagree {b}"], missing="–") for b in Q_BUCKETS),
              "" if r["violations"] is None else str(r["violations"])] for r in rows]
     setting = (f"{len(tokens['q'])} tokens; update: preset {config.preset}, lr {config.lr:g}, epochs {config.epochs}, "
                f"{math.ceil(rollout.size / config.mini_batch_size)} mini-batches of {config.mini_batch_size} sequences "

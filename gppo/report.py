@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -15,6 +16,11 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def fmt(value, spec: str = ".3f", missing: str = "") -> str:
+    """`value` formatted with `spec`; `missing` for None or NaN (no runs, an empty bucket)."""
+    return missing if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def markdown_table(header: list[str], body: list[list[str]]) -> str:

@@ -43,7 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gppo.core.estimators import ESTIMATORS
 from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
 from gppo.theory import matched_radii
-from gppo.report import markdown_table, print_table, pyplot, save_figure, text_color, write_csv
+from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.trainer.checkpoint import latest_checkpoint
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.logging import MetricsLog
@@ -239,13 +239,9 @@ def summarize(jobs: list[Job], target: float | None) -> list[dict]:
     return rows
 
 
-def _fmt(value, spec: str = ".3f") -> str:
-    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def _pm(row: dict, key: str) -> str:
-    ci = _fmt(row[f"{key}_ci"])
-    return _fmt(row[key]) + (f" ± {ci}" if ci else "")
+    ci = fmt(row[f"{key}_ci"])
+    return fmt(row[key]) + (f" ± {ci}" if ci else "")
 
 
 def display_rows(rows: list[dict], target: float | None) -> tuple[list[str], list[list[str]]]:
@@ -258,7 +254,7 @@ def display_rows(rows: list[dict], target: float | None) -> tuple[list[str], lis
                                            if r["steps_to_target"] is not None else "not reached")
         delta = f"{r['delta_low']:.4g} / {r['delta_high']:.4g}" if r["delta_low"] is not None else ""
         body.append([r["cell"], r["rule"], delta, str(r["seeds"]), _pm(r, "greedy"), _pm(r, "avg_at_k"),
-                     _pm(r, "auc"), steps, _fmt(r["masked_frac"]), _fmt(r["entropy"]), _fmt(r["train_seconds"], ".1f")])
+                     _pm(r, "auc"), steps, fmt(r["masked_frac"]), fmt(r["entropy"]), fmt(r["train_seconds"], ".1f")])
     return header, body
 
 

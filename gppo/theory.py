@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from gppo.core.divergences import Divergence, divergence as _divergence
-from gppo.core.regions import binary_divergence, ratio_interval as _ratio_interval
+from gppo.core.estimators import binary_estimate
+from gppo.core.regions import ratio_interval as _ratio_interval
 
 
 def _div(div: str | Divergence, **params) -> Divergence:
@@ -89,7 +90,7 @@ def estimate_at_ratio(div: str | Divergence, estimator: str, q, ratio) -> np.nda
     elif estimator == "cell":
         value = div.cell_terms(torch.log(q * ratio), torch.log(q))
     elif estimator == "binary":
-        value = binary_divergence(div, torch.log(q), torch.log(ratio))
+        value = binary_estimate(div, torch.log(q * ratio), torch.log(q))
     else:
         raise ValueError(f"estimator {estimator!r} is not a function of the sampled token's ratio alone")
     return value.numpy()

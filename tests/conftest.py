@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -7,8 +9,6 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("GPPO_TEST_THREADS", "2")))
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from gppo.core.divergences import Divergence, log1mexp, upcast
 
 LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (DESIGN.md section 1)
 REST_FLOOR = 1e-12  # the rest cell's mass is clamped to at least this
+LOG_REST_FLOOR = math.log(REST_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ def binary_estimate(div: Divergence, logp, logq) -> torch.Tensor:
     """Exact D_f on the partition {sampled token, rest}. A rest mass below REST_FLOOR (e.g. 0 when
     a confident token's log-prob rounds to 0.0) counts as REST_FLOOR, as in the top-K estimator:
     otherwise chi2, rkl or kl would be infinite for a token that merely rounded to probability 1."""
-    log_rest_floor = math.log(REST_FLOOR)
-    rest_p, rest_q = (log1mexp(upcast(x)).clamp(min=log_rest_floor) for x in (logp, logq))
+    rest_p, rest_q = (log1mexp(upcast(x)).clamp(min=LOG_REST_FLOOR) for x in (logp, logq))
     return div.cell_terms(logp, logq) + div.cell_terms(rest_p, rest_q)
 
 

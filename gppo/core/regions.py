@@ -13,7 +13,8 @@ import functools
 
 import torch
 
-from gppo.core.divergences import Divergence, log1mexp
+from gppo.core.divergences import Divergence
+from gppo.core.estimators import binary_estimate
 
 
 @functools.lru_cache(maxsize=256)
@@ -22,12 +23,6 @@ def sample_interval(div: Divergence, delta_low: float, delta_high: float) -> tup
     lo, _ = div.normalized_inverse(torch.tensor(float(delta_low), dtype=torch.float64))
     _, hi = div.normalized_inverse(torch.tensor(float(delta_high), dtype=torch.float64))
     return float(lo), float(hi)
-
-
-def binary_divergence(div: Divergence, log_q: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
-    """D_f on {a, rest} when the token of probability q = exp(log_q) moves to p = r q."""
-    log_p = log_q + log_ratio
-    return div.cell_terms(log_p, log_q) + div.cell_terms(log1mexp(log_p), log1mexp(log_q))
 
 
 def _bisect(fn, inside, outside, delta, steps=80):
@@ -55,7 +50,11 @@ def ratio_interval(div: Divergence, estimator: str, q: torch.Tensor, delta_low, 
         _, hi = div.normalized_inverse(delta_high / q)
         return lo, torch.minimum(hi, cap)
     if estimator == "binary":  # bisection on log r: the lower bound can be astronomically small
-        fn = functools.partial(binary_divergence, div, torch.log(q))
+        log_q = torch.log(q)
+
+        def fn(log_ratio):  # binary D-hat of the token once its ratio is exp(log_ratio)
+            return binary_estimate(div, log_q + log_ratio, log_q)
+
         zero, log_cap = torch.zeros_like(q), torch.log(cap)
         floor = torch.full_like(q, -745.0)  # exp(-745) underflows to r = 0
         lo = torch.where(fn(floor) <= delta_low, zero, _bisect(fn, zero, floor, delta_low).exp())
