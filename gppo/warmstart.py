@@ -111,7 +111,9 @@ def evaluate_accuracy(model, tokenizer, task_name: str, n: int = 1024, seed: int
 def embedded_checkpoint(task_name: str = "addition") -> Path:
     """Folder of the converged warm start for `task_name`: the shipped asset, or else a copy
     trained once into `$GPPO_CACHE/warmstart/<task>` (default `~/.cache/gppo`)."""
-    get_task(task_name)  # validates the name
+    if not getattr(get_task(task_name), "embedded_model", True):  # also validates the name
+        raise ValueError(f"task {task_name!r} is written for pretrained instruct models, not the embedded "
+                         "character-level model: give --model (an HF directory or a .gguf file)")
     shipped = ASSETS / task_name
     if (shipped / "config.json").exists():
         return shipped

@@ -89,7 +89,7 @@ def test_countdown_verifier_never_raises(text):
     assert value is None or isinstance(value, int)
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", sorted(n for n, t in TASKS.items() if getattr(t, "embedded_model", True)))
 def test_prompts_and_demonstrations_are_in_the_vocabulary(name):
     tok, task, rng = build_tokenizer(), get_task(name), random.Random(3)
     for _ in range(200):
@@ -102,7 +102,7 @@ def test_get_task_typo_names_the_closest():
     assert isinstance(get_task("addition", digits=2), AdditionTask)
     with pytest.raises(ValueError, match="did you mean 'countdown'"):
         get_task("countdwn")
-    with pytest.raises(ValueError, match="valid tasks: addition, countdown"):
+    with pytest.raises(ValueError, match="valid tasks: addition, countdown, word-problems"):
         get_task("zzz")
 
 
@@ -111,3 +111,47 @@ def test_heldout_is_fixed():
     a, b = heldout_problems(task, 50, seed=7), heldout_problems(task, 50, seed=7)
     assert [p.prompt for p in a] == [p.prompt for p in b]
     assert [p.prompt for p in a] != [p.prompt for p in heldout_problems(task, 50, seed=8)]
+
+
+def _solve_word_problem(text: str) -> int:
+    """An independent solver: the two numbers of the text and the operation named by its verb."""
+    import re
+
+    a, b = (int(x) for x in re.findall(r"\d+", text))
+    if "more" in text:
+        return a + b
+    if "gives away" in text:
+        return a - b
+    if "in each box" in text:
+        return a * b
+    assert "equally among" in text
+    assert a % b == 0
+    return a // b
+
+
+def test_word_problems_answers_and_scoring():
+    from gppo.tasks import WordProblemTask
+
+    task, rng = get_task("word-problems"), random.Random(0)
+    problems = [task.sample(rng) for _ in range(400)]
+    assert {p.metadata["operation"] for p in problems} == {"add", "subtract", "multiply", "divide"}
+    for p in problems:
+        assert p.prompt.endswith("Put the final answer in \\boxed{}.")
+        assert int(p.answer) == _solve_word_problem(p.prompt.split("?")[0]) and int(p.answer) >= 0
+    p = problems[0]
+    right, wrong = int(p.answer), int(p.answer) + 1
+    assert task.score(p, f"So the total is \\boxed{{{right}}}.") == 1.0
+    assert task.score(p, f"First \\boxed{{{wrong}}}, no wait: \\boxed{{{right}}}") == 1.0  # last box wins
+    assert task.score(p, f"\\boxed{{{right}}} then \\boxed{{{wrong}}}") == 0.0
+    assert task.score(p, f"The answer is {right}.") == 1.0 and task.score(p, f"#### {right}") == 1.0
+    assert task.score(p, f"{right}") == 0.0  # a bare number is not an answer
+    assert task.score(p, "\\boxed{twelve}") == 0.0 and task.score(p, "") == 0.0
+    assert task.score(p, task.demonstration(p, rng)) == 1.0
+    with pytest.raises(ValueError, match="operations"):
+        WordProblemTask(operations=("add", "power"))
+    with pytest.raises(ValueError, match="max_operand"):
+        WordProblemTask(max_operand=1)
+    from gppo.warmstart import embedded_checkpoint
+
+    with pytest.raises(ValueError, match="give --model"):
+        embedded_checkpoint("word-problems")

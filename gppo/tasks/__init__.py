@@ -8,8 +8,9 @@ import random
 from gppo.tasks.arithmetic import AdditionTask
 from gppo.tasks.base import Problem, Task
 from gppo.tasks.countdown import CountdownTask
+from gppo.tasks.word_problems import WordProblemTask
 
-TASKS = {"addition": AdditionTask, "countdown": CountdownTask}
+TASKS = {"addition": AdditionTask, "countdown": CountdownTask, "word-problems": WordProblemTask}
 
 HELDOUT_SEED = 20_250_001  # default seed of the fixed evaluation set (training draws use small seeds)
 
@@ -29,4 +30,5 @@ def heldout_problems(task: Task, n: int, seed: int = HELDOUT_SEED) -> list[Probl
     return [task.sample(rng) for _ in range(n)]
 
 
-__all__ = ["TASKS", "AdditionTask", "CountdownTask", "Problem", "Task", "get_task", "heldout_problems"]
+__all__ = ["TASKS", "AdditionTask", "CountdownTask", "Problem", "Task", "WordProblemTask", "get_task",
+           "heldout_problems"]
