@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -92,32 +93,35 @@ def read_rows(source: str | Path, *, from_hub: bool = False, split: str = "train
 
     datasets.disable_progress_bars()
     path = Path(source)
+    if from_hub:
+        load = partial(datasets.load_dataset, str(source), config, split=split)
+    elif path.is_dir():
+        load = partial(datasets.load_from_disk, str(path))
+    elif path.is_file():
+        builder = FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"unsupported data file type {path.suffix!r} ({path}): use "
+                             f"{', '.join(FILE_BUILDERS)} or a datasets.save_to_disk directory")
+        if path.stat().st_size == 0:
+            raise ValueError(f"data file {str(path)!r} is empty")
+        load = partial(datasets.load_dataset, builder, data_files=str(path), split="train")
+    else:
+        raise FileNotFoundError(f"data {str(source)!r} does not exist: give a .jsonl/.json/.parquet/.csv file or a "
+                                "datasets.save_to_disk directory (a Hub dataset name needs --from_hub)")
     try:
-        if from_hub:
-            data = datasets.load_dataset(str(source), config, split=split)
-        elif path.is_dir():
-            data = datasets.load_from_disk(str(path))
-            if isinstance(data, datasets.DatasetDict):
-                if split not in data:
-                    raise ValueError(f"{path} holds the splits {sorted(data)}, not {split!r}: choose one as the split")
-                data = data[split]
-        elif path.is_file():
-            builder = FILE_BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise ValueError(f"unsupported data file type {path.suffix!r} ({path}): use "
-                                 f"{', '.join(FILE_BUILDERS)} or a datasets.save_to_disk directory")
-            data = datasets.load_dataset(builder, data_files=str(path), split="train")
-        else:
-            raise FileNotFoundError(f"data {str(source)!r} does not exist: give a .jsonl/.json/.parquet/.csv file or a "
-                                    "datasets.save_to_disk directory (a Hub dataset name needs --from_hub)")
-    except (ValueError, FileNotFoundError):
-        raise
+        data = load()
     except Exception as err:  # datasets wraps parse, network and format errors in its own types
         cause = err.__cause__ or err
         if from_hub:
             raise RuntimeError(f"could not load {source} (config {config!r}, split {split!r}) from the Hub: {cause}; "
                                "download it and pass the local file") from err
+        if "corresponds to no data" in str(cause):
+            raise ValueError(f"data {str(source)!r} has no rows") from None
         raise ValueError(f"could not read {source}: {type(cause).__name__}: {cause}") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ValueError(f"{path} holds the splits {sorted(data)}, not {split!r}: choose one as the split")
+        data = data[split]
     return data.to_list()
 
 
