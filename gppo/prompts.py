@@ -121,10 +121,10 @@ class PromptBuilder:
         if self.uses_chat_template:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if any(m["role"] == "assistant" for m in messages):
-            raise ValueError("a conversation with assistant turns needs a chat template, but none is used (chat_template="
-                             f"{self.config.chat_template}, the tokenizer has "
-                             f"{'one' if has_chat_template(self.tokenizer) else 'none'}): use chat_template true "
-                             "with a tokenizer that has one")
+            has = "one" if has_chat_template(self.tokenizer) else "none"
+            raise ValueError(f"a conversation with assistant turns needs a chat template, but none is used "
+                             f"(chat_template={self.config.chat_template}, the tokenizer has {has}): use "
+                             "chat_template true with a tokenizer that has one")
         return "\n\n".join(m["content"] for m in messages)
 
 

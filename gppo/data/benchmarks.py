@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gppo.data.loaders import MATH_INSTRUCTION, DataRecord, LoadResult, get_field, map_rows, read_rows, reference_answer
+from gppo.data.loaders import (MATH_INSTRUCTION, DataRecord, LoadResult, get_field, map_rows, read_rows,
+                               reference_answer)
 from gppo.rewards.code import AssertTest, io_tests
 from gppo.rewards.math import check_golds
 
