@@ -47,10 +47,10 @@ class TrainConfig:
                             "recognised)", "model and data")
     eval_data: str | None = _opt(None, "held-out data, read like --data (default: the first eval_size records of "
                                  "--data are held out)", "model and data")
-    prompt_field: str | None = _opt(None, "column holding the prompt (text or chat messages; default: the first of "
+    prompt_field: str | None = _opt(None, "column holding the prompt, text or chat messages (unset: the first of "
                                     "prompt, question, problem, instruction)", "model and data")
-    answer_field: str | None = _opt(None, "column holding the reference answer (default: answer, then solution; "
-                                    "read after #### or in the last \\boxed{})", "model and data")
+    answer_field: str | None = _opt(None, "column holding the reference answer, read after #### or in the last "
+                                    "\\boxed{} when there is one (unset: answer, then solution)", "model and data")
     from_hub: bool = _opt(False, "--data and --eval_data are Hugging Face Hub dataset names", "model and data")
     data_config: str | None = _opt(None, "Hub dataset configuration (e.g. main for openai/gsm8k)", "model and data")
     data_split: str = _opt("train", "split of --data (Hub datasets and save_to_disk DatasetDicts)", "model and data")
