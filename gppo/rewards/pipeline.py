@@ -90,7 +90,7 @@ class RewardPipeline:
             result = RewardResult(totals, accuracy, {"verifier": accuracy})
         else:
             totals = [0.0] * n
-            result = RewardResult(totals, totals, {})
+            result = RewardResult(totals, [], {})  # accuracy: the user functions' total, set below
         data_columns = [p.metadata.get("columns") or {} for p in problems]
         names = dict.fromkeys(k for c in data_columns for k in c)
         columns = {name: [c.get(name) for c in data_columns] for name in names}
