@@ -13,6 +13,10 @@ A prompt is text or a conversation (a list of `{"role", "content"}` messages, as
   one (the embedded character tokenizer has none). YAML booleans `true`/`false` are accepted.
   Without a template the text is the system prompt (if any), a blank line, then the user message;
   a conversation with assistant turns cannot be rendered without a template and is refused.
+
+The engines tokenize the text as the tokenizer does by default; when that already adds the BOS
+token and the template writes it too (Llama 3, Gemma), the template's is dropped, so the prompt
+has one BOS, as with `apply_chat_template(..., tokenize=True)`.
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ class PromptBuilder:
             raise ValueError("chat_template=true, but the tokenizer has no chat template: use chat_template auto "
                              "or false, or a model whose tokenizer_config.json has a 'chat_template'")
         self.uses_chat_template = available if config.chat_template == "auto" else config.chat_template == "true"
+        bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+        adds_bos = bos_id is not None and tokenizer("a")["input_ids"][:1] == [bos_id]
+        self._added_bos = bos if adds_bos and self.uses_chat_template else None
 
     def messages(self, prompt: Prompt) -> list[Message]:
         """The conversation to render: system prompt first (unless present), template on the last user turn."""
@@ -119,7 +126,10 @@ class PromptBuilder:
     def __call__(self, prompt: Prompt) -> str:
         messages = self.messages(prompt)
         if self.uses_chat_template:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if self._added_bos and text.startswith(self._added_bos):
+                text = text[len(self._added_bos):]  # the tokenizer adds it again
+            return text
         if any(m["role"] == "assistant" for m in messages):
             has = "one" if has_chat_template(self.tokenizer) else "none"
             raise ValueError(f"a conversation with assistant turns needs a chat template, but none is used "

@@ -81,6 +81,26 @@ def test_conversations_system_prompt_and_template_rules(toy_chat_tokenizer, char
         builder([{"role": "system", "content": "x"}])
 
 
+class BosTokenizer:
+    """A tokenizer that adds BOS itself and whose template writes it too, as Llama 3's (test only)."""
+
+    bos_token, bos_token_id, chat_template = "<s>", 0, "{{ '<s>' }}..."
+
+    def __call__(self, text):
+        return {"input_ids": [self.bos_token_id] + [ord(c) for c in text.replace("<s>", "\0")]}
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "<s>" + "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
+
+
+def test_one_bos_when_the_tokenizer_adds_it_and_the_template_writes_it():
+    tokenizer = BosTokenizer()
+    text = PromptBuilder(tokenizer)("hi")
+    assert text == "[user]hi[assistant]"
+    assert tokenizer(text)["input_ids"].count(tokenizer.bos_token_id) == 1
+    assert PromptBuilder(tokenizer, PromptConfig("false"))("<s>x") == "<s>x"  # no template: text untouched
+
+
 def test_smollm2_chat_template_round_trip(smollm2_tokenizer):
     tokenizer = smollm2_tokenizer
     question = "Tom has 3 bags with 4 apples each. How many apples does he have?"
