@@ -122,7 +122,7 @@ def test_unreachable_hub_says_to_use_a_file(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     missing = replace(BENCHMARKS["aime24"], hub_id="gppo-tests/not-a-dataset")
     monkeypatch.setitem(BENCHMARKS, "aime24", missing)
-    with pytest.raises(RuntimeError, match=r"could not load gppo-tests/not-a-dataset .* pass the local file"):
+    with pytest.raises(ValueError, match=r"could not load gppo-tests/not-a-dataset .* pass the local file"):
         load_benchmark("aime24", from_hub=True)
 
 

@@ -151,9 +151,17 @@ def test_unmappable_columns_list_the_columns_and_the_flags(tmp_path):
         load_training_data(clash)
 
 
-def test_missing_sources_are_clear_errors(tmp_path):
+def test_missing_sources_are_clear_errors(micro_model, tmp_path, capsys):
+    from gppo.cli import main
+
     with pytest.raises(FileNotFoundError, match="does not exist.*needs --from_hub"):
         read_rows(tmp_path / "openai/gsm8k")
+    # the Hub is asked only with from_hub (offline in tests: a clear error, no traceback)
+    with pytest.raises(ValueError, match=r"could not load gppo-tests/none \(config 'main', split 'train'\) from the Hub"):
+        read_rows("gppo-tests/none", from_hub=True, config="main")
+    assert main(["train", "--data", "gppo-tests/none", "--from_hub", "true", "--model", str(micro_model),
+                 "--output_dir", str(tmp_path / "run"), "--threads", "1"]) == 2
+    assert "gppo train: error: could not load gppo-tests/none" in capsys.readouterr().err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ValueError, match="empty.jsonl' is empty"):

@@ -91,7 +91,6 @@ def read_rows(source: str | Path, *, from_hub: bool = False, split: str = "train
     """Rows of a data file, a `save_to_disk` directory, or (with `from_hub`) a Hub dataset, read with `datasets`."""
     import datasets  # slow to import: only when data is read
 
-    datasets.disable_progress_bars()
     path = Path(source)
     if from_hub:
         load = partial(datasets.load_dataset, str(source), config, split=split)
@@ -108,16 +107,21 @@ def read_rows(source: str | Path, *, from_hub: bool = False, split: str = "train
     else:
         raise FileNotFoundError(f"data {str(source)!r} does not exist: give a .jsonl/.json/.parquet/.csv file or a "
                                 "datasets.save_to_disk directory (a Hub dataset name needs --from_hub)")
+    bars_were_on = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # per-file bars would interleave with gppo's own progress
     try:
         data = load()
     except Exception as err:  # datasets wraps parse, network and format errors in its own types
         cause = err.__cause__ or err
         if from_hub:
-            raise RuntimeError(f"could not load {source} (config {config!r}, split {split!r}) from the Hub: {cause}; "
-                               "download it and pass the local file") from err
+            raise ValueError(f"could not load {source} (config {config!r}, split {split!r}) from the Hub: {cause}; "
+                             "download it and pass the local file") from err
         if "corresponds to no data" in str(cause):
             raise ValueError(f"data {str(source)!r} has no rows") from None
         raise ValueError(f"could not read {source}: {type(cause).__name__}: {cause}") from None
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
     if isinstance(data, datasets.DatasetDict):
         if split not in data:
             raise ValueError(f"{path} holds the splits {sorted(data)}, not {split!r}: choose one as the split")
