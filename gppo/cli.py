@@ -54,9 +54,10 @@ def _eval(argv: list[str]) -> int:
         prog="gppo eval", allow_abbrev=False,
         description="Score a model on competition benchmarks (avg@n, pass@k) or on a built-in task.")
     parser.add_argument("--model", required=True, help="Hugging Face causal-LM directory (e.g. RUN_DIR/final)")
-    parser.add_argument("--benchmark", nargs="+", default=[], help="benchmark names (aime24 aime25 amc23 math500 "
+    parser.add_argument("--benchmark", nargs="+", default=[], help="benchmark names (aime24 aime25 amc23 math500 gsm8k "
                         "minerva olympiadbench livecodebench codeforces humanevalplus)")
-    parser.add_argument("--data", nargs="+", default=[], help="local data files, one per --benchmark, same order")
+    parser.add_argument("--data", nargs="+", default=[], help="local data files (.jsonl/.json/.parquet/.csv) or "
+                        "datasets.save_to_disk directories, one per --benchmark, same order")
     parser.add_argument("--task", help="built-in task instead of benchmarks (addition, countdown)")
     parser.add_argument("-n", type=int, help="samples per problem (default: each benchmark's protocol; task: 4)")
     parser.add_argument("--temperature", type=float)
@@ -70,6 +71,11 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/eval", help="output directory (resumable)")
     parser.add_argument("--eval_size", type=int, default=1024, help="--task: held-out problems")
+    parser.add_argument("--chat_template", default="auto", help="apply the tokenizer's chat template: auto "
+                        "(when it has one), true, false (default: auto)")
+    parser.add_argument("--system_prompt", help="system message put before each prompt")
+    parser.add_argument("--prompt_template", default="{prompt}", help="format of each prompt; {prompt} is the "
+                        "problem text (default: {prompt})")
     args, extra = parser.parse_known_args(argv)
     _reject_unknown(parser, extra)
     if bool(args.task) == bool(args.benchmark):
@@ -79,11 +85,14 @@ def _eval(argv: list[str]) -> int:
 
     from gppo.evaluation import evaluate, evaluate_problems
     from gppo.models.embedded import load_model_and_tokenizer
+    from gppo.prompts import PromptBuilder, PromptConfig
     from gppo.rollout import make_engine
     from gppo.trainer.trainer import _resolve_device
 
     try:
+        prompt_config = PromptConfig(args.chat_template, args.system_prompt, args.prompt_template)
         model, tokenizer = load_model_and_tokenizer(args.model)
+        prompts = PromptBuilder(tokenizer, prompt_config)
         device = _resolve_device(args.device)
         engine = make_engine(args.engine, model.to(device), tokenizer, model_path=args.model, device=device,
                              seed=args.seed)
@@ -94,14 +103,15 @@ def _eval(argv: list[str]) -> int:
             problems = heldout_problems(task, args.eval_size)
             result = evaluate_problems(
                 engine, problems, lambda ps, cs: [task.score(p, c) for p, c in zip(ps, cs)],
-                [p.prompt for p in problems], args.n or 4, args.temperature if args.temperature is not None else 1.0,
+                [prompts(p.prompt) for p in problems], args.n or 4,
+                args.temperature if args.temperature is not None else 1.0,
                 args.max_tokens or 32, args.seed)
             for key, value in result.items():
                 print(f"{key:<20} {value:.4f}")
         else:
             evaluate(engine, args.benchmark, dict(zip(args.benchmark, args.data)), n=args.n, out_dir=args.out,
                      temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed,
-                     from_hub=args.from_hub, limit=args.limit, batch_size=args.batch_size)
+                     prompts=prompts, from_hub=args.from_hub, limit=args.limit, batch_size=args.batch_size)
     except (FileNotFoundError, ValueError) as err:
         print(f"gppo eval: error: {err}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Evaluate a policy on benchmarks: sample with a `RolloutEngine`, score, write the results.
 
-Protocol (DESIGN.md section 8): n samples per problem, by default at temperature 0.6 and top-p
+Protocol: n samples per problem, by default at temperature 0.6 and top-p
 0.95. avg@n is the accuracy over the n samples, averaged over problems; pass@k is the unbiased
 estimator 1 - C(n-c, k) / C(n, k) (c correct samples out of n), for k in {1, 2, 4, ..., n}.
 
@@ -26,6 +26,7 @@ from rich.progress import Progress
 
 from gppo.data.benchmarks import BenchmarkProblem, get_benchmark, load_benchmark
 from gppo.data.loaders import RowError
+from gppo.prompts import PromptBuilder
 from gppo.rewards.code import Limits, score_code
 from gppo.report import markdown_table, print_table
 from gppo.rewards.math import score_math
@@ -78,6 +79,7 @@ def evaluate(
     top_p: float | None = None,
     max_tokens: int | None = None,
     seed: int | None = None,
+    prompts: PromptBuilder | None = None,
     from_hub: bool = False,
     limit: int | None = None,
     batch_size: int = 16,
@@ -92,6 +94,8 @@ def evaluate(
     `data_files` maps benchmark names to local files (others need `from_hub=True`).
     `temperature`, `top_p` and `max_tokens` override every benchmark's protocol defaults; `limit`
     keeps the first rows of each benchmark; the engine gets `batch_size` problems at a time.
+    `prompts` builds each prompt (chat template, system prompt, prompt template: `gppo.prompts`);
+    None sends the problem text as it is. Its settings are part of what a resumed file must match.
     """
     console = console or Console()
     for name, value in (("n", n), ("batch_size", batch_size), ("max_tokens", max_tokens)):
@@ -122,16 +126,18 @@ def evaluate(
                 seed=seed,
             )
             path = out / f"{bench.name}.jsonl"
-            done = _read_results(path, _sampling(params))
+            done = _read_results(path, _sampling(params, prompts))
             todo = [p for p in data.records if p.id not in done]
             task = bar.add_task(bench.name, total=len(data.records), completed=len(data.records) - len(todo))
             with path.open("a", encoding="utf-8") as sink:
                 for start in range(0, len(todo), batch_size):
                     chunk = todo[start:start + batch_size]
                     chunk_params = params if seed is None else replace(params, seed=seed + start)
-                    generations = engine.generate([p.prompt for p in chunk], chunk_params)
+                    texts = [prompts(p.prompt) if prompts else p.prompt for p in chunk]
+                    generations = engine.generate(texts, chunk_params)
                     for problem, gens in zip(chunk, _by_prompt(generations, len(chunk))):
-                        record = _score(bench.kind, problem, gens, params, code_limits, math_timeout_s)
+                        record = _score(bench.kind, problem, gens, _sampling(params, prompts), code_limits,
+                                        math_timeout_s)
                         sink.write(json.dumps(record) + "\n")
                         sink.flush()
                         os.fsync(sink.fileno())
@@ -143,9 +149,14 @@ def evaluate(
     return summaries
 
 
-def _sampling(params: SamplingParams) -> dict:
-    return {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
-            "max_new_tokens": params.max_new_tokens}
+def _sampling(params: SamplingParams, prompts: PromptBuilder | None) -> dict:
+    """What the results depend on besides the model: sampling and prompt settings."""
+    settings = {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
+                "max_new_tokens": params.max_new_tokens}
+    if prompts is not None:
+        settings.update(chat_template=prompts.uses_chat_template, system_prompt=prompts.config.system_prompt,
+                        prompt_template=prompts.config.prompt_template)
+    return settings
 
 
 def _read_results(path: Path, sampling: dict) -> dict[str, dict]:
@@ -163,7 +174,7 @@ def _read_results(path: Path, sampling: dict) -> dict[str, dict]:
             continue
         if record.get("sampling") != sampling:
             raise ValueError(f"{path} holds results sampled with {record.get('sampling')}, not {sampling}: "
-                             f"use another out_dir, or the same n/temperature/top_p/max_tokens")
+                             f"use another out_dir, or the same sampling and prompt settings")
         kept.append(line)
         if "error" not in record:
             done[record["id"]] = record
@@ -181,13 +192,13 @@ def _by_prompt(generations: list[Generation], prompts: int) -> list[list[Generat
     return groups
 
 
-def _score(kind: str, problem: BenchmarkProblem, gens: list[Generation], params: SamplingParams,
+def _score(kind: str, problem: BenchmarkProblem, gens: list[Generation], sampling: dict,
            code_limits: Limits, math_timeout_s: float) -> dict:
-    record = {"id": problem.id, "sampling": _sampling(params)}
+    record = {"id": problem.id, "sampling": sampling}
     texts = [g.text for g in gens]
     try:
-        if len(gens) != params.n:
-            raise RuntimeError(f"the engine returned {len(gens)} completions instead of n={params.n}")
+        if len(gens) != sampling["n"]:
+            raise RuntimeError(f"the engine returned {len(gens)} completions instead of n={sampling['n']}")
         if kind == "math":
             results = score_math(texts, [problem.answer] * len(texts), timeout_s=math_timeout_s)
             samples = [{"reward": r.reward, "verdict": r.verdict.value, "extracted": r.answer,

@@ -17,3 +17,8 @@ def half_nan(prompts, completions, **kwargs):
 
 def wrong_length(prompts, completions, **kwargs):
     return [1.0]
+
+
+def matches_target(prompts, completions, target, **kwargs):
+    """1 when the completion starts with the data's `target` column."""
+    return [float(c.strip().startswith(t)) for c, t in zip(completions, target)]

@@ -1,13 +1,18 @@
 """Evaluation benchmarks: public schemas mapped to `BenchmarkProblem`, with protocol defaults.
 
-No benchmark text ships with gppo. Pass a local .jsonl/.json/.parquet file in the benchmark's
-public schema, or ask for the Hugging Face hub copy (`from_hub=True`, when reachable).
-Columns read (first present wins):
+No benchmark text ships with gppo. Pass a local file or directory in the benchmark's public
+schema (any source `gppo.data.loaders.read_rows` reads: .jsonl/.json/.parquet/.csv or a
+`save_to_disk` directory), or ask for the Hugging Face hub copy (`from_hub=True`, when reachable).
+Columns read (first present wins); math answers go through `reference_answer` (the text after
+"####" or in the last \\boxed{} when there is one):
 
 - aime24 (HuggingFaceH4/aime_2024): `problem`, `answer`, `id`.
 - aime25 (math-ai/aime25): `problem`, `answer`, `id`.
 - amc23 (math-ai/amc23): `question`, `answer` (may be a float such as 27.0), `id`.
 - math500 (HuggingFaceH4/MATH-500): `problem`, `answer`, `unique_id`; `subject`, `level` kept.
+- gsm8k (openai/gsm8k, config `main`): `question`, `answer` (the worked solution, whose last line
+  is "#### N"). Protocol: greedy decoding (n 1, temperature 0), 1024 new tokens; pass `n` and a
+  temperature for avg@n. The completion's answer is read in a \\boxed{} or after "####".
 - minerva (math-ai/minervamath): `question`, `answer`.
 - olympiadbench (math-ai/olympiadbench: `question`, `answer`; or Hothan/OlympiadBench:
   `question`, `final_answer` (a list, joined with ", "), `id`).
@@ -26,7 +31,7 @@ Columns read (first present wins):
   (a `check(candidate)` function, run as an assert test).
 
 Protocol defaults (the field's, e.g. DeepSeek-R1's): temperature 0.6, top-p 0.95, 32768 new
-tokens, math prompts ending in the `\\boxed{}` instruction, code prompts asking for one ```python
+tokens (gsm8k: see above), math prompts ending in the `\\boxed{}` instruction, code prompts asking for one ```python
 block; n samples per problem as listed in `BENCHMARKS`.
 """
 
@@ -42,7 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gppo.data.loaders import MATH_INSTRUCTION, DataRecord, LoadResult, get_field, map_rows, read_rows
+from gppo.data.loaders import (MATH_INSTRUCTION, DataRecord, LoadResult, get_field, map_rows, read_rows,
+                               reference_answer)
 from gppo.rewards.code import AssertTest, io_tests
 from gppo.rewards.math import check_golds
 
@@ -66,19 +72,13 @@ class Benchmark:
     temperature: float = 0.6
     top_p: float = 0.95
     max_tokens: int = 32768
+    hub_config: str | None = None
 
 
 def _math(problem_fields: tuple[str, ...], answer_fields: tuple[str, ...], keep: tuple[str, ...] = ()):
     def to_problem(row: dict, i: int) -> DataRecord:
         problem = get_field(row, *problem_fields)
-        answer = get_field(row, *answer_fields)
-        if isinstance(answer, list):
-            answer = ", ".join(str(a) for a in answer)
-        if isinstance(answer, float) and answer.is_integer():
-            answer = int(answer)
-        answer = str(answer).strip()
-        if not answer:
-            raise ValueError(f"the answer field {answer_fields[0]!r} is empty")
+        answer = reference_answer(get_field(row, *answer_fields), answer_fields[0])
         problem_id = next((str(row[k]) for k in ("id", "unique_id", "ID") if row.get(k) is not None), str(i))
         return DataRecord(problem_id, f"{problem}\n\n{MATH_INSTRUCTION}", "math", answer=answer,
                           metadata={k: row[k] for k in keep if k in row})
@@ -177,6 +177,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("amc23", "math", "math-ai/amc23", "test", _math(("question", "problem"), ("answer",)), n=32),
     Benchmark("math500", "math", "HuggingFaceH4/MATH-500", "test",
               _math(("problem",), ("answer",), keep=("subject", "level")), n=4),
+    Benchmark("gsm8k", "math", "openai/gsm8k", "test", _math(("question",), ("answer",)), n=1, temperature=0.0,
+              top_p=1.0, max_tokens=1024, hub_config="main"),
     Benchmark("minerva", "math", "math-ai/minervamath", "test",
               _math(("question", "problem"), ("answer",)), n=4),
     Benchmark("olympiadbench", "math", "math-ai/olympiadbench", "test",
@@ -208,7 +210,7 @@ def load_benchmark(name: str, data_file: str | Path | None = None, from_hub: boo
     if data_file is not None:
         rows = read_rows(data_file)
     elif from_hub:
-        rows = _hub_rows(bench)
+        rows = read_rows(bench.hub_id, from_hub=True, split=bench.hub_split, config=bench.hub_config)
     else:
         raise ValueError(f"no data for benchmark {bench.name!r}: pass a local file "
                          f"(data_files={{{bench.name!r}: 'path/to/file.jsonl'}}) or allow the hub "
@@ -220,13 +222,3 @@ def load_benchmark(name: str, data_file: str | Path | None = None, from_hub: boo
 
 def _check_answers(records: list[DataRecord]) -> list[str | None]:
     return [p and f"bad answer: {p}" for p in check_golds([r.answer for r in records])]
-
-
-def _hub_rows(bench: Benchmark) -> list[dict]:
-    import datasets  # slow to import; only needed for the hub
-
-    try:
-        return list(datasets.load_dataset(bench.hub_id, split=bench.hub_split))
-    except Exception as e:  # network, auth, offline mode, missing split: all mean "use a file"
-        raise RuntimeError(f"could not load {bench.hub_id} (split {bench.hub_split!r}) from the hub: {e}; "
-                           f"download it and pass data_files={{{bench.name!r}: path}}") from e

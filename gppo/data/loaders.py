@@ -1,19 +1,31 @@
-"""Training data from local files: DeepScaleR, DAPO-Math-17k and Skywork-OR1 -> `DataRecord`.
+"""Training data -> `DataRecord`s, following TRL's conventions for files and columns.
 
-Public schemas (Hugging Face dataset cards), detected from the columns of the first row:
+Sources (`read_rows`, all through the `datasets` library): a .jsonl / .json / .parquet / .csv
+file, a `datasets.save_to_disk` directory (a `DatasetDict` picks `split`), or, only with
+`from_hub=True`, a Hugging Face Hub dataset name (with its `config` and `split`).
 
-- `deepscaler` (agentica-org/DeepScaleR-Preview-Dataset): `problem`, `answer`, `solution`.
-  The prompt is the problem followed by the `\\boxed{}` instruction (the rows carry none).
-- `verl` (BytedTsinghua-SIA/DAPO-Math-17k; Skywork/Skywork-OR1-RL-Data, splits `math` and
-  `code`): `data_source`, `prompt` (chat messages `[{"role", "content"}]`; the prompt is the last
-  user message, which already holds the instructions), `ability` ("MATH", "math" or "code"),
-  `reward_model` (`{"ground_truth", "style"}`), `extra_info` (`{"index", ...}`). The math ground
-  truth is the answer (DAPO) or a Python-literal list of accepted answers such as "['3']"
-  (Skywork; the first is `answer`, and `metadata["answers"]` lists them when there are several).
-  The code ground truth is JSON: `{"inputs", "outputs", "fn_name"?}` (stdin/stdout, or calls
-  when `fn_name` is set) or `{"assert_case": [code, ...]}`.
+Columns (`load_training_data`):
 
-Rows that do not fit are reported as `RowError`s; the other rows still load.
+- `verl` schema (BytedTsinghua-SIA/DAPO-Math-17k; Skywork/Skywork-OR1-RL-Data, splits `math`
+  and `code`), when `prompt` and `reward_model` are present and no answer column is named:
+  `data_source`, `prompt` (chat messages, which already hold the instructions), `ability`
+  ("MATH", "math" or "code"), `reward_model` (`{"ground_truth", "style"}`), `extra_info`
+  (`{"index", ...}`). The math ground truth is the answer (DAPO) or a Python-literal list of
+  accepted answers such as "['3']" (Skywork; the first is `answer`, and `metadata["answers"]`
+  lists them when there are several). The code ground truth is JSON: `{"inputs", "outputs",
+  "fn_name"?}` (stdin/stdout, or calls when `fn_name` is set) or `{"assert_case": [code, ...]}`.
+- otherwise the prompt is `prompt_field`, or the first of `PROMPT_COLUMNS` present (text or
+  chat messages), and the answer `answer_field`, or the first of `ANSWER_COLUMNS` present. This
+  covers plain {"prompt", "answer"} files, GSM8K ({"question", "answer": "... #### 72"}), MATH and
+  MATH-500 ({"problem", "solution" with \\boxed{}}, MATH-500 also "answer") and DeepScaleR
+  ({"problem", "answer", "solution"}). The reference answer is `reference_answer` of the value:
+  the last \\boxed{} or the text after the last "####" when present, else the value itself. Text
+  prompts of math problems get `MATH_INSTRUCTION` appended unless they already mention \\boxed.
+  Without an answer column the records have no verifier (kind "reward"): reward functions score them.
+
+Every column but the prompt's is kept in `DataRecord.columns` and reaches reward functions as a
+keyword argument (TRL's convention); `answer` is always the reference answer. Rows that do not fit
+are reported as `RowError`s; the other rows still load.
 """
 
 from __future__ import annotations
@@ -21,24 +33,34 @@ from __future__ import annotations
 import ast
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from gppo.prompts import Prompt, check_messages
 from gppo.rewards.code import AssertTest, CodeTest, io_tests
+from gppo.rewards.math import extract_answer
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+PROMPT_COLUMNS = ("prompt", "question", "problem", "instruction")
+ANSWER_COLUMNS = ("answer", "solution")
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# reward-function arguments that gppo fills itself: a data column may not take these names
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 
 
 @dataclass(frozen=True)
 class DataRecord:
-    """One problem: a math `answer` or code `tests`, with the prompt to send to the model."""
+    """One problem: a math `answer`, code `tests`, or neither (kind "reward": scored by reward
+    functions only), with the prompt (text or chat messages) and the row's other columns."""
 
     id: str
-    prompt: str
-    kind: str  # "math" or "code"
+    prompt: Prompt
+    kind: str  # "math", "code" or "reward"
     answer: str | None = None
     tests: list[CodeTest] | None = None
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
+    columns: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -64,42 +86,61 @@ class LoadResult:
     schema: str
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """Rows of a .jsonl, .json (a list of objects, or JSON lines) or .parquet file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet  # installed with `datasets`; imported only when needed (slow)
+def read_rows(source: str | Path, *, from_hub: bool = False, split: str = "train",
+              config: str | None = None) -> list[dict]:
+    """Rows of a data file, a `save_to_disk` directory, or (with `from_hub`) a Hub dataset, read with `datasets`."""
+    import datasets  # slow to import: only when data is read
 
-        return pyarrow.parquet.read_table(path).to_pylist()
-    if suffix not in (".jsonl", ".json"):
-        raise ValueError(f"unsupported data file type {suffix!r} ({path}): use .jsonl, .json or .parquet")
-    text = path.read_text(encoding="utf-8")
-    if suffix == ".json" and text.lstrip().startswith("["):
-        rows = json.loads(text)
+    path = Path(source)
+    if from_hub:
+        load = partial(datasets.load_dataset, str(source), config, split=split)
+    elif path.is_dir():
+        load = partial(datasets.load_from_disk, str(path))
+    elif path.is_file():
+        builder = FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise ValueError(f"unsupported data file type {path.suffix!r} ({path}): use "
+                             f"{', '.join(FILE_BUILDERS)} or a datasets.save_to_disk directory")
+        if path.stat().st_size == 0:
+            raise ValueError(f"data file {str(path)!r} is empty")
+        load = partial(datasets.load_dataset, builder, data_files=str(path), split="train")
     else:
-        rows = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {number} is not valid JSON: {e}") from None
-    bad = [i for i, row in enumerate(rows) if not isinstance(row, dict)]
-    if bad:
-        raise ValueError(f"{path}: row {bad[0]} is a {type(rows[bad[0]]).__name__}, not a JSON object")
-    return rows
+        raise FileNotFoundError(f"data {str(source)!r} does not exist: give a .jsonl/.json/.parquet/.csv file or a "
+                                "datasets.save_to_disk directory (a Hub dataset name needs --from_hub)")
+    bars_were_on = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # per-file bars would interleave with gppo's own progress
+    try:
+        data = load()
+    except Exception as err:  # datasets wraps parse, network and format errors in its own types
+        cause = err.__cause__ or err
+        if from_hub:
+            raise ValueError(f"could not load {source} (config {config!r}, split {split!r}) from the Hub: {cause}; "
+                             "download it and pass the local file") from err
+        if "corresponds to no data" in str(cause):
+            raise ValueError(f"data {str(source)!r} has no rows") from None
+        raise ValueError(f"could not read {source}: {type(cause).__name__}: {cause}") from None
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ValueError(f"{path} holds the splits {sorted(data)}, not {split!r}: choose one as the split")
+        data = data[split]
+    return data.to_list()
 
 
 def get_field(row: dict, *names: str):
-    """The value of the first of `names` present in `row`; a clear error if none is."""
+    """The value of the first of `names` present (not None) in `row`; a clear error if none is."""
     for name in names:
         if name in row and row[name] is not None:
             return row[name]
     wanted = " or ".join(repr(n) for n in names)
-    raise ValueError(f"missing field {wanted} (columns seen: {', '.join(sorted(row))})")
+    raise ValueError(f"missing field {wanted} (columns seen: {_present(row)})")
+
+
+def _present(row: dict) -> str:
+    """The row's columns that hold a value (tables fill a row's missing columns with None)."""
+    return ", ".join(sorted(k for k, v in row.items() if v is not None))
 
 
 def map_rows(source: str, rows: list[dict], to_record: Callable[[dict, int], DataRecord],
@@ -135,43 +176,72 @@ def _row_id(row: dict) -> str | None:
     return None
 
 
-def _deepscaler(source: str) -> Callable[[dict, int], DataRecord]:
+def reference_answer(value, name: str = "answer") -> str:
+    """The reference answer in a column value: the last \\boxed{} (MATH solutions) or the text after
+    the last "####" (GSM8K) when there is one, else the value; lists join with ", ", 27.0 reads 27."""
+    if isinstance(value, list):
+        value = ", ".join(str(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    text = str(value).strip()
+    if "\\boxed" in text or "\\fbox" in text or "####" in text:
+        text = extract_answer(text) or ""
+    if not text:
+        raise ValueError(f"the answer field {name!r} is empty or has an empty \\boxed{{}} / #### answer")
+    return text
+
+
+def _math_prompt(prompt: Prompt) -> Prompt:
+    """Text prompts get the \\boxed{} instruction unless they mention \\boxed; conversations are kept."""
+    if isinstance(prompt, str) and "\\boxed" not in prompt:
+        return f"{prompt}\n\n{MATH_INSTRUCTION}"
+    return prompt
+
+
+def _prompt_value(row: dict, name: str) -> Prompt:
+    value = row.get(name)
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"the prompt field {name!r} is empty")
+        return value
+    if value is None:
+        raise ValueError(f"missing field {name!r} (columns seen: {_present(row)})")
+    return check_messages(value, f"the prompt field {name!r}")
+
+
+def _columns(source: str, prompt_field: str, answer_field: str | None) -> Callable[[dict, int], DataRecord]:
     def to_record(row: dict, i: int) -> DataRecord:
-        problem, answer = get_field(row, "problem"), get_field(row, "answer")
-        return DataRecord(id=f"{source}-{i}", prompt=f"{problem}\n\n{MATH_INSTRUCTION}", kind="math",
-                          answer=str(answer).strip())
+        prompt = _prompt_value(row, prompt_field)
+        record_id = _row_id(row) or f"{source}-{i}"
+        columns = {k: v for k, v in row.items() if k != prompt_field}
+        if answer_field is None:
+            return DataRecord(record_id, prompt, "reward", columns=columns)
+        answer = reference_answer(get_field(row, answer_field), answer_field)
+        return DataRecord(record_id, _math_prompt(prompt), "math", answer=answer, columns=columns)
 
     return to_record
 
 
 def _verl(source: str) -> Callable[[dict, int], DataRecord]:
     def to_record(row: dict, i: int) -> DataRecord:
-        prompt = _user_message(get_field(row, "prompt"))
+        prompt = _prompt_value(row, "prompt")
         reward = get_field(row, "reward_model")
-        if not isinstance(reward, dict) or "ground_truth" not in reward:
+        if not isinstance(reward, dict) or reward.get("ground_truth") is None:
             raise ValueError(f"'reward_model' must be an object with 'ground_truth', got {str(reward)[:80]}")
         truth = reward["ground_truth"]
         extra = row.get("extra_info") or {}
-        record_id = str(extra.get("index", f"{source}-{i}")) if isinstance(extra, dict) else f"{source}-{i}"
+        index = extra.get("index") if isinstance(extra, dict) else None
+        record_id = f"{source}-{i}" if index is None else str(index)
         metadata = {k: row[k] for k in ("data_source", "ability") if k in row}
+        columns = {k: v for k, v in row.items() if k != "prompt"}
         if str(row.get("ability", "")).lower() == "code":
-            return DataRecord(record_id, prompt, "code", tests=code_tests(truth), metadata=metadata)
+            return DataRecord(record_id, prompt, "code", tests=code_tests(truth), metadata=metadata, columns=columns)
         answers = _answers(truth)
         if len(answers) > 1:
             metadata["answers"] = answers
-        return DataRecord(record_id, prompt, "math", answer=answers[0], metadata=metadata)
+        return DataRecord(record_id, prompt, "math", answer=answers[0], metadata=metadata, columns=columns)
 
     return to_record
-
-
-def _user_message(prompt) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        if users and isinstance(users[-1], str):
-            return users[-1]
-    raise ValueError(f"'prompt' must be a string or chat messages with a user turn, got {str(prompt)[:80]}")
 
 
 def _answers(truth) -> list[str]:
@@ -201,30 +271,47 @@ def code_tests(truth) -> list[CodeTest]:
                      f"'fn_name') or a non-empty 'assert_case' list")
 
 
-SCHEMAS = {"deepscaler": _deepscaler, "verl": _verl}
+def _mapping_flags() -> str:
+    return (f"map the prompt with --prompt_field (default: the first of {', '.join(PROMPT_COLUMNS)}; text or chat "
+            f"messages) and the answer with --answer_field (default: the first of {', '.join(ANSWER_COLUMNS)}), or "
+            "use the verl schema ('prompt' and 'reward_model', as DAPO-Math-17k and Skywork-OR1)")
 
 
-def detect_schema(columns: set[str]) -> str:
-    """The schema whose required columns are all present."""
-    if {"problem", "answer"} <= columns:
-        return "deepscaler"
-    if {"prompt", "reward_model"} <= columns:
-        return "verl"
-    raise ValueError(
-        f"cannot tell the data schema from the columns {sorted(columns)}: expected 'problem' and "
-        f"'answer' (DeepScaleR) or 'prompt' and 'reward_model' (DAPO-Math-17k, Skywork-OR1)"
-    )
+def map_columns(columns: list[str], prompt_field: str | None = None, answer_field: str | None = None,
+                need_answer: bool = True) -> tuple[str, str | None, str]:
+    """(prompt column, answer column or None, schema name) for a table with `columns`; a clear error
+    listing the columns found and the flags that map them when they cannot be mapped."""
+    found = f"the columns found are {sorted(columns)}"
+    for flag, name in (("prompt_field", prompt_field), ("answer_field", answer_field)):
+        if name is not None and name not in columns:
+            raise ValueError(f"{flag} {name!r} is not a column: {found}")
+    clash = sorted(set(columns) & set(RESERVED_COLUMNS))
+    if clash:
+        raise ValueError(f"the columns {clash} clash with reward-function arguments of the same name "
+                         f"({', '.join(RESERVED_COLUMNS)}): rename them in the data")
+    if prompt_field is None and answer_field is None and {"prompt", "reward_model"} <= set(columns):
+        return "prompt", None, "verl"
+    prompt = prompt_field or next((c for c in PROMPT_COLUMNS if c in columns), None)
+    if prompt is None:
+        raise ValueError(f"cannot find the prompt: {found}; {_mapping_flags()}")
+    answer = answer_field or next((c for c in ANSWER_COLUMNS if c in columns and c != prompt), None)
+    if answer is None and need_answer:
+        raise ValueError(f"cannot find the answer: {found}; {_mapping_flags()}. Without an answer column, give "
+                         "reward functions (--reward_funcs) to score completions instead of the math verifier")
+    return prompt, answer, f"prompt={prompt}, answer={answer}"
 
 
-def load_training_data(path: str | Path, schema: str = "auto") -> LoadResult:
-    """Load a local training file, detecting its schema unless `schema` names one."""
-    rows = read_rows(path)
+def load_training_data(source: str | Path, *, prompt_field: str | None = None, answer_field: str | None = None,
+                       need_answer: bool = True, from_hub: bool = False, split: str = "train",
+                       config: str | None = None) -> LoadResult:
+    """Load training data (see the module docstring for sources and columns). `need_answer=False`
+    allows data without an answer column (scored by reward functions only)."""
+    rows = read_rows(source, from_hub=from_hub, split=split, config=config)
     if not rows:
-        raise ValueError(f"data file {str(path)!r} has no rows")
-    if schema == "auto":
-        schema = detect_schema(set(rows[0]))
-    elif schema not in SCHEMAS:
-        raise ValueError(f"unknown schema {schema!r}: use 'auto' or one of {sorted(SCHEMAS)}")
-    source = Path(path).stem
-    records, errors = map_rows(source, rows, SCHEMAS[schema](source))
+        raise ValueError(f"data {str(source)!r} has no rows")
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    prompt, answer, schema = map_columns(columns, prompt_field, answer_field, need_answer)
+    name = Path(str(source)).stem or str(source)
+    to_record = _verl(name) if schema == "verl" else _columns(name, prompt, answer)
+    records, errors = map_rows(name, rows, to_record)
     return LoadResult(records, errors, schema)

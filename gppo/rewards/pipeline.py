@@ -1,11 +1,14 @@
 """From completions to scalar rewards: the verifier, user reward functions, shaping terms.
 
-reward = w_0 * verifier + sum_j w_j * user_fn_j + format bonus + DAPO soft overlong penalty.
+reward = w_0 * verifier + sum_j w_j * user_fn_j + format bonus + DAPO soft overlong penalty
+(data without answers has no verifier: then the weights are those of the user functions alone).
 
 User functions follow TRL's convention: `fn(prompts=[...], completions=[...], completion_ids=[...],
-answer=[...], **columns) -> list[float | None]`, given as a dotted path `module:function`. A
-function that raises, or returns NaN/None/a wrong-length list, gives 0 for the affected samples
-and a counted warning; the run goes on.
+answer=[...], **columns) -> list[float | None]`, given as a dotted path `module:function`; `prompts`
+are the data's prompts (text or chat messages) before the prompt template, `answer` the reference
+answers, and `columns` every other data column (from `problem.metadata["columns"]`; None for a
+problem without that column). A function that raises, or returns NaN/None/a wrong-length list,
+gives 0 for the affected samples and a counted warning; the run goes on.
 """
 
 from __future__ import annotations
@@ -47,16 +50,16 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
 @dataclass
 class RewardResult:
     rewards: list[float]
-    accuracy: list[float]  # the verifier alone
+    accuracy: list[float]  # the verifier alone (without one: the weighted user functions)
     components: dict[str, list[float]] = field(default_factory=dict)
     warnings: int = 0
 
 
 @dataclass
 class RewardPipeline:
-    """Scores completions of `Problem`s. `verifier(problems, completions) -> list[float]`."""
+    """Scores completions of `Problem`s. `verifier(problems, completions) -> list[float]`, or None."""
 
-    verifier: Callable[[Sequence[Problem], Sequence[str]], list[float]]
+    verifier: Callable[[Sequence[Problem], Sequence[str]], list[float]] | None
     user_functions: list[tuple[str, Callable]] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     format_pattern: str | None = None
@@ -65,23 +68,35 @@ class RewardPipeline:
     overlong_buffer: int = 0
 
     def __post_init__(self):
-        n = 1 + len(self.user_functions)
+        n = (self.verifier is not None) + len(self.user_functions)
+        if n == 0:
+            raise ValueError("nothing scores the completions: the data has no answer column, so give reward "
+                             "functions (reward_funcs) or map an answer column (answer_field)")
         if not self.weights:
             self.weights = [1.0] * n
         if len(self.weights) != n:
-            raise ValueError(f"reward_weights has {len(self.weights)} values but there are {n} rewards "
-                             "(the verifier, then each reward function)")
+            which = ("the verifier, then each reward function" if self.verifier is not None
+                     else "one per reward function: the data has no answers, so there is no verifier")
+            raise ValueError(f"reward_weights has {len(self.weights)} values but there are {n} rewards ({which})")
         self._format = re.compile(self.format_pattern, re.DOTALL) if self.format_pattern else None
 
     def __call__(self, problems: Sequence[Problem], completions: Sequence[str],
                  completion_ids: Sequence[Sequence[int]]) -> RewardResult:
         n = len(completions)
-        accuracy = [float(v) for v in self.verifier(problems, completions)]
-        totals = [self.weights[0] * a for a in accuracy]
-        result = RewardResult(totals, accuracy, {"verifier": accuracy})
-        columns = {"prompts": [p.prompt for p in problems], "completions": list(completions),
-                   "completion_ids": [list(c) for c in completion_ids], "answer": [p.answer for p in problems]}
-        for (name, fn), weight in zip(self.user_functions, self.weights[1:]):
+        user_weights = self.weights[1:] if self.verifier is not None else self.weights
+        if self.verifier is not None:
+            accuracy = [float(v) for v in self.verifier(problems, completions)]
+            totals = [self.weights[0] * a for a in accuracy]
+            result = RewardResult(totals, accuracy, {"verifier": accuracy})
+        else:
+            totals = [0.0] * n
+            result = RewardResult(totals, [], {})  # accuracy: the user functions' total, set below
+        data_columns = [p.metadata.get("columns") or {} for p in problems]
+        names = dict.fromkeys(k for c in data_columns for k in c)
+        columns = {name: [c.get(name) for c in data_columns] for name in names}
+        columns.update({"prompts": [p.prompt for p in problems], "completions": list(completions),
+                        "completion_ids": [list(c) for c in completion_ids], "answer": [p.answer for p in problems]})
+        for (name, fn), weight in zip(self.user_functions, user_weights):
             values, bad = self._call_user(fn, columns, n)
             result.warnings += bad
             if bad:
@@ -89,6 +104,8 @@ class RewardPipeline:
                               "(raised, NaN or None); they get 0", RuntimeWarning, stacklevel=2)
             result.components[name] = values
             totals = [t + weight * v for t, v in zip(totals, values)]
+        if self.verifier is None:
+            result.accuracy = totals
         if self._format is not None:
             bonus = [self.format_reward * bool(self._format.fullmatch(c.strip())) for c in completions]
             result.components["format"] = bonus

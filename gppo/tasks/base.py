@@ -11,7 +11,7 @@ from typing import Protocol
 class Problem:
     """One verifiable problem. `answer` is the reference the verifier compares against."""
 
-    prompt: str
+    prompt: str | list[dict]  # text, or chat messages (data files; see gppo.prompts)
     answer: str
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 

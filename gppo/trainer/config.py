@@ -18,6 +18,8 @@ from pathlib import Path
 import yaml
 
 from gppo.core.config import GPPOConfig, GPPOConfigError, preset as build_preset
+from gppo.prompts import PromptConfig
+from gppo.trainer.data import DataOptions
 
 
 class ConfigError(ValueError):
@@ -39,13 +41,27 @@ class TrainConfig:
                              "warm-started on --task", "model and data")
     task: str = _opt("addition", "built-in task with an exact verifier (addition, countdown), used when "
                      "--data is not given", "model and data")
-    data: str | None = _opt(None, "training data file (JSONL/Parquet; DAPO-Math-17k, DeepScaleR, "
-                            "Skywork-OR1 schemas, auto-detected)", "model and data")
-    eval_data: str | None = _opt(None, "held-out data file (default: the first eval_size records of "
+    data: str | None = _opt(None, "training data: a .jsonl/.json/.parquet/.csv file, a datasets.save_to_disk "
+                            "directory, or a Hub dataset name with --from_hub (prompt: the prompt, question, "
+                            "problem or instruction column; GSM8K, MATH, DeepScaleR, DAPO-Math-17k, Skywork-OR1 "
+                            "recognised)", "model and data")
+    eval_data: str | None = _opt(None, "held-out data, read like --data (default: the first eval_size records of "
                                  "--data are held out)", "model and data")
-    prompt_template: str = _opt("{prompt}", "format of each prompt; {prompt} is the problem text",
-                                "model and data")
-    chat_template: bool = _opt(False, "wrap prompts with the tokenizer's chat template", "model and data")
+    prompt_field: str | None = _opt(None, "column holding the prompt, text or chat messages (unset: the first of "
+                                    "prompt, question, problem, instruction)", "model and data")
+    answer_field: str | None = _opt(None, "column holding the reference answer, read after #### or in the last "
+                                    "\\boxed{} when there is one (unset: answer, then solution)", "model and data")
+    from_hub: bool = _opt(False, "--data and --eval_data are Hugging Face Hub dataset names", "model and data")
+    data_config: str | None = _opt(None, "Hub dataset configuration (e.g. main for openai/gsm8k)", "model and data")
+    data_split: str = _opt("train", "split of --data (Hub datasets and save_to_disk DatasetDicts)", "model and data")
+    eval_split: str = _opt("test", "split of --eval_data (Hub datasets and save_to_disk DatasetDicts)",
+                           "model and data")
+    prompt_template: str = _opt("{prompt}", "format of each prompt; {prompt} is the problem text (for chat "
+                                "messages: the last user message)", "model and data")
+    chat_template: str = _opt("auto", "apply the tokenizer's chat template: auto (when it has one), true, false",
+                              "model and data")
+    system_prompt: str | None = _opt(None, "system message put before each prompt (unless the data has one)",
+                                     "model and data")
 
     # objective
     preset: str = _opt("gppo", "GPPO preset (see `gppo presets`); any GPPOConfig field below overrides it",
@@ -114,6 +130,17 @@ class TrainConfig:
 
     def __post_init__(self):
         self.gppo_config()  # validates the objective early, with the preset's message
+        self.chat_template = self.prompt_config().chat_template  # YAML true/false -> "true"/"false"
+
+    def prompt_config(self) -> PromptConfig:
+        try:
+            return PromptConfig(self.chat_template, self.system_prompt, self.prompt_template)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def data_options(self) -> DataOptions:
+        return DataOptions(self.prompt_field, self.answer_field, self.from_hub, self.data_config, self.data_split,
+                           self.eval_split)
 
     def gppo_config(self) -> GPPOConfig:
         try:

@@ -66,8 +66,11 @@ class DatasetSource:
 
 
 def record_to_problem(record: DataRecord) -> Problem:
+    """A `Problem` whose metadata holds the record's kind, tests, id, metadata and, under
+    "columns", the data columns that reach reward functions."""
     return Problem(record.prompt, record.answer or "", {"kind": record.kind, "tests": record.tests,
-                                                        "id": record.id, **record.metadata})
+                                                        "id": record.id, **record.metadata,
+                                                        "columns": record.columns})
 
 
 def record_verifier(problems: Sequence[Problem], completions: Sequence[str]) -> list[float]:
@@ -88,36 +91,54 @@ def record_verifier(problems: Sequence[Problem], completions: Sequence[str]) -> 
 
 @dataclass
 class ProblemSet:
-    """What the trainer needs from the data: a training source, held-out problems, a verifier."""
+    """What the trainer needs from the data: a training source, held-out problems, a verifier
+    (None for data without answers, scored by reward functions only)."""
 
     train: TaskSource | DatasetSource
     heldout: list[Problem]
-    verifier: Callable[[Sequence[Problem], Sequence[str]], list[float]]
+    verifier: Callable[[Sequence[Problem], Sequence[str]], list[float]] | None
     name: str
 
 
-def _load_records(path: str) -> list[Problem]:
-    result = load_training_data(path)
+@dataclass(frozen=True)
+class DataOptions:
+    """Where training data comes from and how its columns map (see `gppo.data.loaders`)."""
+
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    from_hub: bool = False
+    config: str | None = None
+    split: str = "train"
+    eval_split: str = "test"
+
+
+def _load_records(source: str, options: DataOptions, split: str, need_answer: bool) -> list[Problem]:
+    result = load_training_data(source, prompt_field=options.prompt_field, answer_field=options.answer_field,
+                                need_answer=need_answer, from_hub=options.from_hub, split=split,
+                                config=options.config)
     if result.errors:
         shown = "; ".join(str(e) for e in result.errors[:3])
-        print(f"warning: {len(result.errors)} rows of {path} were skipped: {shown}")
+        print(f"warning: {len(result.errors)} rows of {source} were skipped: {shown}")
     return [record_to_problem(r) for r in result.records]
 
 
-def build_problem_set(task: str, data: str | None, eval_data: str | None, eval_size: int, seed: int) -> ProblemSet:
-    """The built-in `task`, or the data file `data` (its first eval_size records held out unless
-    `eval_data` is given)."""
+def build_problem_set(task: str, data: str | None, eval_data: str | None, eval_size: int, seed: int,
+                      options: DataOptions = DataOptions(), need_answer: bool = True) -> ProblemSet:
+    """The built-in `task`, or the data `data` (its first eval_size records held out unless
+    `eval_data` is given). `need_answer=False` (reward functions are given) accepts data without an
+    answer column; such data gets no verifier."""
     if data is None:
         t = get_task(task)
         return ProblemSet(TaskSource(t, seed), heldout_problems(t, eval_size),
                           lambda problems, completions: [t.score(p, c) for p, c in zip(problems, completions)],
                           task)
-    problems = _load_records(data)
+    problems = _load_records(data, options, options.split, need_answer)
     if eval_data is not None:
-        heldout = _load_records(eval_data)[:eval_size]
+        heldout = _load_records(eval_data, options, options.eval_split, need_answer)[:eval_size]
     else:
         if len(problems) <= eval_size:
             raise ValueError(f"{data} has {len(problems)} problems, not more than eval_size={eval_size}: "
                              "lower --eval_size or give --eval_data")
         heldout, problems = problems[:eval_size], problems[eval_size:]
-    return ProblemSet(DatasetSource(problems, seed), heldout, record_verifier, data)
+    verified = any(p.metadata["kind"] != "reward" for p in problems + heldout)
+    return ProblemSet(DatasetSource(problems, seed), heldout, record_verifier if verified else None, data)

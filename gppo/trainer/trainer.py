@@ -25,6 +25,7 @@ import gppo
 from gppo.advantages import group_advantages, informative_groups
 from gppo.evaluation import evaluate_problems
 from gppo.models.embedded import load_model_and_tokenizer
+from gppo.prompts import PromptBuilder
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import SamplingParams, make_engine
 from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations, token_batch
@@ -109,7 +110,9 @@ class Trainer:
                 f"log-probs per token, but engine {config.engine!r} records at most "
                 f"{self.engine.max_top_k_logprobs}: lower --top_k or use another estimator")
 
-        self.problems = build_problem_set(config.task, config.data, config.eval_data, config.eval_size, config.seed)
+        self.prompts = self._prompt_builder()
+        self.problems = build_problem_set(config.task, config.data, config.eval_data, config.eval_size, config.seed,
+                                          config.data_options(), need_answer=not config.reward_funcs)
         self.rewards = RewardPipeline(
             verifier=self.problems.verifier,
             user_functions=[(path, load_function(path)) for path in config.reward_funcs],
@@ -178,17 +181,16 @@ class Trainer:
         return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state, self.config.keep_checkpoints)
 
     # ------------------------------------------------------------------------------ rollout
-    def _prompt(self, text: str) -> str:
-        prompt = self.config.prompt_template.format(prompt=text)
-        if self.config.chat_template:
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                        add_generation_prompt=True)
-        return prompt
+    def _prompt_builder(self) -> PromptBuilder:
+        try:
+            return PromptBuilder(self.tokenizer, self.config.prompt_config())
+        except ValueError as err:
+            raise ConfigError(f"{err} (model {self.base_model_path})") from None
 
     def _sample(self, problems, n: int, temperature: float, seed: int, top_k: int = 0):
         params = SamplingParams(temperature=temperature, max_new_tokens=self.config.max_new_tokens, n=n,
                                 top_k_logprobs=top_k, seed=seed)
-        return self.engine.generate([self._prompt(p.prompt) for p in problems], params)
+        return self.engine.generate([self.prompts(p.prompt) for p in problems], params)
 
     def rollout(self) -> tuple[Rollout | None, dict]:
         """Sample, score and (with dynamic sampling) refill until prompts_per_step informative groups."""
@@ -322,8 +324,14 @@ class Trainer:
         """Held-out accuracy: greedy, and sampled avg@k / pass@k with k = eval_samples."""
         c = self.config
         heldout = self.problems.heldout
-        return evaluate_problems(self.engine, heldout, self.problems.verifier, [self._prompt(p.prompt) for p in heldout],
+        verifier = self.problems.verifier or self._reward_score
+        return evaluate_problems(self.engine, heldout, verifier, [self.prompts(p.prompt) for p in heldout],
                                  c.eval_samples, c.temperature, c.max_new_tokens, seed=c.seed * _SEED_STRIDE + 7_777_777)
+
+    def _reward_score(self, problems, completions) -> list[float]:
+        """Held-out score of data without answers: the reward functions' weighted sum."""
+        ids = self.tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+        return self.rewards(problems, completions, ids).accuracy
 
     # ------------------------------------------------------------------------------ main loop
     def train(self, stop_after: int | None = None) -> dict | None:
