@@ -4,8 +4,10 @@ reward = w_0 * verifier + sum_j w_j * user_fn_j + format bonus + DAPO soft overl
 
 User functions follow TRL's convention: `fn(prompts=[...], completions=[...], completion_ids=[...],
 answer=[...], **columns) -> list[float | None]`, given as a dotted path `module:function`. A
-function that raises, or returns NaN/None/a wrong-length list, gives 0 for the affected samples
-and a counted warning; the run goes on.
+function that raises, or returns NaN/None/a value beyond +-MAX_REWARD/a wrong-length list, gives 0
+for the affected samples and a counted warning; the run goes on. Weights and the format reward
+must be finite numbers, and a total beyond +-MAX_REWARD (weights that overflow) is an error naming
+the sample and its components: group statistics of such rewards are not finite in float32.
 """
 
 from __future__ import annotations
@@ -18,6 +20,21 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from gppo.tasks.base import Problem
+
+MAX_REWARD = 1e6  # |reward| bound: squares of rewards stay far inside float32 in the advantage std
+
+
+def compile_format_pattern(pattern: str) -> re.Pattern:
+    """The compiled format regular expression (DOTALL); a ValueError says what is wrong with it."""
+    try:
+        return re.compile(pattern, re.DOTALL)
+    except re.error as err:
+        raise ValueError(f"is not a valid regular expression ({err}); escape literal characters such as "
+                         "( [ . * + ? with a backslash, e.g. '\\(\\d+\\)'") from None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def load_function(path: str) -> Callable:
@@ -70,8 +87,19 @@ class RewardPipeline:
             self.weights = [1.0] * n
         if len(self.weights) != n:
             raise ValueError(f"reward_weights has {len(self.weights)} values but there are {n} rewards "
-                             "(the verifier, then each reward function)")
-        self._format = re.compile(self.format_pattern, re.DOTALL) if self.format_pattern else None
+                             f"(the verifier, then each reward function): give {n} numbers, e.g. "
+                             f"--reward_weights {' '.join(['1.0'] * n)}")
+        for i, w in enumerate(self.weights):
+            if not (_is_number(w) and abs(w) <= MAX_REWARD):
+                raise ValueError(f"reward_weights[{i}] = {w!r} is not a number within +-{MAX_REWARD:g}; "
+                                 "give e.g. --reward_weights 1.0 0.5")
+        if not (_is_number(self.format_reward) and abs(self.format_reward) <= MAX_REWARD):
+            raise ValueError(f"format_reward = {self.format_reward!r} is not a number within +-{MAX_REWARD:g}; "
+                             "give e.g. --format_reward 0.1")
+        try:
+            self._format = compile_format_pattern(self.format_pattern) if self.format_pattern else None
+        except ValueError as err:
+            raise ValueError(f"format_pattern {self.format_pattern!r} {err}") from None
 
     def __call__(self, problems: Sequence[Problem], completions: Sequence[str],
                  completion_ids: Sequence[Sequence[int]]) -> RewardResult:
@@ -85,8 +113,9 @@ class RewardPipeline:
             values, bad = self._call_user(fn, columns, n)
             result.warnings += bad
             if bad:
-                warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward "
-                              "(raised, NaN or None); they get 0", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"reward function {name}: {bad} of {n} samples gave no usable reward "
+                              f"(raised, NaN, None or beyond +-{MAX_REWARD:g}); they get 0", RuntimeWarning,
+                              stacklevel=2)
             result.components[name] = values
             totals = [t + weight * v for t, v in zip(totals, values)]
         if self._format is not None:
@@ -97,6 +126,11 @@ class RewardPipeline:
             penalty = [overlong_penalty(len(ids), self.max_length, self.overlong_buffer) for ids in completion_ids]
             result.components["overlong"] = penalty
             totals = [t + p for t, p in zip(totals, penalty)]
+        bad = next((i for i, t in enumerate(totals) if not abs(t) <= MAX_REWARD), None)
+        if bad is not None:
+            parts = ", ".join(f"{name} {values[bad]:g}" for name, values in result.components.items())
+            raise ValueError(f"the reward of sample {bad} is {totals[bad]:g} ({parts}; weights {self.weights}), "
+                             f"beyond +-{MAX_REWARD:g}: lower reward_weights / format_reward")
         result.rewards = totals
         return result
 
@@ -115,7 +149,7 @@ class RewardPipeline:
                 v = float(v)
             except (TypeError, ValueError):
                 v = math.nan
-            if math.isfinite(v):
+            if math.isfinite(v) and abs(v) <= MAX_REWARD:
                 clean.append(v)
             else:
                 clean.append(0.0)
