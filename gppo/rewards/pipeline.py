@@ -113,8 +113,8 @@ class RewardPipeline:
             values, bad = self._call_user(fn, columns, n)
             result.warnings += bad
             if bad:
-                warnings.warn(f"reward function {name}: {bad} of {n} samples gave no usable reward "
-                              f"(raised, NaN, None or beyond +-{MAX_REWARD:g}); they get 0", RuntimeWarning,
+                warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward within "
+                              f"+-{MAX_REWARD:g} (raised, NaN, None or too large); they get 0", RuntimeWarning,
                               stacklevel=2)
             result.components[name] = values
             totals = [t + weight * v for t, v in zip(totals, values)]
