@@ -206,7 +206,7 @@ def _example(spec: Spec):
         return spec.default
     if spec.choices:
         return [spec.choices[0]] if spec.is_list else spec.choices[0]
-    scalar = {bool: True, int: 1, float: 0.5, str: "TEXT", dict: {}}.get(spec.item, "VALUE")
+    scalar = {bool: True, int: 1, float: 0.5, str: spec.name.upper(), dict: {}}.get(spec.item, "VALUE")
     return [scalar] if spec.is_list else scalar
 
 
@@ -227,8 +227,9 @@ def _convert_scalar(spec: Spec, value, source: Source, item: int | None = None):
             key = {"greater_than_equal": "ge", "greater_than": "gt", "less_than_equal": "le", "less_than": "lt"}[kind]
             why = f": {spec.why}" if spec.why else ""
             where = f" (item {item + 1})" if item is not None else ""
+            got = value if isinstance(value, str) else repr(value)
             raise ConfigError(f"{source.name(spec)}{where} must be {CONSTRAINTS[key]} {spec.constraints[key]} "
-                              f"(got {value!r}){why}; give e.g. {source.example(spec)}") from None
+                              f"(got {got}){why}; give e.g. {source.example(spec)}") from None
         problem = _PROBLEMS.get(kind, error["msg"].lower()).format(what=_WHAT.get(spec.item, "valid"))
         raise _refuse(spec, source, f"{value!r} {problem}", item) from None
     if spec.choices and out not in spec.choices:
@@ -249,6 +250,8 @@ def convert(spec: Spec, value, source: Source):
         out = [_convert_scalar(spec, v, source, i) for i, v in enumerate(value)]
     else:
         out = _convert_scalar(spec, value, source)
+    if out == "" and spec.default != "":
+        raise _refuse(spec, source, "'' is empty")
     if spec.check is not None:
         try:
             spec.check(out)
@@ -280,13 +283,27 @@ def gppo_overrides(values: dict, source: Source) -> dict:
 
 
 # ------------------------------------------------------------------------------ files
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path, flag: str = "--config") -> dict:
     """The mapping in a YAML file; a missing file, a syntax error or a non-mapping is a ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{flag}: {str(path)!r} is not a file; give the path of a YAML file of `key: value` lines")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
         at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -316,11 +333,12 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse(self, argv: list[str]) -> argparse.Namespace:
         args, extra = self.parse_known_args(argv)
         if extra:
-            flags = [opt for action in self._actions for opt in action.option_strings if opt.startswith("--")]
+            names = [opt[2:] for action in self._actions for opt in action.option_strings if opt.startswith("--")]
             word = next((e for e in extra if e.startswith("-")), extra[0])
             flag = word.split("=", 1)[0]
             if flag.startswith("-"):
-                self.error(f"unknown option {flag}{closest(flag, flags).replace(chr(39), '')}")
+                hint = closest(flag.lstrip("-"), names).replace("(did you mean '", "(did you mean --").replace("'?)", "?)")
+                self.error(f"unknown option {flag}{hint}")
             self.error(f"unexpected argument {word!r} (values follow their --flag)")
         return args
 

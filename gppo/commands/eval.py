@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from gppo.data.benchmarks import BENCHMARKS
 from gppo.evaluation import evaluate, evaluate_problems
@@ -16,13 +17,21 @@ from gppo.tasks import TASKS, get_task, heldout_problems
 TASK_TEMPERATURE, TASK_MAX_TOKENS = 1.0, 32  # --task defaults (benchmarks have their own protocol)
 
 
+def check_files(paths: list[str]) -> None:
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise ValueError(f"names {missing}, which {'is not a file' if len(missing) == 1 else 'are not files'}; "
+                         "give one local JSONL/Parquet file per benchmark")
+
+
 @dataclass
 class EvalConfig:
     """Options of `gppo eval`: benchmarks (with local files or the Hub) or one built-in task."""
 
     model: str = option(help="Hugging Face causal-LM directory (e.g. RUN_DIR/final)")
     benchmark: list[str] = option([], "benchmark names (" + " ".join(BENCHMARKS) + ")", example=["aime24"])
-    data: list[str] = option([], "local data files, one per --benchmark, same order", example=["aime24.jsonl"])
+    data: list[str] = option([], "local data files, one per --benchmark, same order", example=["aime24.jsonl"],
+                             check=check_files)
     task: str | None = option(None, "built-in task instead of benchmarks", choices=tuple(TASKS))
     n: int | None = option(None, "samples per problem (default: each benchmark's protocol; task: 4)", ge=1,
                            short="n", example=4)

@@ -111,7 +111,8 @@ def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimat
         raise ConfigError("--delta sets the grid's radii; presets keep their own (override them with "
                           "--delta_low / --delta_high)")
     if not seeds or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"seeds must be a non-empty list without repeats (got {list(seeds)})")
+        raise ConfigError(f"--seeds must be a non-empty list without repeats (got {list(seeds)}); give e.g. "
+                          "--seeds 0 1 2")
     common = {"threads": 1, **base, "progress": False}
     if presets:
         cells = [(name, {**common, "preset": name}) for name in presets]

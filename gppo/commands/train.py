@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gppo.options import ArgumentParser
-from gppo.trainer import Trainer
+from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.config import add_config_arguments, config_values, from_dict
 
 
@@ -20,6 +20,10 @@ def parser() -> ArgumentParser:
 
 def run(args) -> int:
     values = config_values(args)
-    trainer = Trainer.resume(args.resume, values) if getattr(args, "resume", None) else Trainer(from_dict(values))
+    resume = getattr(args, "resume", None)
+    if resume and "output_dir" in values:
+        raise ConfigError(f"--output_dir would be ignored with --resume: the run continues in {resume}; "
+                          "remove --output_dir")
+    trainer = Trainer.resume(resume, values) if resume else Trainer(from_dict(values))
     trainer.train()
     return 0

@@ -61,6 +61,20 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     return max(-1.0, (max_length - buffer - length) / buffer)
 
 
+def check_reward_weights(weights: Sequence[float], functions: int) -> None:
+    """Weights of the verifier then each of `functions` reward functions: none (all 1), or one
+    finite number within +-MAX_REWARD per reward."""
+    n = 1 + functions
+    if weights and len(weights) != n:
+        rewards = "1 reward (the verifier)" if n == 1 else f"{n} rewards (the verifier, then each reward function)"
+        raise ValueError(f"reward_weights has {len(weights)} values but there {'is' if n == 1 else 'are'} {rewards}: "
+                         f"give one weight per reward, e.g. --reward_weights {' '.join(['1.0'] * n)}")
+    for i, w in enumerate(weights):
+        if not (_is_number(w) and abs(w) <= MAX_REWARD):
+            raise ValueError(f"reward_weights[{i}] = {w!r} is not a number within +-{MAX_REWARD:g}; "
+                             "give e.g. --reward_weights 1.0 0.5")
+
+
 @dataclass
 class RewardResult:
     rewards: list[float]
@@ -82,17 +96,8 @@ class RewardPipeline:
     overlong_buffer: int = 0
 
     def __post_init__(self):
-        n = 1 + len(self.user_functions)
-        if not self.weights:
-            self.weights = [1.0] * n
-        if len(self.weights) != n:
-            raise ValueError(f"reward_weights has {len(self.weights)} values but there are {n} rewards "
-                             f"(the verifier, then each reward function): give {n} numbers, e.g. "
-                             f"--reward_weights {' '.join(['1.0'] * n)}")
-        for i, w in enumerate(self.weights):
-            if not (_is_number(w) and abs(w) <= MAX_REWARD):
-                raise ValueError(f"reward_weights[{i}] = {w!r} is not a number within +-{MAX_REWARD:g}; "
-                                 "give e.g. --reward_weights 1.0 0.5")
+        check_reward_weights(self.weights, len(self.user_functions))
+        self.weights = list(self.weights) or [1.0] * (1 + len(self.user_functions))
         if not (_is_number(self.format_reward) and abs(self.format_reward) <= MAX_REWARD):
             raise ValueError(f"format_reward = {self.format_reward!r} is not a number within +-{MAX_REWARD:g}; "
                              "give e.g. --format_reward 0.1")

@@ -20,7 +20,7 @@ from gppo.core.divergences import closest
 from gppo.core.config import GPPOConfig, GPPOConfigError, preset as build_preset
 from gppo.options import (CLI, ConfigError, Source, add_arguments, check, check_device, check_engine,
                           gppo_overrides, load_yaml, option, refuse_unknown, yaml_source)
-from gppo.rewards.pipeline import compile_format_pattern
+from gppo.rewards.pipeline import check_reward_weights, compile_format_pattern
 from gppo.rollout import ENGINES
 from gppo.tasks import TASKS
 
@@ -137,9 +137,14 @@ class TrainConfig:
         for name, value in check(TrainConfig, {k: getattr(self, k) for k in TRAIN_FIELDS}, PYTHON).items():
             setattr(self, name, value)
         self.loss = gppo_overrides(dict(self.loss), Source("mapping", "TrainConfig.loss"))
+        try:
+            check_reward_weights(self.reward_weights, len(self.reward_funcs))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.overlong_buffer > self.max_new_tokens:
             raise ConfigError(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
-                              f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens")
+                              f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
+                              "lower --overlong_buffer or raise --max_new_tokens")
         self.gppo_config()  # validates the objective early, with the preset's message
 
     def gppo_config(self) -> GPPOConfig:

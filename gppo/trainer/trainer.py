@@ -26,7 +26,7 @@ from gppo.advantages import group_advantages, informative_groups
 from gppo.evaluation import evaluate_problems
 from gppo.models.assets import embedded_checkpoint
 from gppo.models.embedded import load_model_and_tokenizer
-from gppo.options import resolve_device
+from gppo.options import load_yaml, resolve_device
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import SamplingParams, make_engine
 from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations, token_batch
@@ -133,7 +133,7 @@ class Trainer:
             raise ConfigError(f"{run_dir} has no config.yaml: it is not a gppo run directory")
         if latest_checkpoint(run_dir) is None:
             raise ConfigError(f"{run_dir} has no finished checkpoint to resume from; start it again instead")
-        values = yaml.safe_load((run_dir / "config.yaml").read_text())
+        values = load_yaml(run_dir / "config.yaml", flag="--resume")
         values.update(overrides or {})
         values["output_dir"] = str(run_dir)
         return cls(from_dict(values), resume=True, console=console)
