@@ -20,8 +20,8 @@ TASK_TEMPERATURE, TASK_MAX_TOKENS = 1.0, 32  # --task defaults (benchmarks have 
 def check_files(paths: list[str]) -> None:
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
-        raise ValueError(f"names {missing}, which {'is not a file' if len(missing) == 1 else 'are not files'}; "
-                         "give one local JSONL/Parquet file per benchmark")
+        raise ValueError(f"has no file at {', '.join(map(repr, missing))}; give one local JSONL/Parquet file per "
+                         "benchmark")
 
 
 @dataclass
