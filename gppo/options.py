@@ -149,14 +149,13 @@ def _adapter(item, choices: bool, constraints: tuple) -> pydantic.TypeAdapter:
         typed = Annotated[str, pydantic.BeforeValidator(_choice_word)]
     else:
         typed = item
-    return pydantic.TypeAdapter(typed, config=pydantic.ConfigDict(allow_inf_nan=False, strict=False))
+    return pydantic.TypeAdapter(typed, config=pydantic.ConfigDict(allow_inf_nan=False))
 
 
 _PROBLEMS = {
     "float_parsing": "is not a number", "float_type": "is not a number", "int_parsing": "is not an integer",
     "int_type": "is not an integer", "int_from_float": "is not a whole number", "value_error": "is not {what}",
     "finite_number": "is not a finite number", "string_type": "is not text", "dict_type": "is not a mapping",
-    "bool_parsing": "is not true or false", "bool_type": "is not true or false",
 }
 _WHAT = {bool: "true or false (or yes/no, 1/0)", int: "an integer", float: "a number", str: "text", dict: "a mapping"}
 
