@@ -1,6 +1,6 @@
 """Evaluate a policy on benchmarks: sample with a `RolloutEngine`, score, write the results.
 
-Protocol (DESIGN.md section 8): n samples per problem, by default at temperature 0.6 and top-p
+Protocol: n samples per problem, by default at temperature 0.6 and top-p
 0.95. avg@n is the accuracy over the n samples, averaged over problems; pass@k is the unbiased
 estimator 1 - C(n-c, k) / C(n, k) (c correct samples out of n), for k in {1, 2, 4, ..., n}.
 
