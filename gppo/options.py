@@ -259,6 +259,17 @@ def convert(spec: Spec, value, source: Source):
     return out
 
 
+def refuse_ignored(config, names, unless: str) -> None:
+    """ConfigError for the settings among `names` that differ from their defaults: they would be
+    ignored (`unless` says when they apply)."""
+    fields = specs(type(config))
+    changed = [n for n in names if getattr(config, n) != fields[n].default]
+    if changed:
+        flags = ", ".join(f"--{n} {_shown(getattr(config, n))}" for n in changed)
+        raise ConfigError(f"{flags} would be ignored: {'it applies' if len(changed) == 1 else 'they apply'} "
+                          f"{unless}; remove {'it' if len(changed) == 1 else 'them'}")
+
+
 def refuse_unknown(keys, valid, source: Source, what: str = "config key") -> None:
     """ConfigError for the first key not in `valid`, naming the closest valid one."""
     for key in keys:
@@ -364,7 +375,7 @@ def add_arguments(parser, cls, group_of: Callable[[Spec], Any] | None = None, de
         if spec.required:
             kwargs["required"] = True
         if spec.is_list:
-            kwargs["nargs"] = "*"
+            kwargs["nargs"] = "*" if spec.default == [] else "+"  # an empty list only where it is the default
         elif spec.item is bool:
             kwargs.update(nargs="?", const="true")
         flags = [f"--{spec.name}"] + ([f"-{spec.short}"] if spec.short else [])

@@ -10,7 +10,7 @@ from gppo.data.benchmarks import BENCHMARKS
 from gppo.evaluation import evaluate, evaluate_problems
 from gppo.models.embedded import load_model_and_tokenizer
 from gppo.options import (CLI, ArgumentParser, ConfigError, Source, add_arguments, check, check_device, check_engine,
-                          option, resolve_device)
+                          option, refuse_ignored, resolve_device)
 from gppo.rollout import ENGINES, make_engine
 from gppo.tasks import TASKS, get_task, heldout_problems
 
@@ -58,14 +58,10 @@ class EvalConfig:
         if self.data and len(self.data) != len(self.benchmark):
             raise ConfigError(f"--data has {len(self.data)} files for {len(self.benchmark)} benchmarks: give one "
                               "per benchmark, in the same order")
-        defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-                    for f in dataclasses.fields(self)}
-        unused = ("data", "from_hub", "limit", "top_p", "batch_size", "out") if self.task else ("eval_size",)
-        ignored = [name for name in unused if getattr(self, name) != defaults[name]]
-        if ignored:
-            mode = "--task" if self.task else "--benchmark"
-            raise ConfigError(f"{', '.join('--' + n for n in ignored)} would be ignored with {mode}: remove "
-                              f"{'it' if len(ignored) == 1 else 'them'}")
+        if self.task:
+            refuse_ignored(self, ("data", "from_hub", "limit", "top_p", "batch_size", "out"), "with --benchmark")
+        else:
+            refuse_ignored(self, ("eval_size",), "with --task")
 
 
 def parser() -> ArgumentParser:

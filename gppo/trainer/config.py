@@ -19,13 +19,14 @@ from gppo.advantages import ADVANTAGE_ESTIMATORS
 from gppo.core.divergences import closest
 from gppo.core.config import GPPOConfig, GPPOConfigError, preset as build_preset
 from gppo.options import (CLI, ConfigError, Source, add_arguments, check, check_device, check_engine,
-                          gppo_overrides, load_yaml, option, refuse_unknown, yaml_source)
+                          gppo_overrides, load_yaml, option, refuse_ignored, refuse_unknown, yaml_source)
 from gppo.rewards.pipeline import check_reward_weights, compile_format_pattern
 from gppo.rollout import ENGINES
 from gppo.tasks import TASKS
 
 _opt = option
 PYTHON = Source("python", "TrainConfig")
+NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau")  # transformers' get_scheduler ignores warmup there
 
 
 def check_prompt_template(template: str) -> None:
@@ -141,6 +142,17 @@ class TrainConfig:
             check_reward_weights(self.reward_weights, len(self.reward_funcs))
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        refuse_ignored(self, ["eval_data"] if self.data is None else ["task"],
+                       "with --data" if self.data is None else "without --data (built-in tasks)")
+        if self.format_pattern is None:
+            refuse_ignored(self, ["format_reward"], "with --format_pattern")
+        if not self.dynamic_sampling:
+            refuse_ignored(self, ["max_resample_rounds"], "with --dynamic_sampling true")
+        if self.engine != "vllm":
+            refuse_ignored(self, ["vllm_gpu_memory"], "with --engine vllm")
+        if self.lr_schedule in NO_WARMUP_SCHEDULES:
+            refuse_ignored(self, ["warmup_steps"], "with a schedule that warms up (e.g. --lr_schedule "
+                           "constant_with_warmup, linear, cosine)")
         if self.overlong_buffer > self.max_new_tokens:
             raise ConfigError(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
                               f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
