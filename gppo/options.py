@@ -87,11 +87,10 @@ class Spec:
 
 
 def _strip_none(annotation) -> tuple[Any, bool]:
+    """(the type without None, whether None is allowed); a union of several types is `object`."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) != 1:
-            raise TypeError(f"option types must be X or X | None, got {annotation}")
-        return args[0], True
+        return (args[0] if len(args) == 1 else object), len(args) < len(typing.get_args(annotation))
     return annotation, False
 
 
@@ -140,7 +139,11 @@ def _choice_word(value):
 
 
 @functools.cache
-def _adapter(item, choices: bool, constraints: tuple) -> pydantic.TypeAdapter:
+def _adapter(item, choices: bool, constraints: tuple) -> pydantic.TypeAdapter | None:
+    """The pydantic validator of one scalar; None for other types (objects pass unchanged and
+    their owner checks them, as GPPOConfig does)."""
+    if item not in (bool, int, float, str, dict):
+        return None
     if item is bool:
         typed = Annotated[bool, pydantic.BeforeValidator(_as_bool)]
     elif item in (int, float):
@@ -217,6 +220,8 @@ def _refuse(spec: Spec, source: Source, problem: str, item: int | None = None) -
 
 def _convert_scalar(spec: Spec, value, source: Source, item: int | None = None):
     adapter = _adapter(spec.item, bool(spec.choices), tuple(sorted(spec.constraints.items())))
+    if adapter is None:
+        return value
     try:
         out = adapter.validate_python(value)
     except pydantic.ValidationError as err:
@@ -378,6 +383,8 @@ def add_arguments(parser, cls, group_of: Callable[[Spec], Any] | None = None, de
             kwargs["nargs"] = "*" if spec.default == [] else "+"  # an empty list only where it is the default
         elif spec.item is bool:
             kwargs.update(nargs="?", const="true")
+        elif _adapter(spec.item, False, ()) is None:
+            continue  # no command-line form (an object)
         flags = [f"--{spec.name}"] + ([f"-{spec.short}"] if spec.short else [])
         target.add_argument(*flags, **kwargs)
 

@@ -230,3 +230,24 @@ def test_trl_overrides_share_the_validation(tmp_path):
                                                        r"quotes at column 2\); give e.g."):
             HfArgumentParser(GPPOTrainerConfig).parse_args_into_dataclasses(
                 ["--output_dir", str(tmp_path), "--use_cpu", "true", "--gppo_overrides", "{divergence: kl}"])
+
+
+def test_fields_without_a_command_line_form_pass_unchanged():
+    """A field typed as an object or a union of types is its owner's to check (GPPOConfig checks
+    its own values); it gets no flag."""
+    import argparse
+    import dataclasses
+
+    from gppo.options import add_arguments, check, option
+
+    @dataclasses.dataclass
+    class Options:
+        rule: object = option(None, "an object")
+        either: int | str | None = option(None, "a union")
+        steps: int = option(1, "an integer", ge=1)
+
+    marker = object()
+    assert check(Options, {"rule": marker, "either": "x"}, CLI) == {"rule": marker, "either": "x"}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Options)
+    assert [a.dest for a in parser._actions if a.dest != "help"] == ["steps"]
