@@ -275,13 +275,13 @@ def refuse_ignored(config, names, unless: str) -> None:
                           f"{unless}; remove {'it' if len(changed) == 1 else 'them'}")
 
 
-def refuse_unknown(keys, valid, source: Source, what: str = "config key") -> None:
+def refuse_unknown(keys, valid, source: Source) -> None:
     """ConfigError for the first key not in `valid`, naming the closest valid one."""
     for key in keys:
         if key not in valid:
             where = f" in {source.where}" if source.kind == "yaml" else ""
             listing = f"valid keys: {', '.join(valid)}" if len(valid) <= 12 else "`--help` lists them all"
-            raise ConfigError(f"unknown {what} {key!r}{where}{closest(key, valid)}; {listing}")
+            raise ConfigError(f"unknown config key {key!r}{where}{closest(key, valid)}; {listing}")
 
 
 def check(cls, values: dict, source: Source) -> dict:
