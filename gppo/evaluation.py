@@ -93,7 +93,8 @@ def evaluate(
 
     `data_files` maps benchmark names to local files (others need `from_hub=True`).
     `temperature`, `top_p` and `max_tokens` override every benchmark's protocol defaults; `limit`
-    keeps the first rows of each benchmark; the engine gets `batch_size` problems at a time.
+    keeps the first rows of each benchmark; the engine gets `batch_size` problems at a time. A
+    benchmark none of whose rows can be read is a ValueError before any generation.
     `prompts` builds each prompt (chat template, system prompt, prompt template: `gppo.prompts`);
     None sends the problem text as it is. Its settings are part of what a resumed file must match.
     """
@@ -108,6 +109,11 @@ def evaluate(
         raise ValueError(f"data_files has {extra}, which are not among the benchmarks to evaluate "
                          f"{[b.name for b in specs]}")
     loaded = [load_benchmark(b.name, files.get(b.name), from_hub=from_hub, limit=limit) for b in specs]
+    for bench, data in zip(specs, loaded):
+        if not data.records:
+            first = f" (first: {data.errors[0]})" if data.errors else ""
+            raise ValueError(f"benchmark {bench.name}: none of its {len(data.errors)} rows could be read{first}; "
+                             f"give a file in {bench.name}'s public schema")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

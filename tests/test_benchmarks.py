@@ -105,7 +105,7 @@ def test_bad_rows_are_reported_and_the_rest_load():
 
 
 def test_benchmark_typo_names_the_closest():
-    with pytest.raises(ValueError, match="unknown benchmark 'aime2024': did you mean 'aime24'"):
+    with pytest.raises(ValueError, match="unknown benchmark 'aime2024' \\(did you mean 'aime24'\\?\\)"):
         get_benchmark("aime2024")
     with pytest.raises(ValueError, match="did you mean 'livecodebench'"):
         load_benchmark("livecodebnch", FIXTURES / "livecodebench.jsonl")

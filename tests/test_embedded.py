@@ -89,7 +89,7 @@ def test_missing_pad_falls_back_to_eos(tmp_path):
 
 
 def test_warm_start_saves_a_loadable_checkpoint(tmp_path):
-    from gppo.warmstart import warm_start
+    from gppo.commands.warmstart import warm_start
 
     out = warm_start("countdown", tmp_path / "ws", steps=2, batch_size=4, eval_problems=0, log_every=1)
     report = json.loads((out / "warmstart.json").read_text())
@@ -103,10 +103,10 @@ def test_shipped_warm_start_is_an_imperfect_teacher(task_name, low, high):
     from gppo.rollout.base import SamplingParams
     from gppo.rollout.hf import HFEngine
     from gppo.tasks import get_task, heldout_problems
-    from gppo.warmstart import ASSETS, embedded_checkpoint
+    from gppo.models.assets import ASSETS, embedded_checkpoint
 
     path = ASSETS / task_name
-    assert (path / "config.json").exists(), "shipped warm start missing: regenerate it (gppo/warmstart.py)"
+    assert (path / "config.json").exists(), "shipped warm start missing: regenerate it (gppo warmstart)"
     assert embedded_checkpoint(task_name) == path
     model, tok = load_model_and_tokenizer(path)
     task, problems = get_task(task_name), heldout_problems(get_task(task_name), 256)
@@ -117,7 +117,7 @@ def test_shipped_warm_start_is_an_imperfect_teacher(task_name, low, high):
 
 
 def test_embedded_checkpoint_rejects_unknown_task():
-    from gppo.warmstart import embedded_checkpoint
+    from gppo.models.assets import embedded_checkpoint
 
     with pytest.raises(ValueError, match="did you mean 'addition'"):
         embedded_checkpoint("adition")

@@ -151,7 +151,7 @@ def test_word_problems_answers_and_scoring():
         WordProblemTask(operations=("add", "power"))
     with pytest.raises(ValueError, match="max_operand"):
         WordProblemTask(max_operand=1)
-    from gppo.warmstart import embedded_checkpoint
+    from gppo.models.assets import embedded_checkpoint
 
     with pytest.raises(ValueError, match="give --model"):
         embedded_checkpoint("word-problems")

@@ -87,6 +87,9 @@ HOW_TO_RECORD = {
 _LOGPROB_FIELDS = ("logp", "logp_behavior", "logp_old", "logp_ref")
 _TOPK_FIELDS = ("topk_logp_behavior", "topk_logp", "topk_logp_old")
 _FULL_FIELDS = ("logits", "logp_behavior_full", "logp_old_full", "logp_ref_full")
+# A log-prob above this is not rounding (bf16 arithmetic near |x| ~ 20 errs by < 0.07): it is a
+# probability > 1.1, e.g. logits or a negative log-likelihood passed as log-probs.
+LOGP_MAX = 0.1
 
 
 def require(batch: TokenBatch, names, why: str) -> None:
@@ -163,6 +166,11 @@ def validate(batch: TokenBatch) -> None:
             checks[f"TokenBatch.{name} has NaN or +inf"] = (
                 (torch.isnan(value) | (value == float("inf"))) & valid[..., None]
             ).any()
+    for name in (*_LOGPROB_FIELDS, *_TOPK_FIELDS, *_FULL_FIELDS[1:]):
+        value = getattr(batch, name)
+        if value is not None:
+            inside = valid if value.dim() == 2 else valid[..., None]
+            checks[f"TokenBatch.{name} has log-probs > 0"] = ((value > LOGP_MAX) & inside).any()
     flags = torch.stack([c.reshape(()) for c in checks.values()]).tolist()
     failed = [msg for msg, bad in zip(checks, flags) if bad]
     if failed:
@@ -172,6 +180,9 @@ def validate(batch: TokenBatch) -> None:
             "mask holds values other than 0 and 1": "pass a boolean or 0/1 mask",
         }
         msg = failed[0]
+        if msg.endswith("log-probs > 0"):
+            hints[msg] = ("a probability above 1: pass log-probabilities (log_softmax of the "
+                          "logits, <= 0), not logits, probabilities or negative log-likelihoods")
         hint = hints.get(msg, "at a masked-in position; check the rollout log-probs and the "
                           "temperature, or mask such tokens out")
         raise GPPOInputError(f"{msg}: {hint}")

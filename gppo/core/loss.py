@@ -107,6 +107,11 @@ def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | No
     """
     if not isinstance(config, GPPOConfig):
         raise TypeError(f"config must be a gppo.GPPOConfig (gppo.preset(...)), got {type(config).__name__}")
+    for name, count in (("num_tokens", num_tokens), ("num_sequences", num_sequences)):
+        if count is not None and not bool((torch.as_tensor(count) > 0).all()):  # also refuses NaN
+            raise GPPOInputError(
+                f"policy_loss({name}={count}) must be > 0: pass the mini-batch's global {name.split('_')[1]} "
+                "count, or None to count the batch's mask")
     validate(batch)
     anchor = anchor_of(batch, config.anchor)
     valid = batch.token_mask

@@ -38,7 +38,6 @@ block; n samples per problem as listed in `BENCHMARKS`.
 from __future__ import annotations
 
 import base64
-import difflib
 import io
 import json
 import pickle
@@ -47,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from gppo.core.divergences import closest
 from gppo.data.loaders import (MATH_INSTRUCTION, DataRecord, LoadResult, get_field, map_rows, read_rows,
                                reference_answer)
 from gppo.rewards.code import AssertTest, io_tests
@@ -193,9 +193,8 @@ def get_benchmark(name: str) -> Benchmark:
     """The registered benchmark `name` (case-insensitive); a typo names the closest match."""
     key = name.lower()
     if key not in BENCHMARKS:
-        close = difflib.get_close_matches(key, BENCHMARKS, n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown benchmark {name!r}: {hint}known benchmarks: {', '.join(BENCHMARKS)}")
+        raise ValueError(f"unknown benchmark {name!r}{closest(key, BENCHMARKS)}; known benchmarks: "
+                         f"{', '.join(BENCHMARKS)}")
     return BENCHMARKS[key]
 
 

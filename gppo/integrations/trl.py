@@ -32,6 +32,7 @@ from accelerate.utils import gather_object
 from trl import GRPOConfig, GRPOTrainer
 
 import gppo
+from gppo.options import ConfigError, Source, gppo_overrides
 
 TOPK_ESTIMATORS = ("topk", "topp")
 # Inputs of TRL's log-prob pass for vision-language models, passed through unchanged.
@@ -63,8 +64,7 @@ class GPPOTrainerConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.gppo_overrides, str):
-            self.gppo_overrides = json.loads(self.gppo_overrides)
+        self.gppo_overrides = parse_overrides(self.gppo_overrides)
         defaults = {f.name: f.default for f in fields(GRPOConfig)}
         changed = [name for name in TRL_LOSS_FIELDS if getattr(self, name) != defaults[name]]
         if changed:
@@ -95,6 +95,28 @@ class GPPOTrainerConfig(GRPOConfig):
                 "GPPOTrainer cannot run estimator='full' or kl_estimator='full': the old policy's full "
                 "distribution [B,T,V] would have to be kept for the whole generation batch; use topk")
         return cfg
+
+
+def parse_overrides(overrides: dict | str | None) -> dict:
+    """`gppo_overrides` (a mapping, or JSON text from the command line) with every value converted
+    to its GPPOConfig field's type by the validation `gppo train` uses (gppo.options)."""
+    source = Source("mapping", "gppo_overrides")
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides) if overrides.strip() else {}
+        except json.JSONDecodeError as err:
+            raise gppo.GPPOConfigError(
+                f"gppo_overrides: {overrides!r} is not JSON ({err.msg} at column {err.colno}); give e.g. "
+                '\'{"divergence": "kl", "delta_high": 0.2}\' (double quotes around names)') from None
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise gppo.GPPOConfigError(f"gppo_overrides: {overrides!r} is not a mapping of GPPOConfig fields; give e.g. "
+                                   '{"divergence": "kl"}')
+    try:
+        return gppo_overrides(overrides, source)
+    except ConfigError as err:
+        raise gppo.GPPOConfigError(str(err)) from None
 
 
 class GPPOTrainer(GRPOTrainer):

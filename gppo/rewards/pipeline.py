@@ -7,8 +7,11 @@ User functions follow TRL's convention: `fn(prompts=[...], completions=[...], co
 answer=[...], **columns) -> list[float | None]`, given as a dotted path `module:function`; `prompts`
 are the data's prompts (text or chat messages) before the prompt template, `answer` the reference
 answers, and `columns` every other data column (from `problem.metadata["columns"]`; None for a
-problem without that column). A function that raises, or returns NaN/None/a wrong-length list,
-gives 0 for the affected samples and a counted warning; the run goes on.
+problem without that column). A function that raises, or returns NaN/None/a value beyond
++-MAX_REWARD/a wrong-length list, gives 0 for the affected samples and a counted warning; the run
+goes on. Weights and the format reward must be finite numbers, and a total beyond +-MAX_REWARD
+(weights that overflow) is an error naming the sample and its components: group statistics of
+such rewards are not finite in float32.
 """
 
 from __future__ import annotations
@@ -21,6 +24,21 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from gppo.tasks.base import Problem
+
+MAX_REWARD = 1e6  # |reward| bound: squares of rewards stay far inside float32 in the advantage std
+
+
+def compile_format_pattern(pattern: str) -> re.Pattern:
+    """The compiled format regular expression (DOTALL); a ValueError says what is wrong with it."""
+    try:
+        return re.compile(pattern, re.DOTALL)
+    except re.error as err:
+        raise ValueError(f"is not a valid regular expression ({err}); escape literal characters such as "
+                         "( [ . * + ? with a backslash, e.g. '\\(\\d+\\)'") from None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def load_function(path: str) -> Callable:
@@ -47,6 +65,24 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     return max(-1.0, (max_length - buffer - length) / buffer)
 
 
+def check_reward_weights(weights: Sequence[float], functions: int, verifier: bool | None = True) -> None:
+    """Weights of the verifier (when there is one) then each of `functions` reward functions: none
+    (all 1), or one finite number within +-MAX_REWARD per reward. `verifier=None`: not known yet
+    (data files: their answer column decides), so both counts are accepted."""
+    n = int(bool(verifier)) + functions
+    if weights and len(weights) != n and not (verifier is None and len(weights) == n + 1):
+        if not verifier:
+            rewards = f"{n} rewards (one per reward function: the data has no answers, so there is no verifier)"
+        else:
+            rewards = "1 reward (the verifier)" if n == 1 else f"{n} rewards (the verifier, then each reward function)"
+        raise ValueError(f"reward_weights has {len(weights)} values but there {'is' if n == 1 else 'are'} {rewards}: "
+                         f"give one weight per reward, e.g. --reward_weights {' '.join(['1.0'] * n)}")
+    for i, w in enumerate(weights):
+        if not (_is_number(w) and abs(w) <= MAX_REWARD):
+            raise ValueError(f"reward_weights[{i}] = {w!r} is not a number within +-{MAX_REWARD:g}; "
+                             "give e.g. --reward_weights 1.0 0.5")
+
+
 @dataclass
 class RewardResult:
     rewards: list[float]
@@ -68,17 +104,18 @@ class RewardPipeline:
     overlong_buffer: int = 0
 
     def __post_init__(self):
-        n = (self.verifier is not None) + len(self.user_functions)
-        if n == 0:
+        if self.verifier is None and not self.user_functions:
             raise ValueError("nothing scores the completions: the data has no answer column, so give reward "
                              "functions (reward_funcs) or map an answer column (answer_field)")
-        if not self.weights:
-            self.weights = [1.0] * n
-        if len(self.weights) != n:
-            which = ("the verifier, then each reward function" if self.verifier is not None
-                     else "one per reward function: the data has no answers, so there is no verifier")
-            raise ValueError(f"reward_weights has {len(self.weights)} values but there are {n} rewards ({which})")
-        self._format = re.compile(self.format_pattern, re.DOTALL) if self.format_pattern else None
+        check_reward_weights(self.weights, len(self.user_functions), verifier=self.verifier is not None)
+        self.weights = list(self.weights) or [1.0] * ((self.verifier is not None) + len(self.user_functions))
+        if not (_is_number(self.format_reward) and abs(self.format_reward) <= MAX_REWARD):
+            raise ValueError(f"format_reward = {self.format_reward!r} is not a number within +-{MAX_REWARD:g}; "
+                             "give e.g. --format_reward 0.1")
+        try:
+            self._format = compile_format_pattern(self.format_pattern) if self.format_pattern else None
+        except ValueError as err:
+            raise ValueError(f"format_pattern {self.format_pattern!r} {err}") from None
 
     def __call__(self, problems: Sequence[Problem], completions: Sequence[str],
                  completion_ids: Sequence[Sequence[int]]) -> RewardResult:
@@ -100,8 +137,9 @@ class RewardPipeline:
             values, bad = self._call_user(fn, columns, n)
             result.warnings += bad
             if bad:
-                warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward "
-                              "(raised, NaN or None); they get 0", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward within "
+                              f"+-{MAX_REWARD:g} (raised, NaN, None or too large); they get 0", RuntimeWarning,
+                              stacklevel=2)
             result.components[name] = values
             totals = [t + weight * v for t, v in zip(totals, values)]
         if self.verifier is None:
@@ -114,6 +152,11 @@ class RewardPipeline:
             penalty = [overlong_penalty(len(ids), self.max_length, self.overlong_buffer) for ids in completion_ids]
             result.components["overlong"] = penalty
             totals = [t + p for t, p in zip(totals, penalty)]
+        bad = next((i for i, t in enumerate(totals) if not abs(t) <= MAX_REWARD), None)
+        if bad is not None:
+            parts = ", ".join(f"{name} {values[bad]:g}" for name, values in result.components.items())
+            raise ValueError(f"the reward of sample {bad} is {totals[bad]:g} ({parts}; weights {self.weights}), "
+                             f"beyond +-{MAX_REWARD:g}: lower reward_weights / format_reward")
         result.rewards = totals
         return result
 
@@ -132,7 +175,7 @@ class RewardPipeline:
                 v = float(v)
             except (TypeError, ValueError):
                 v = math.nan
-            if math.isfinite(v):
+            if math.isfinite(v) and abs(v) <= MAX_REWARD:
                 clean.append(v)
             else:
                 clean.append(0.0)

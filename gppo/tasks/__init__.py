@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
 import random
 
+from gppo.core.divergences import closest
 from gppo.tasks.arithmetic import AdditionTask
 from gppo.tasks.base import Problem, Task
 from gppo.tasks.countdown import CountdownTask
@@ -18,9 +18,7 @@ HELDOUT_SEED = 20_250_001  # default seed of the fixed evaluation set (training 
 def get_task(name: str, **kwargs) -> Task:
     """Build the task registered under `name`, passing `kwargs` to its constructor."""
     if name not in TASKS:
-        close = difflib.get_close_matches(name, TASKS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown task {name!r}: {hint}valid tasks: {', '.join(sorted(TASKS))}")
+        raise ValueError(f"unknown task {name!r}{closest(name, TASKS)}; valid tasks: {', '.join(sorted(TASKS))}")
     return TASKS[name](**kwargs)
 
 

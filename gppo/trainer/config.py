@@ -2,34 +2,41 @@
 
 Precedence: dataclass defaults < YAML file (`--config x.yaml`) < command-line `--key value`.
 The objective is `preset` plus optional overrides of any `GPPOConfig` field (`--divergence kl`),
-kept in `loss`. Unknown keys are errors that name the closest valid key.
+kept in `loss`. Every value, from any source, passes the one validation of `gppo.options`
+(types, ranges, choices); unknown keys are errors that name the closest valid key.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
-import types
-import typing
-from dataclasses import dataclass, field, fields
+import string
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Literal
 
-import yaml
-
+from gppo.advantages import ADVANTAGE_ESTIMATORS
+from gppo.core.divergences import closest
 from gppo.core.config import GPPOConfig, GPPOConfigError, preset as build_preset
-from gppo.prompts import PromptConfig
+from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptConfig, check_prompt_template
 from gppo.trainer.data import DataOptions
+from gppo.options import (CLI, ConfigError, Source, add_arguments, check, check_device, check_engine,
+                          gppo_overrides, load_yaml, option, refuse_ignored, refuse_unknown, yaml_source)
+from gppo.rewards.pipeline import check_reward_weights, compile_format_pattern
+from gppo.rollout import ENGINES
+from gppo.tasks import TASKS
+
+_opt = option
+PYTHON = Source("python", "TrainConfig")
+NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau")  # transformers' get_scheduler ignores warmup there
 
 
-class ConfigError(ValueError):
-    """A bad training configuration; the message names the key and the fix."""
+def check_lr_schedule(name: str) -> None:
+    from transformers import SchedulerType
 
-
-def _opt(default, help: str, group: str, **kw):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, "group": group}, **kw)
-    return field(default=default, metadata={"help": help, "group": group}, **kw)
+    names = [s.value for s in SchedulerType]
+    if name not in names:
+        raise ValueError(f"is not a transformers scheduler{closest(name, names)}; choose one of {names}")
 
 
 @dataclass
@@ -39,8 +46,8 @@ class TrainConfig:
     # model and data
     model: str | None = _opt(None, "Hugging Face causal-LM directory; default: the embedded tiny Qwen2, "
                              "warm-started on --task", "model and data")
-    task: str = _opt("addition", "built-in task with an exact verifier (addition, countdown), used when "
-                     "--data is not given", "model and data")
+    task: str = _opt("addition", "built-in task with an exact verifier, used when "
+                     "--data is not given", "model and data", choices=tuple(TASKS))
     data: str | None = _opt(None, "training data: a .jsonl/.json/.parquet/.csv file, a datasets.save_to_disk "
                             "directory, or a Hub dataset name with --from_hub (prompt: the prompt, question, "
                             "problem or instruction column; GSM8K, MATH, DeepScaleR, DAPO-Math-17k, Skywork-OR1 "
@@ -59,7 +66,7 @@ class TrainConfig:
     prompt_template: str = _opt("{prompt}", "format of each prompt; {prompt} is the problem text (for chat "
                                 "messages: the last user message)", "model and data")
     chat_template: str = _opt("auto", "apply the tokenizer's chat template: auto (when it has one), true, false",
-                              "model and data")
+                              "model and data", choices=CHAT_TEMPLATE_CHOICES)
     system_prompt: str | None = _opt(None, "system message put before each prompt (unless the data has one)",
                                      "model and data")
 
@@ -71,66 +78,90 @@ class TrainConfig:
 
     # rollout
     engine: str = _opt("hf", "rollout engine: hf (transformers, CPU/GPU) or vllm (GPU, gppo[vllm])",
-                       "rollout")
-    prompts_per_step: int = _opt(32, "prompts per RL step", "rollout")
-    group_size: int = _opt(8, "completions sampled per prompt", "rollout")
+                       "rollout", choices=ENGINES, check=check_engine)
+    prompts_per_step: int = _opt(32, "prompts per RL step", "rollout", ge=1)
+    group_size: int = _opt(8, "completions sampled per prompt", "rollout", ge=2,
+                           why="advantages are relative to the group")
     temperature: float = _opt(1.0, "sampling temperature (applied identically in rollout and training)",
-                              "rollout")
-    max_new_tokens: int = _opt(24, "maximum completion length", "rollout")
-    rollout_batch_size: int = _opt(256, "sequences generated together", "rollout")
-    vllm_gpu_memory: float = _opt(0.5, "vLLM gpu_memory_utilization (engine=vllm)", "rollout")
+                              "rollout", gt=0, why="RL samples from the policy (greedy decoding has no log-probs to train)")
+    max_new_tokens: int = _opt(24, "maximum completion length", "rollout", ge=1)
+    rollout_batch_size: int = _opt(256, "sequences generated together", "rollout", ge=1)
+    vllm_gpu_memory: float = _opt(0.5, "vLLM gpu_memory_utilization (engine=vllm)", "rollout", gt=0, le=1)
 
     # rewards and advantages
-    reward_funcs: list = _opt([], "extra reward functions as module:function, called like TRL's "
-                              "(prompts=, completions=, completion_ids=, answer=, **columns)",
-                              "rewards and advantages")
-    reward_weights: list = _opt([], "weights of the verifier followed by each reward function "
-                                "(default all 1)", "rewards and advantages")
+    reward_funcs: list[str] = _opt([], "extra reward functions as module:function, called like TRL's "
+                                   "(prompts=, completions=, completion_ids=, answer=, **columns)",
+                                   "rewards and advantages", example=["my_rewards:length_bonus"])
+    reward_weights: list[float] = _opt([], "weights of the verifier followed by each reward function "
+                                       "(default all 1)", "rewards and advantages", example=[1.0, 0.5])
     overlong_buffer: int = _opt(0, "DAPO soft overlong penalty: the last N tokens before max_new_tokens "
-                                "are penalised linearly down to -1 (0: off)", "rewards and advantages")
+                                "are penalised linearly down to -1 (0: off)", "rewards and advantages", ge=0)
     format_pattern: str | None = _opt(None, "regular expression a well-formed completion matches "
-                                      "(re.fullmatch on the stripped text)", "rewards and advantages")
+                                      "(re.fullmatch on the stripped text)", "rewards and advantages",
+                                      check=compile_format_pattern, example=r"\\d+")
     format_reward: float = _opt(0.0, "reward added when format_pattern matches", "rewards and advantages")
     advantage: str = _opt("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce++",
-                          "rewards and advantages")
+                          "rewards and advantages", choices=ADVANTAGE_ESTIMATORS)
     dynamic_sampling: bool = _opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal "
                                   "and refill with new prompts", "rewards and advantages")
     max_resample_rounds: int = _opt(4, "dynamic sampling: extra rollout rounds per step at most",
-                                    "rewards and advantages")
+                                    "rewards and advantages", ge=0)
 
     # update
-    steps: int = _opt(60, "RL steps (rollout + update)", "update")
-    epochs: int = _opt(2, "passes over each rollout batch", "update")
-    mini_batch_size: int = _opt(128, "sequences per optimizer step", "update")
-    micro_batch_size: int = _opt(128, "sequences per forward/backward (gradient accumulation)", "update")
-    lr: float = _opt(1e-4, "AdamW learning rate", "update")
+    steps: int = _opt(60, "RL steps (rollout + update)", "update", ge=1)
+    epochs: int = _opt(2, "passes over each rollout batch", "update", ge=1)
+    mini_batch_size: int = _opt(128, "sequences per optimizer step", "update", ge=1)
+    micro_batch_size: int = _opt(128, "sequences per forward/backward (gradient accumulation)", "update", ge=1)
+    lr: float = _opt(1e-4, "AdamW learning rate", "update", gt=0)
     lr_schedule: str = _opt("constant", "transformers scheduler name: constant, linear, cosine, ... "
-                            "(with warmup)", "update")
-    warmup_steps: int = _opt(0, "optimizer steps of linear warm-up", "update")
-    weight_decay: float = _opt(0.0, "AdamW weight decay", "update")
-    max_grad_norm: float = _opt(1.0, "gradient clipping norm (0: off)", "update")
+                            "(with warmup)", "update", check=check_lr_schedule)
+    warmup_steps: int = _opt(0, "optimizer steps of linear warm-up", "update", ge=0)
+    weight_decay: float = _opt(0.0, "AdamW weight decay", "update", ge=0)
+    max_grad_norm: float = _opt(1.0, "gradient clipping norm (0: off)", "update", ge=0)
 
     # evaluation
     eval_every: int = _opt(20, "evaluate every N steps (and before and after training; 0: only then)",
-                           "evaluation")
-    eval_size: int = _opt(1024, "held-out problems per evaluation", "evaluation")
+                           "evaluation", ge=0)
+    eval_size: int = _opt(1024, "held-out problems per evaluation", "evaluation", ge=1)
     eval_samples: int = _opt(4, "sampled completions per problem for avg@k (greedy is always reported)",
-                             "evaluation")
+                             "evaluation", ge=1)
 
     # run
     output_dir: str | None = _opt(None, "run directory (default: runs/<task>-<preset>-s<seed>)", "run")
-    seed: int = _opt(0, "random seed (data order, sampling, shuffling)", "run")
-    device: str = _opt("auto", "cpu, cuda, or auto", "run")
-    dtype: str = _opt("float32", "parameter dtype: float32 or bfloat16", "run")
-    threads: int | None = _opt(None, "torch CPU threads (default: the cores not busy with other work)", "run")
-    save_every: int = _opt(20, "checkpoint every N steps (0: only at the end)", "run")
-    keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are deleted)", "run")
-    report_to: list = _opt([], "extra loggers: tensorboard, wandb (when installed)", "run")
+    seed: int = _opt(0, "random seed (data order, sampling, shuffling)", "run", ge=0)
+    device: str = _opt("auto", "cpu, cuda, or auto", "run", check=check_device)
+    dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "parameter dtype: float32 or bfloat16", "run")
+    threads: int | None = _opt(None, "torch CPU threads (default: the cores not busy with other work)", "run", ge=1)
+    save_every: int = _opt(20, "checkpoint every N steps (0: only at the end)", "run", ge=0)
+    keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are deleted)", "run", ge=1)
+    report_to: list[Literal["tensorboard", "wandb"]] = _opt([], "extra loggers: tensorboard, wandb (when installed)",
+                                                            "run")
     progress: bool = _opt(True, "show a progress bar", "run")
 
     def __post_init__(self):
+        for name, value in check(TrainConfig, {k: getattr(self, k) for k in TRAIN_FIELDS}, PYTHON).items():
+            setattr(self, name, value)
+        self.loss = gppo_overrides(dict(self.loss), Source("mapping", "TrainConfig.loss"))
+        try:
+            check_reward_weights(self.reward_weights, len(self.reward_funcs), verifier=None if self.data else True)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        refuse_ignored(self, ["eval_data"] if self.data is None else ["task"],
+                       "with --data" if self.data is None else "without --data (built-in tasks)")
+        if self.format_pattern is None:
+            refuse_ignored(self, ["format_reward"], "with --format_pattern")
+        if not self.dynamic_sampling:
+            refuse_ignored(self, ["max_resample_rounds"], "with --dynamic_sampling true")
+        if self.engine != "vllm":
+            refuse_ignored(self, ["vllm_gpu_memory"], "with --engine vllm")
+        if self.lr_schedule in NO_WARMUP_SCHEDULES:
+            refuse_ignored(self, ["warmup_steps"], "with a schedule that warms up (e.g. --lr_schedule "
+                           "constant_with_warmup, linear, cosine)")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ConfigError(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
+                              f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
+                              "lower --overlong_buffer or raise --max_new_tokens")
         self.gppo_config()  # validates the objective early, with the preset's message
-        self.chat_template = self.prompt_config().chat_template  # YAML true/false -> "true"/"false"
 
     def prompt_config(self) -> PromptConfig:
         try:
@@ -165,91 +196,50 @@ assert not set(TRAIN_FIELDS) & set(LOSS_FIELDS), "TrainConfig and GPPOConfig fie
 ALL_KEYS = [*TRAIN_FIELDS, *LOSS_FIELDS]
 
 
-def closest_key(key: str) -> str:
-    match = difflib.get_close_matches(key, ALL_KEYS, n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+def split_values(values: dict, source: Source = PYTHON) -> tuple[dict, dict]:
+    """(trainer fields, GPPOConfig overrides) of flat keys, converted and checked; a nested
+    `loss:` mapping is read as GPPOConfig overrides too. Unknown keys are refused."""
+    values = dict(values)
+    nested = values.pop("loss", None) or {}
+    if not isinstance(nested, dict):
+        raise ConfigError(f"loss: {nested!r} is not a mapping of GPPOConfig fields; give e.g. loss: {{divergence: kl}}")
+    refuse_unknown(values, ALL_KEYS, source)
+    train = check(TrainConfig, {k: v for k, v in values.items() if k in TRAIN_FIELDS}, source)
+    loss = gppo_overrides({**nested, **{k: v for k, v in values.items() if k in LOSS_FIELDS}}, source)
+    return train, loss
 
 
-def from_dict(values: dict) -> TrainConfig:
+def from_dict(values: dict, source: Source = PYTHON) -> TrainConfig:
     """A TrainConfig from flat keys (trainer fields and GPPOConfig fields), unknown keys refused."""
-    train, loss = {}, dict(values.get("loss") or {})
-    for key, value in values.items():
-        if key == "loss":
-            continue
-        if key in TRAIN_FIELDS:
-            train[key] = value
-        elif key in LOSS_FIELDS:
-            loss[key] = value
-        else:
-            raise ConfigError(f"unknown config key {key!r}{closest_key(key)}; `gppo train --help` lists all keys")
+    train, loss = split_values(values, source)
     return TrainConfig(**train, loss=loss)
 
 
-def load_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
-    return data
-
-
 # ---------------------------------------------------------------------------------------- CLI
-def _base_type(annotation):
-    """(python type, is_list) of a field annotation such as `int | None` or `list`."""
-    hints = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    base = next(h for h in hints if h is not type(None))
-    return base, base is list
-
-
-def _parser_type(base):
-    def convert(text: str):
-        if text.lower() in ("none", "null"):
-            return None
-        if base is bool:
-            if text.lower() in ("true", "1", "yes"):
-                return True
-            if text.lower() in ("false", "0", "no"):
-                return False
-            raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-        return base(text)
-    convert.__name__ = base.__name__
-    return convert
-
-
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One --flag per TrainConfig field and per GPPOConfig field, with its help, grouped."""
     parser.add_argument("--config", help="YAML file of keys (any flag below, without the dashes)")
     groups: dict[str, argparse._ArgumentGroup] = {}
-    hints = typing.get_type_hints(TrainConfig)
-    for name, f in TRAIN_FIELDS.items():
-        group_name = f.metadata["group"]
-        group = groups.setdefault(group_name, parser.add_argument_group(group_name))
-        base, is_list = _base_type(hints[name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kwargs = dict(dest=name, default=argparse.SUPPRESS, help=f"{f.metadata['help']} (default: {default})")
-        if is_list:
-            group.add_argument(f"--{name}", nargs="*", **kwargs)
-        else:
-            group.add_argument(f"--{name}", type=_parser_type(base), metavar=base.__name__.upper(), **kwargs)
+
+    def group_of(spec):
+        return groups.setdefault(spec.group, parser.add_argument_group(spec.group))
+    add_arguments(parser, TrainConfig, group_of, exclude=("loss",))
     objective = groups["objective"]
-    loss_hints = typing.get_type_hints(GPPOConfig)
-    for name, f in LOSS_FIELDS.items():
-        base, _ = _base_type(loss_hints[name])
-        objective.add_argument(f"--{name}", dest=name, type=_parser_type(base), metavar=base.__name__.upper(),
-                               default=argparse.SUPPRESS,
-                               help=f"{f.metadata['help']} (default: from the preset)")
+    add_arguments(parser, GPPOConfig, lambda spec: objective, default_text="from the preset")
 
 
-def config_values(args: argparse.Namespace) -> dict:
-    """The training keys given, flat (TrainConfig and GPPOConfig fields): --config YAML < flags."""
-    values = load_yaml(args.config) if getattr(args, "config", None) else {}
-    values.update(values.pop("loss", None) or {})
-    values.update({k: v for k, v in vars(args).items() if k in TRAIN_FIELDS or k in LOSS_FIELDS})
+def config_values(args: argparse.Namespace | dict) -> dict:
+    """The training keys given, flat and checked (TrainConfig and GPPOConfig fields): --config YAML < flags."""
+    raw = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+    values = {}
+    if raw.get("config"):
+        train, loss = split_values(load_yaml(raw["config"]), yaml_source(raw["config"]))
+        values.update(train, **loss)
+    train, loss = split_values({k: v for k, v in raw.items() if k in ALL_KEYS}, CLI)
+    values.update(train, **loss)
     return values
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
+def config_from_args(args: argparse.Namespace | dict) -> TrainConfig:
     """Defaults < --config YAML < flags."""
     return from_dict(config_values(args))

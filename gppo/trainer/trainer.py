@@ -24,8 +24,10 @@ from transformers import get_scheduler
 import gppo
 from gppo.advantages import group_advantages, informative_groups
 from gppo.evaluation import evaluate_problems
+from gppo.models.assets import embedded_checkpoint
 from gppo.models.embedded import load_model_and_tokenizer
 from gppo.prompts import PromptBuilder
+from gppo.options import load_yaml, resolve_device
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import SamplingParams, make_engine
 from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations, token_batch
@@ -43,12 +45,6 @@ def default_threads() -> int:
     small-model steps several times slower, see shared/MEASURED.md)."""
     cores = os.cpu_count() or 1
     return max(1, cores - round(os.getloadavg()[0]))
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -82,12 +78,11 @@ class Trainer:
         self.run_dir = config.run_dir()
         torch.set_num_threads(config.threads or default_threads())
         transformers.utils.logging.disable_progress_bar()
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is not None and not resume:
             raise ConfigError(f"{self.run_dir} already holds a run (last checkpoint {checkpoint.name}): continue "
                               f"it with `gppo train --resume {self.run_dir}` or choose another --output_dir")
-        self._check_counts()
 
         cfg = config.gppo_config()
         self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
@@ -141,28 +136,17 @@ class Trainer:
             raise ConfigError(f"{run_dir} has no config.yaml: it is not a gppo run directory")
         if latest_checkpoint(run_dir) is None:
             raise ConfigError(f"{run_dir} has no finished checkpoint to resume from; start it again instead")
-        values = yaml.safe_load((run_dir / "config.yaml").read_text())
+        values = load_yaml(run_dir / "config.yaml", flag="--resume")
         values.update(overrides or {})
         values["output_dir"] = str(run_dir)
         return cls(from_dict(values), resume=True, console=console)
 
     # ------------------------------------------------------------------------------ set-up
-    def _check_counts(self) -> None:
-        c = self.config
-        for name in ("prompts_per_step", "group_size", "steps", "epochs", "mini_batch_size", "micro_batch_size",
-                     "max_new_tokens", "eval_size", "rollout_batch_size"):
-            if getattr(c, name) < 1:
-                raise ConfigError(f"{name} must be >= 1 (got {getattr(c, name)})")
-        if c.group_size < 2:
-            raise ConfigError("group_size must be >= 2: advantages are relative to the group")
-
     def _base_model_path(self) -> Path:
         if self.config.model is not None:
             return Path(self.config.model)
         if self.config.data is not None:
             raise ConfigError("--data needs --model: the embedded tiny model only knows the built-in tasks")
-        from gppo.warmstart import embedded_checkpoint
-
         return embedded_checkpoint(self.config.task)
 
     def _restore(self, checkpoint: Path) -> None:

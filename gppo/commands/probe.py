@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,14 +31,15 @@ import torch
 from rich.console import Console
 
 import gppo
-from gppo.core.estimators import ESTIMATORS
+from gppo import ESTIMATORS
+from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
 from gppo.core.loss import Q_BUCKETS, q_buckets
-from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
-from gppo.theory import matched_radii
+from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
+from gppo.theory import matched_radii
+from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.batch import Rollout, response_logits
-from gppo.trainer.config import ConfigError, from_dict
-from gppo.trainer.trainer import Trainer
+from gppo.trainer.config import add_config_arguments, config_values, from_dict
 
 PROBE_DEFAULTS = dict(lr=1e-3, epochs=1, prompts_per_step=32, group_size=8, mini_batch_size=64,
                       micro_batch_size=64, progress=False)
@@ -187,3 +189,37 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
     print_table(console, "estimator faithfulness (disagree per bucket of mu(a))", header, body)
     console.print(f"{setting}\nmu-mass of mu's top-K: " + ", ".join(f"K={k}: {v:.4f}" for k, v in mass.items()))
     return {"rows": rows, "mass": mass, "token_share": share, "update": update}
+
+
+# ------------------------------------------------------------------------------ command
+@dataclass
+class ProbeOptions:
+    """Options of `gppo probe` (the training flags set the model, data and update)."""
+
+    delta: float = option(DEFAULT_DELTA, DELTA_HELP + "; the probe's decisions use the binary radii of each "
+                          "divergence", "probe", gt=0)
+    divergences: list[str] = option(list(DEFAULT_DIVERGENCES), "divergences to compare", "probe",
+                                    example=["tv", "kl"])
+    mass_k: list[int] = option(list(MASS_KS), "K of the top-K mu-mass report", "probe", ge=1)
+    out: str | None = option(None, "output directory (default: runs/probe-<task>)", "probe")
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="gppo probe",
+        description="Estimator faithfulness: sample from the model (mu), apply one GPPO update (pi), and compare "
+                    "every estimator of every divergence with the exact full-vocabulary D_f on each token (bias, "
+                    "Spearman, decision disagreement by mu-probability bucket, lower-bound violations). Training "
+                    "flags set the model, data and update (probe defaults: --lr 0.001 --epochs 1 "
+                    "--mini_batch_size 64).")
+    add_arguments(p.add_argument_group("probe"), ProbeOptions)
+    add_config_arguments(p)
+    return p
+
+
+def run(args) -> int:
+    o = ProbeOptions(**check(ProbeOptions, given(args, ProbeOptions), CLI))
+    base = config_values(args)
+    run_probe(base, o.out or f"runs/probe-{base.get('task', 'addition')}", o.delta, o.divergences, o.mass_k)
+    return 0
+

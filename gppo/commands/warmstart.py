@@ -1,13 +1,10 @@
-"""Supervised warm start: fit the embedded model to a task's imperfect teacher.
+"""`gppo warmstart`: supervised warm start, fitting the embedded model to a task's imperfect teacher.
 
 SFT is the slow, seed-sensitive part of the embedded default, so the converged checkpoints are
-shipped as package data (`gppo/assets/warmstart/<task>/`, ~2 MB each) and
-`embedded_checkpoint(task)` returns them. To regenerate a shipped asset (default settings):
-
-    python -c "from gppo.warmstart import warm_start; warm_start('addition', 'gppo/assets/warmstart/addition')"
-
-(`gppo warmstart --task addition --out ...` once the CLI wires it). Each folder holds
-`warmstart.json`: settings, wall time, parameter count and held-out accuracies.
+shipped as package data (`gppo/assets/warmstart/<task>/`, ~2 MB each;
+`gppo.models.assets.embedded_checkpoint(task)` returns them). To regenerate a shipped asset
+(default settings): `gppo warmstart --task addition --out gppo/assets/warmstart/addition`. Each
+folder holds `warmstart.json`: settings, wall time, parameter count and held-out accuracies.
 
 Measured (0.53M parameters, 1 CPU thread on a shared 2-core machine):
 - addition, 1,500 steps x 128, lr 2e-3: with uniform operands the loss plateau ended after 600
@@ -23,22 +20,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from gppo.models.embedded import build_model, build_tokenizer, load_model_and_tokenizer
-from gppo.rollout.base import SamplingParams
+from gppo.models.embedded import build_model, build_tokenizer
+from gppo.options import ArgumentParser, CLI, add_arguments, check, option
+from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
-from gppo.tasks import get_task, heldout_problems
+from gppo.tasks import TASKS, get_task, heldout_problems
 
-ASSETS = Path(__file__).parent / "assets" / "warmstart"
 # Settings that converged on every seed tried (measurements in the module docstring).
 DEFAULTS = {
     "addition": dict(steps=1500, batch_size=128, lr=2e-3, warmup=100, task_kwargs={"short_operands": 0.5}),
@@ -108,37 +103,6 @@ def evaluate_accuracy(model, tokenizer, task_name: str, n: int = 1024, seed: int
     return result
 
 
-def embedded_checkpoint(task_name: str = "addition") -> Path:
-    """Folder of the converged warm start for `task_name`: the shipped asset, or else a copy
-    trained once into `$GPPO_CACHE/warmstart/<task>` (default `~/.cache/gppo`)."""
-    if not getattr(get_task(task_name), "embedded_model", True):  # also validates the name
-        raise ValueError(f"task {task_name!r} is written for pretrained instruct models, not the embedded "
-                         "character-level model: give --model (an HF directory or a .gguf file)")
-    shipped = ASSETS / task_name
-    if (shipped / "config.json").exists():
-        return shipped
-    cached = Path(os.environ.get("GPPO_CACHE", "~/.cache/gppo")).expanduser() / "warmstart" / task_name
-    if not (cached / "config.json").exists():
-        print(f"no shipped warm start for {task_name!r}: training one into {cached} "
-              "(once per machine, several minutes)", flush=True)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{task_name}-"))
-        try:
-            warm_start(task_name, tmp)
-            tmp.rename(cached)
-        except OSError:
-            if not (cached / "config.json").exists():  # else another process finished first
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return cached
-
-
-def load_embedded(task_name: str = "addition", dtype=None):
-    """(model, tokenizer) of the embedded warm start for `task_name`."""
-    return load_model_and_tokenizer(embedded_checkpoint(task_name), dtype=dtype)
-
-
 def _lr_factor(step: int, warmup: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -164,3 +128,29 @@ def _sft_batch(task, tokenizer, rng: random.Random, batch_size: int):
         labels[i, len(p):n] = torch.tensor(c)
         mask[i, :n] = 1
     return input_ids, labels, mask
+
+
+# ------------------------------------------------------------------------------ command
+@dataclass
+class WarmstartOptions:
+    """Options of `gppo warmstart`."""
+
+    out: str = option(help="output folder (HF format)")
+    task: str = option("addition", "built-in task", choices=tuple(TASKS))
+    steps: int | None = option(None, "SFT steps (default: the task's converged setting)", ge=1)
+    seed: int = option(0, "random seed", ge=0)
+    threads: int | None = option(None, "torch CPU threads", ge=1)
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(prog="gppo warmstart", description="Supervised warm start of the embedded model on a "
+                       "built-in task (how the shipped gppo/assets/warmstart/ folders were made).")
+    add_arguments(p, WarmstartOptions)
+    return p
+
+
+def run(args) -> int:
+    o = WarmstartOptions(**check(WarmstartOptions, vars(args), CLI))
+    warm_start(o.task, o.out, steps=o.steps, seed=o.seed, threads=o.threads)
+    return 0
+

@@ -40,14 +40,15 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gppo.core.estimators import ESTIMATORS
-from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
-from gppo.theory import matched_radii
+from gppo import ESTIMATORS
+from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
+from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
+from gppo.theory import matched_radii
+from gppo.trainer import ConfigError, TrainConfig, Trainer
 from gppo.trainer.checkpoint import latest_checkpoint
-from gppo.trainer.config import ConfigError, TrainConfig, from_dict
+from gppo.trainer.config import add_config_arguments, config_values, from_dict
 from gppo.trainer.logging import MetricsLog
-from gppo.trainer.trainer import Trainer
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAST_STEPS = 10  # window of the end-of-run averages (masked fraction, entropy)
@@ -110,7 +111,8 @@ def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimat
         raise ConfigError("--delta sets the grid's radii; presets keep their own (override them with "
                           "--delta_low / --delta_high)")
     if not seeds or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"seeds must be a non-empty list without repeats (got {list(seeds)})")
+        raise ConfigError(f"--seeds must be a non-empty list without repeats (got {list(seeds)}); give e.g. "
+                          "--seeds 0 1 2")
     common = {"threads": 1, **base, "progress": False}
     if presets:
         cells = [(name, {**common, "preset": name}) for name in presets]
@@ -329,3 +331,43 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     write_summary(rows, out, target, note, title)
     print_table(console, f"gppo sweep ({out})", *display_rows(rows, target))
     return {"rows": rows, "trained": len(todo) - len(failed), "skipped": len(jobs) - len(todo), "failed": failed}
+
+
+# ------------------------------------------------------------------------------ command
+@dataclass
+class SweepOptions:
+    """Options of `gppo sweep` (training flags apply to every run)."""
+
+    divergences: list[str] | None = option(None, "grid rows (default: every divergence but alpha)", "sweep",
+                                           example=["tv", "kl"])
+    estimators: list[str] | None = option(None, "grid columns (default: every estimator)", "sweep",
+                                          example=["binary", "topk"])
+    presets: list[str] | None = option(None, "run these presets (with their own radii) instead of a grid", "sweep",
+                                       example=["ppo", "gppo"])
+    seeds: list[int] = option([0, 1, 2], "seeds of every cell", "sweep", ge=0)
+    delta: float | None = option(None, DELTA_HELP + " (default: 0.15; presets keep their own radii)", "sweep", gt=0,
+                                 example=DEFAULT_DELTA)
+    workers: int | None = option(None, "runs at once (default: the number of cores; each run uses --threads, "
+                                 "default 1)", "sweep", ge=1)
+    target: float | None = option(None, "report the first step whose sampled avg@k reaches this accuracy", "sweep",
+                                  example=0.5)
+    out: str = option("runs/sweep", "sweep directory; rerun the same command to resume", "sweep")
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="gppo sweep",
+        description="Run a grid of GPPO runs (divergences x estimators x seeds with the directional mask, or "
+                    "presets x seeds) in parallel, resumably, and summarize it over seeds (sweep.csv, sweep.md, "
+                    "heatmap.png). Training flags below apply to every run, e.g. --steps 60 --task countdown.")
+    add_arguments(p.add_argument_group("sweep"), SweepOptions)
+    add_config_arguments(p)
+    return p
+
+
+def run(args) -> int:
+    o = SweepOptions(**check(SweepOptions, given(args, SweepOptions), CLI))
+    result = run_sweep(config_values(args), o.out, o.seeds, o.divergences, o.estimators, o.presets, o.delta,
+                       o.workers, o.target)
+    return 1 if result["failed"] else 0
+

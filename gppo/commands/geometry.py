@@ -21,24 +21,17 @@ more movement than binary does at the same radius.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from gppo import theory
-from gppo.theory import REFERENCE_Q, matched_radii
+from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
 from gppo.core.config import RATIO_INTERVAL_ESTIMATORS
-from gppo.core.divergences import DIVERGENCES, Divergence, divergence
+from gppo.options import CLI, ArgumentParser, add_arguments, check, option
 from gppo.report import pyplot, save_figure, write_csv
-
-DEFAULT_DELTA = 0.15  # DPPO's TV radius
-# alpha = 0.5 is twice the squared Hellinger distance: left out unless asked for (--divergences alpha).
-DEFAULT_DIVERGENCES = tuple(name for name in DIVERGENCES if name != "alpha")
-
-
-def make_divergence(name: str, alpha: float = 0.5) -> Divergence:
-    """The divergence `name` (alpha is used by name='alpha' only)."""
-    return divergence(name, alpha=alpha) if name == "alpha" else divergence(name)
+from gppo.theory import REFERENCE_Q, matched_radii
 
 
 def geometry_rows(divergences, delta: float, q, raw: bool = False, alpha: float = 0.5) -> list[dict]:
@@ -87,3 +80,34 @@ def run_geometry(out: str | Path, delta: float = DEFAULT_DELTA, divergences=DEFA
     radius = f"raw delta = {delta:g}" if raw else f"radii matched to TV delta = {delta:g} at q = {REFERENCE_Q:g}"
     plot_geometry(rows, out / "geometry.png", f"ratio interval [lo, hi] of a token of probability q ({radius})")
     return rows
+
+
+# ------------------------------------------------------------------------------ command
+@dataclass
+class GeometryOptions:
+    """Options of `gppo geometry`."""
+
+    delta: float = option(DEFAULT_DELTA, DELTA_HELP, gt=0)
+    raw: bool = option(False, "use --delta itself as every radius instead of matching")
+    divergences: list[str] = option(list(DEFAULT_DIVERGENCES), "divergences to plot", example=["tv", "kl"])
+    alpha: float = option(0.5, "alpha of divergence 'alpha'")
+    points: int = option(81, "probabilities q on the log grid", ge=2)
+    out: str = option("runs/geometry", "output directory")
+
+
+def parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="gppo geometry",
+        description="The ratio interval [lo, hi] of pi/mu that a token of probability q may reach within the "
+                    "trust region, per divergence and estimator (sample, cell, binary), for q in [1e-4, 1]: "
+                    "geometry.csv and geometry.png (hi - 1 and 1 - lo on log-log axes).")
+    add_arguments(p, GeometryOptions)
+    return p
+
+
+def run(args) -> int:
+    o = GeometryOptions(**check(GeometryOptions, vars(args), CLI))
+    run_geometry(o.out, o.delta, o.divergences, o.raw, o.points, o.alpha)
+    print(f"wrote {o.out}/geometry.csv and {o.out}/geometry.png")
+    return 0
+

@@ -1,0 +1,27 @@
+"""`gppo presets`: the presets and their points in the design space."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+import gppo
+from gppo.options import ArgumentParser
+
+
+def parser() -> ArgumentParser:
+    return ArgumentParser(prog="gppo presets", description="List the presets and their points in the design space.")
+
+
+def run(args) -> int:
+    table = Table(title="GPPO presets (gppo train --preset NAME; any field can be overridden)")
+    for column in ("preset", "divergence", "estimator", "rule", "delta low/high", "other", "method", "source"):
+        table.add_column(column)
+    point = {"divergence", "estimator", "rule", "delta_low", "delta_high"}
+    for name, p in gppo.PRESETS.items():
+        cfg = gppo.preset(name)
+        other = ", ".join(f"{k}={v}" for k, v in p.fields.items() if k not in point and v is not None)
+        table.add_row(name, str(cfg.divergence), str(cfg.estimator), cfg.rule,
+                      f"{cfg.delta_low:.4g} / {cfg.delta_high:.4g}", other, p.summary, p.source)
+    Console(width=200).print(table)
+    return 0
