@@ -218,7 +218,14 @@ def _refuse(spec: Spec, source: Source, problem: str, item: int | None = None) -
     return ConfigError(f"{source.name(spec)}{where}: {problem}; give e.g. {source.example(spec)}")
 
 
+def _boolean_choices(spec: Spec) -> bool:
+    """Choices that include 'true' and 'false' (e.g. auto|true|false) take booleans in any spelling."""
+    return bool(spec.choices) and {"true", "false"} <= set(spec.choices)
+
+
 def _convert_scalar(spec: Spec, value, source: Source, item: int | None = None):
+    if _boolean_choices(spec) and isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+        value = "true" if value.strip().lower() in TRUE_WORDS else "false"
     adapter = _adapter(spec.item, bool(spec.choices), tuple(sorted(spec.constraints.items())))
     if adapter is None:
         return value
@@ -381,7 +388,7 @@ def add_arguments(parser, cls, group_of: Callable[[Spec], Any] | None = None, de
             kwargs["required"] = True
         if spec.is_list:
             kwargs["nargs"] = "*" if spec.default == [] else "+"  # an empty list only where it is the default
-        elif spec.item is bool:
+        elif spec.item is bool or _boolean_choices(spec):
             kwargs.update(nargs="?", const="true")
         elif _adapter(spec.item, False, ()) is None:
             continue  # no command-line form (an object)

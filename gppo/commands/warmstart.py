@@ -32,7 +32,7 @@ from gppo.models.embedded import build_model, build_tokenizer
 from gppo.options import ArgumentParser, CLI, add_arguments, check, option
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
-from gppo.tasks import TASKS, get_task, heldout_problems
+from gppo.tasks import get_task, heldout_problems
 
 # Settings that converged on every seed tried (measurements in the module docstring).
 DEFAULTS = {
@@ -136,7 +136,7 @@ class WarmstartOptions:
     """Options of `gppo warmstart`."""
 
     out: str = option(help="output folder (HF format)")
-    task: str = option("addition", "built-in task", choices=tuple(TASKS))
+    task: str = option("addition", "built-in task of the embedded model", choices=tuple(DEFAULTS))
     steps: int | None = option(None, "SFT steps (default: the task's converged setting)", ge=1)
     seed: int = option(0, "random seed", ge=0)
     threads: int | None = option(None, "torch CPU threads", ge=1)

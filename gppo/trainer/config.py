@@ -64,7 +64,7 @@ class TrainConfig:
     eval_split: str = _opt("test", "split of --eval_data (Hub datasets and save_to_disk DatasetDicts)",
                            "model and data")
     prompt_template: str = _opt("{prompt}", "format of each prompt; {prompt} is the problem text (for chat "
-                                "messages: the last user message)", "model and data")
+                                "messages: the last user message)", "model and data", check=check_prompt_template)
     chat_template: str = _opt("auto", "apply the tokenizer's chat template: auto (when it has one), true, false",
                               "model and data", choices=CHAT_TEMPLATE_CHOICES)
     system_prompt: str | None = _opt(None, "system message put before each prompt (unless the data has one)",
