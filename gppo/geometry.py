@@ -27,7 +27,6 @@ import numpy as np
 
 from gppo import theory
 from gppo.theory import REFERENCE_Q, matched_radii
-from gppo.core.config import RATIO_INTERVAL_ESTIMATORS
 from gppo.core.divergences import DIVERGENCES, Divergence, divergence
 from gppo.report import pyplot, save_figure, write_csv
 
@@ -36,9 +35,10 @@ DEFAULT_DELTA = 0.15  # DPPO's TV radius
 DEFAULT_DIVERGENCES = tuple(name for name in DIVERGENCES if name != "alpha")
 
 
-def make_divergence(name: str, alpha: float = 0.5) -> Divergence:
-    """The divergence `name` (alpha is used by name='alpha' only)."""
-    return divergence(name, alpha=alpha) if name == "alpha" else divergence(name)
+def make_divergence(name: str, alpha: float | None = 0.5) -> Divergence:
+    """The divergence `name`; alpha goes to the divergences that declare it (None: their default)."""
+    uses_alpha = alpha is not None and "alpha" in DIVERGENCES.lookup(name).params
+    return divergence(name, **({"alpha": alpha} if uses_alpha else {}))
 
 
 def geometry_rows(divergences, delta: float, q, raw: bool = False, alpha: float = 0.5) -> list[dict]:
@@ -46,7 +46,7 @@ def geometry_rows(divergences, delta: float, q, raw: bool = False, alpha: float 
     rows = []
     for name in divergences:
         div = make_divergence(name, alpha)
-        for est in RATIO_INTERVAL_ESTIMATORS:
+        for est in theory.ratio_interval_estimators():
             low, high = (delta, delta) if raw else matched_radii(div, est, delta)
             lo, hi = theory.ratio_interval(div, est, q, low, high)
             rows += [dict(divergence=name, estimator=est, delta_low=low, delta_high=high, q=float(x),
@@ -59,8 +59,10 @@ def plot_geometry(rows: list[dict], path: Path, title: str) -> Path:
     plt = pyplot()
     names = list(dict.fromkeys(r["divergence"] for r in rows))
     colors = dict(zip(names, plt.cm.tab10.colors))
-    fig, axes = plt.subplots(1, len(RATIO_INTERVAL_ESTIMATORS), figsize=(15, 4.2), sharey=True)
-    for ax, est in zip(axes, RATIO_INTERVAL_ESTIMATORS):
+    estimators = list(dict.fromkeys(r["estimator"] for r in rows))
+    fig, axes = plt.subplots(1, len(estimators), figsize=(15, 4.2), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, est in zip(axes, estimators):
         for name in names:
             part = [r for r in rows if r["divergence"] == name and r["estimator"] == est]
             q = np.array([r["q"] for r in part])

@@ -40,6 +40,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from gppo.core.config import drop_unused
 from gppo.core.estimators import ESTIMATORS
 from gppo.geometry import DEFAULT_DELTA, DEFAULT_DIVERGENCES, make_divergence
 from gppo.theory import matched_radii
@@ -123,8 +124,9 @@ def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimat
                                               DEFAULT_DELTA if delta is None else delta)
                 except ValueError as err:
                     raise ConfigError(f"--delta / --divergences: {err}") from None
-                cells.append((f"{div}-{est}", {**GRID_POINT, **common, "divergence": div, "estimator": est,
-                                               "delta_low": low, "delta_high": high}))
+                cells.append((f"{div}-{est}", drop_unused({**GRID_POINT, **common, "divergence": div,
+                                                           "estimator": est, "delta_low": low,
+                                                           "delta_high": high})))
     out = Path(out)
     return [Job(cell, seed, from_dict({**values, "seed": seed, "output_dir": str(out / f"{cell}-s{seed}")}))
             for cell, values in cells for seed in seeds]

@@ -69,6 +69,11 @@ def ratio_interval(div: str | Divergence, estimator: str, q, delta_low: float,
     return lo.numpy(), hi.numpy()
 
 
+def ratio_interval_estimators() -> list[str]:
+    """The registered estimators whose trust region is a ratio interval (sample, cell, binary, ...)."""
+    return [name for name, est in ESTIMATORS.items() if est.has_ratio_interval]
+
+
 def geometry(divergences, estimators, q, delta: float | dict) -> dict:
     """{(divergence, estimator): (lo, hi)} over the probabilities q; delta a float or a per-divergence dict."""
     out = {}

@@ -156,6 +156,8 @@ class GPPOConfig:
 
 
 PARAM_FIELDS = tuple(f.name for f in fields(GPPOConfig) if f.metadata.get("param"))
+PARAM_DEFAULTS = MappingProxyType({f.name: f.metadata["default"] for f in fields(GPPOConfig)
+                                   if f.metadata.get("param")})
 _HINTS = typing.get_type_hints(GPPOConfig)
 
 
@@ -407,16 +409,24 @@ def preset(name: str, **overrides) -> GPPOConfig:
                          if k in overrides or k not in PARAM_FIELDS or kept is None or k in kept})
 
 
-def _used_params(values: dict) -> set[str] | None:
-    """The parameters the point in `values` uses, or None when the point is invalid (then
-    GPPOConfig reports why)."""
+def drop_unused(values: Mapping) -> dict:
+    """`values` (flat keys; GPPOConfig fields among them) without the parameters that their point
+    does not use: for commands that apply one set of settings to many points (a sweep grid)."""
+    used = _used_params(values)
+    return {k: v for k, v in values.items() if k not in PARAM_FIELDS or used is None or k in used}
+
+
+def _used_params(values: Mapping) -> set[str] | None:
+    """The parameters the point in `values` uses, or None when the point is invalid (GPPOConfig
+    then says why). The rule's own parameters are kept: they may decide whether it uses an estimate."""
     try:
-        probe = GPPOConfig(**{k: v for k, v in values.items() if k not in PARAM_FIELDS or k == "clip_bounds"})
-    except GPPOConfigError:
+        rule = RULES.lookup(values.get("rule", GPPOConfig.rule))
+        names = set(GPPOConfig.field_names()) - set(PARAM_FIELDS) | set(rule.params)
+        point = GPPOConfig(**{k: v for k, v in values.items() if k in names})
+    except (GPPOConfigError, ValueError, TypeError):
         return None
-    rule = RULES.lookup(probe.rule)
     used = set(rule.params)
-    if probe.uses_estimate:
-        used |= set(ESTIMATORS.lookup(probe.estimator).params)
-        used |= set(DIVERGENCES.lookup(probe.divergence).params)
+    if point.uses_estimate:
+        used |= set(ESTIMATORS.lookup(point.estimator).params)
+        used |= set(DIVERGENCES.lookup(point.divergence).params)
     return used

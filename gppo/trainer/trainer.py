@@ -90,7 +90,7 @@ class Trainer:
 
         cfg = config.gppo_config()
         self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
-        self.top_k = self.loss_config.top_k if self.loss_config.estimator in ("topk", "topp") else 0
+        self.top_k = self.loss_config.rollout_top_k
 
         self.base_model_path = self._base_model_path()
         self.model, self.tokenizer = load_model_and_tokenizer(checkpoint or self.base_model_path,
