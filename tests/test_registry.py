@@ -263,6 +263,8 @@ def test_registered_batch_estimator_declares_fields_and_parameters(registered):
         gppo.register_estimator("bad", params=("my_knob",))
     with pytest.raises(ValueError, match="not TokenBatch fields"):
         gppo.register_estimator("bad", needs=("topk_logits",))
+    with pytest.raises(ValueError, match="must declare top_k"):
+        gppo.register_estimator("bad", needs=("topk_ids", "topk_logp"), anchor=("token", "topk"))
 
 
 # ------------------------------------------------------------------------------ rules

@@ -38,10 +38,8 @@ SEQ_REDUCES = ("max", "mean")
 def _users(name: str) -> list[str]:
     """The registry entries that declare `name` as a parameter, e.g. ['rule soft']."""
     out = []
-    for axis, registry, params_of in (("divergence", DIVERGENCES, lambda e: e.params),
-                                      ("estimator", ESTIMATORS, lambda e: e.params),
-                                      ("rule", RULES, lambda e: e.params)):
-        users = [n for n, entry in registry.items() if name in params_of(entry)]
+    for axis, registry in (("divergence", DIVERGENCES), ("estimator", ESTIMATORS), ("rule", RULES)):
+        users = [n for n, entry in registry.items() if name in entry.params]
         if users:
             out.append(f"{axis}{'s' if len(users) > 1 else ''} {', '.join(users)}")
     return out
@@ -95,10 +93,11 @@ class GPPOConfig:
     estimator: str | None = _doc(lambda: f"how D_f is estimated per token: {_names(ESTIMATORS)} "
                                  "(None for rules that use no estimate)", default="sample")
     rule: str = _doc(lambda: f"trust-region rule: {_names(RULES)}", default="clip")
-    delta_low: float | None = _param("delta_low", "radius for tokens whose probability the update lowers "
-                                     "(A<0, r<1)", 0.1)
-    delta_high: float | None = _param("delta_high", "radius for tokens whose probability the update raises "
-                                      "(A>0, r>1); sequence rules use it as their single radius", 0.1)
+    delta_low: float | None = _param("delta_low", "radius for tokens whose probability the update "
+                                     "lowers (A<0, r<1)", 0.1)
+    delta_high: float | None = _param("delta_high", "radius for tokens whose probability the update "
+                                      "raises (A>0, r>1); sequence rules use it as their single "
+                                      "radius", 0.1)
     anchor: str = _doc("trust-region centre: 'behavior' (rollout log-probs mu) or 'old' "
                        "(recomputed pi_old)", default="behavior")
     loss_agg_mode: str = _doc("aggregation: " + ", ".join(LOSS_AGG_MODES), default="token-mean")
@@ -106,15 +105,16 @@ class GPPOConfig:
                                    "batch's T)", default=None)
     top_k: int | None = _param("top_k", "K of mu's top-K recorded at rollout", 20)
     top_p: float | None = _param("top_p", "nucleus mass P", 0.95)
-    truncation: float | None = _param("truncation", "cap C on the importance weight min(r, C) (CISPO/TIS); None "
-                                      "disables")
+    truncation: float | None = _param("truncation", "cap C on the importance weight min(r, C) "
+                                      "(CISPO/TIS); None disables")
     dual_clip: float | None = _param("dual_clip", "dual-clip constant c > 1 for A<0; None disables")
-    clip_bounds: str | None = _param("clip_bounds", "ratio interval of rule clip: 'region' (from divergence x "
-                                     "estimator x delta) or 'dcpo' (DCPO's probability-dependent "
-                                     "bounds, eps = delta)", "region")
+    clip_bounds: str | None = _param("clip_bounds", "ratio interval of rule clip: 'region' (from "
+                                     "divergence x estimator x delta) or 'dcpo' (DCPO's "
+                                     "probability-dependent bounds, eps = delta)", "region")
     tau_pos: float | None = _param("tau_pos", "SAPO gate temperature for A>0", 1.0)
     tau_neg: float | None = _param("tau_neg", "SAPO gate temperature for A<0", 1.05)
-    seq_reduce: str | None = _param("seq_reduce", "reduce token divergences of a sequence by 'max' or 'mean'", "max")
+    seq_reduce: str | None = _param("seq_reduce", "reduce token divergences of a sequence by 'max' "
+                                    "or 'mean'", "max")
     kl_coef: float = _doc("coefficient beta of the KL penalty to the reference model",
                           default=0.0)
     kl_estimator: str = _doc("KL penalty estimator: k1, k2, k3 or full (exact, needs logits)",
@@ -134,7 +134,8 @@ class GPPOConfig:
         if self.divergence is None:
             return None
         cls = DIVERGENCES.lookup(self.divergence)
-        return cls(**{name: getattr(self, name) for name in cls.params if getattr(self, name) is not None})
+        given = {name: getattr(self, name) for name in cls.params}
+        return cls(**{name: value for name, value in given.items() if value is not None})
 
     @property
     def uses_estimate(self) -> bool:
@@ -300,11 +301,11 @@ def _validate(cfg: GPPOConfig) -> None:
 
 
 def _set_defaults(cfg: GPPOConfig, names) -> None:
-    """Unset parameters among `names` take their field's default (divergence parameters excepted:
-    None lets the divergence apply its own)."""
-    for f in fields(cfg):
-        if f.name in names and getattr(cfg, f.name) is None and f.metadata.get("param"):
-            setattr(cfg, f.name, f.metadata["default"])
+    """Unset parameters among `names` take their field's default (None for a divergence's: the
+    divergence applies its own)."""
+    for name in names:
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, PARAM_DEFAULTS[name])
 
 
 @dataclass(frozen=True)

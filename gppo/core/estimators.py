@@ -220,6 +220,9 @@ def register_estimator(name: str, *, needs=(), anchor=("token",), params=(), per
         raise ValueError(f"estimator {name!r}: anchor must name some of {list(ANCHOR_ROLES)} "
                          f"(got {list(anchor)})")
     check_params(f"estimator {name!r}", params)
+    if "topk_ids" in needs and "top_k" not in params:
+        raise ValueError(f"estimator {name!r} needs mu's top-K (topk_ids), so it must declare top_k "
+                         "among its params: top_k is how many entries the rollout records")
 
     def decorate(fn: Callable) -> Callable:
         if not callable(fn):

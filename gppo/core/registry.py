@@ -64,7 +64,7 @@ class Registry(Mapping):
         if name in self._entries:
             kind = "a built-in" if name in self._builtin else "an already registered"
             raise ValueError(f"{name!r} is {kind} {self.axis}: register yours under another name, "
-                             f"or call gppo.core.{self.axis.upper()}S.remove({name!r}) first")
+                             f"or call gppo.{self.axis.upper()}S.remove({name!r}) first")
         self._entries[name] = entry
         if builtin:
             self._builtin.add(name)
