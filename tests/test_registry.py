@@ -101,6 +101,11 @@ def test_generic_numerics_reproduce_the_built_in_closed_forms(name, registered):
         expected = builtin.between(p, q).item()
         got = mine.between(p, q).item()
         assert got == expected if math.isinf(expected) else got == pytest.approx(expected, rel=1e-9, abs=1e-13)
+    # ratios that overflow or underflow float64 (t = p/q = e^{+-799}) take the limits
+    log_p = torch.tensor([-800.0, -1.0, -50.0, -1e-12, -0.3], dtype=torch.float64)
+    log_q = torch.tensor([-1.0, -800.0, -1e-12, -50.0, -0.3], dtype=torch.float64)
+    for got, expected in zip(mine.cell_terms(log_p, log_q).tolist(), builtin.cell_terms(log_p, log_q).tolist()):
+        assert got == expected if math.isinf(expected) else got == pytest.approx(expected, rel=1e-9, abs=1e-300)
     delta = torch.tensor([0.01, 0.2, 0.9], dtype=torch.float64)
     for a, b in zip(mine.normalized_inverse(delta), builtin.normalized_inverse(delta)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -323,7 +323,8 @@ class GeneratorDivergence(Divergence):
     """A divergence known only by its generator f (`register_divergence`); the numerics are derived.
 
     Cell terms q f(p/q) - f'(1)(p - q) are computed in float64 from log-probabilities (t = p/q
-    overflowing to inf gives the limit p * slope_at_inf). tv_bound inverts Vajda's tight lower bound
+    overflowing to inf gives the limit p * slope_at_inf, underflowing to 0 the limit q * f~(0)).
+    tv_bound inverts Vajda's tight lower bound
     L(V) = min over two-point pairs with TV = V of D_f (`vajda_tv_bound`); normalized_inverse is the
     generic bisection.
     """
@@ -335,6 +336,7 @@ class GeneratorDivergence(Divergence):
         t = torch.exp(log_p.double() - log_q.double())
         value = q64 * self.generator(t) - self.f_prime_at_1 * (p64 - q64)
         value = torch.where(torch.isinf(t), p64 * self.slope_at_inf, value)
+        value = torch.where(t == 0, q64 * self.f_tilde_at_0, value)
         return value.to(p.dtype)
 
     def tv_bound(self, delta):
