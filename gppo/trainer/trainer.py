@@ -244,7 +244,7 @@ class Trainer:
                                                   if isinstance(getattr(rollout, f.name), torch.Tensor)})
         cfg, temperature = self.loss_config, self.config.temperature
         need_old = cfg.anchor == "old"
-        need_full = cfg.estimator == "full"
+        need_full = cfg.estimator is not None and "full" in gppo.ESTIMATORS[cfg.estimator].anchor
         need_ref = self.ref_model is not None
         if not (need_old or need_full or need_ref):
             return rollout
