@@ -152,6 +152,10 @@ def test_registration_refuses_what_is_not_a_divergence(registered):
         gppo.register_divergence("number", 3.0)
     with pytest.raises(ValueError, match="'kl' is a built-in divergence"):
         gppo.register_divergence("kl", GENERATORS["kl"])
+    with pytest.raises(ValueError, match="non-empty string without surrounding spaces \\(got ' tri'\\)"):
+        gppo.register_divergence(" tri", triangular)
+    with pytest.raises(ValueError, match="'mask' is a built-in rule"):
+        gppo.register_rule("mask")
     gppo.register_divergence("twice", triangular)
     registered(gppo.DIVERGENCES, "twice")
     with pytest.raises(ValueError, match="already registered"):

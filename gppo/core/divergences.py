@@ -414,6 +414,7 @@ def register_divergence(name: str, f: Callable, *, f_prime_at_1: float | None = 
     be inf), the tight TV bound (`vajda_tv_bound`) and the ratio inverse (bisection).
     Returns the registered class (`gppo.divergence(name)` builds it).
     """
+    DIVERGENCES.check_new(name)
     if not callable(f):
         raise TypeError(f"register_divergence({name!r}, f): f must be a torch function of t, got "
                         f"{type(f).__name__}")

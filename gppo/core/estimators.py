@@ -210,6 +210,7 @@ def register_estimator(name: str, *, needs=(), anchor=("token",), params=(), per
     """
     from gppo.core.config import check_params  # config imports this module
 
+    ESTIMATORS.check_new(name)
     batch_fields = {f.name for f in fields(TokenBatch)}
     unknown = [n for n in needs if n not in batch_fields]
     if unknown:

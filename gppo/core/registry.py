@@ -58,6 +58,13 @@ class Registry(Mapping):
         self._builtin: set[str] = set()
 
     def add(self, name: str, entry, *, builtin: bool = False) -> None:
+        self.check_new(name)
+        self._entries[name] = entry
+        if builtin:
+            self._builtin.add(name)
+
+    def check_new(self, name) -> None:
+        """Refuse a name that is not a clean string or is taken (before any work is done for it)."""
         if not isinstance(name, str) or not name or name != name.strip():
             raise ValueError(f"a {self.axis} name must be a non-empty string without surrounding "
                              f"spaces (got {name!r})")
@@ -65,9 +72,6 @@ class Registry(Mapping):
             kind = "a built-in" if name in self._builtin else "an already registered"
             raise ValueError(f"{name!r} is {kind} {self.axis}: register yours under another name, "
                              f"or call gppo.{self.axis.upper()}S.remove({name!r}) first")
-        self._entries[name] = entry
-        if builtin:
-            self._builtin.add(name)
 
     def remove(self, name: str) -> None:
         """Unregister a user entry (tests, notebooks re-running a registration)."""

@@ -234,6 +234,7 @@ def register_rule(name: str, *, params=(), uses_estimate: bool = True, ratio_int
     """
     from gppo.core.config import check_params  # config imports this module
 
+    RULES.check_new(name)
     check_params(f"rule {name!r}", params)
     if estimators is not None:
         for est in estimators:
