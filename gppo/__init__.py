@@ -4,6 +4,9 @@ One design space, Divergence x Estimator x trust-region rule, in which PPO/GRPO,
 GSPO, GMPO, CISPO, SAPO, DCPO and TRM are presets. The public API is the objective:
 
     loss, metrics = gppo.policy_loss(gppo.TokenBatch(...), gppo.preset("dppo-binary-tv"))
+
+`register_divergence`, `register_estimator` and `register_rule` add points to the space
+(docs/extending.md).
 """
 
 from gppo.core import (
@@ -12,10 +15,14 @@ from gppo.core import (
     PRESETS,
     RULES,
     Divergence,
+    Estimator,
     GPPOConfig,
     GPPOConfigError,
     GPPOInputError,
     Preset,
+    Rule,
+    RuleContext,
+    RuleOutput,
     TokenBatch,
     aggregate,
     divergence,
@@ -24,12 +31,16 @@ from gppo.core import (
     policy_loss,
     preset,
     reference_kl,
+    register_divergence,
+    register_estimator,
+    register_rule,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DIVERGENCES", "ESTIMATORS", "PRESETS", "RULES", "Divergence", "GPPOConfig",
-    "GPPOConfigError", "GPPOInputError", "Preset", "TokenBatch", "aggregate", "divergence",
-    "estimate", "gather_logp", "policy_loss", "preset", "reference_kl", "__version__",
+    "DIVERGENCES", "ESTIMATORS", "PRESETS", "RULES", "Divergence", "Estimator", "GPPOConfig",
+    "GPPOConfigError", "GPPOInputError", "Preset", "Rule", "RuleContext", "RuleOutput", "TokenBatch",
+    "aggregate", "divergence", "estimate", "gather_logp", "policy_loss", "preset", "reference_kl",
+    "register_divergence", "register_estimator", "register_rule", "__version__",
 ]

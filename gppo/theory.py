@@ -15,8 +15,7 @@ import numpy as np
 import torch
 
 from gppo.core.divergences import Divergence, divergence as _divergence
-from gppo.core.estimators import binary_estimate
-from gppo.core.regions import ratio_interval as _ratio_interval
+from gppo.core.estimators import ESTIMATORS
 
 
 def _div(div: str | Divergence, **params) -> Divergence:
@@ -66,8 +65,13 @@ def ratio_interval(div: str | Divergence, estimator: str, q, delta_low: float,
     q = torch.as_tensor(np.asarray(q, dtype=np.float64))
     if not ((q > 0) & (q <= 1)).all():
         raise ValueError("q must lie in (0, 1]")
-    lo, hi = _ratio_interval(_div(div), estimator, q, delta_low, delta_high)
+    lo, hi = ESTIMATORS.lookup(estimator).ratio_interval(_div(div), q, delta_low, delta_high)
     return lo.numpy(), hi.numpy()
+
+
+def ratio_interval_estimators() -> list[str]:
+    """The registered estimators whose trust region is a ratio interval (sample, cell, binary, ...)."""
+    return [name for name, est in ESTIMATORS.items() if est.has_ratio_interval]
 
 
 def geometry(divergences, estimators, q, delta: float | dict) -> dict:
@@ -81,19 +85,15 @@ def geometry(divergences, estimators, q, delta: float | dict) -> dict:
 
 
 def estimate_at_ratio(div: str | Divergence, estimator: str, q, ratio) -> np.ndarray:
-    """The estimate D-hat of a token of probability q whose ratio moved to r (sample, cell, binary)."""
+    """The estimate D-hat of a token of probability q whose ratio moved to r (estimators with a
+    ratio interval: sample, cell, binary, or any registered per token)."""
+    est = ESTIMATORS.lookup(estimator)
+    if not est.has_ratio_interval:
+        raise ValueError(f"estimator {estimator!r} is not a function of the sampled token's ratio alone")
     div = _div(div)
     q = torch.as_tensor(np.asarray(q, dtype=np.float64))
     ratio = torch.as_tensor(np.asarray(ratio, dtype=np.float64))
-    if estimator == "sample":
-        value = div.f_normalized(ratio)
-    elif estimator == "cell":
-        value = div.cell_terms(torch.log(q * ratio), torch.log(q))
-    elif estimator == "binary":
-        value = binary_estimate(div, torch.log(q * ratio), torch.log(q))
-    else:
-        raise ValueError(f"estimator {estimator!r} is not a function of the sampled token's ratio alone")
-    return value.numpy()
+    return est.token_estimate(div, torch.log(q * ratio), torch.log(q)).numpy()
 
 
 REFERENCE_Q = 0.5
@@ -111,5 +111,5 @@ def matched_radii(div: str | Divergence, estimator: str, delta: float) -> tuple[
     if not 0 < delta < 0.5:
         raise ValueError(f"delta must be in (0, 0.5) (got {delta}): it is a TV radius at q = 0.5, whose ratio "
                          "interval [1 - 2 delta, 1 + 2 delta] must keep r > 0")
-    est = estimator if estimator in ("sample", "cell", "binary") else "binary"
+    est = estimator if ESTIMATORS.lookup(estimator).has_ratio_interval else "binary"
     return tuple(float(estimate_at_ratio(div, est, [REFERENCE_Q], [1 + side * 2 * delta])[0]) for side in (-1, 1))

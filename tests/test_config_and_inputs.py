@@ -60,14 +60,30 @@ def test_preset_overrides_field_by_field():
     (lambda: gppo.preset("ppo", delta_low=0.0), "delta_low must be > 0"),
     (lambda: gppo.preset("ppo", delta_high=float("nan")), "delta_high must be > 0"),
     (lambda: gppo.preset("ppo", dual_clip=0.5), "dual_clip must be > 1"),
-    (lambda: gppo.preset("sapo", dual_clip=3.0), "dual_clip applies"),
-    (lambda: gppo.preset("dppo-binary-tv", clip_bounds="dcpo"), "rule='clip' only"),
+    (lambda: gppo.preset("sapo", dual_clip=3.0), "dual_clip=3.0 is not used by the point rule 'soft'.*rules mask, clip"),
+    (lambda: gppo.preset("dppo-binary-tv", clip_bounds="dcpo"), "clip_bounds='dcpo' is not used by the point tv x binary x mask.*rule clip"),
     (lambda: gppo.preset("ppo", truncation=-1.0), "truncation"),
     (lambda: gppo.preset("ppo", kl_coef=-0.1), "kl_coef"),
     (lambda: gppo.preset("ppo", kl_estimator="k4"), "kl_estimator"),
     (lambda: gppo.preset("ppo", divergence="alpha", alpha=1.0), "alpha"),
     (lambda: gppo.preset("dppo-topk-tv", top_k=0), "top_k"),
-    (lambda: gppo.preset("dppo-topk-tv", top_p=1.5), "top_p"),
+    (lambda: gppo.preset("dppo-topk-tv", estimator="topp", top_p=1.5), "top_p must be in \\(0, 1\\]"),
+    # a parameter given to a point that does not use it: the field, the point and who uses it
+    (lambda: gppo.preset("ppo", tau_pos=2.0), "tau_pos=2.0 is not used by the point tv x sample x clip: tau_pos is a parameter of rule soft"),
+    (lambda: gppo.preset("dppo-binary-tv", seq_reduce="mean"), "seq_reduce='mean' is not used.*rule seq-mask"),
+    (lambda: gppo.preset("dppo-topk-tv", top_p=0.9), "top_p=0.9 is not used by the point tv x topk x mask.*estimator topp"),
+    (lambda: gppo.preset("dppo-binary-kl", alpha=0.3), "alpha=0.3 is not used.*divergence alpha"),
+    (lambda: gppo.preset("ppo", top_k=5), "top_k=5 is not used.*estimators topk, topp"),
+    (lambda: gppo.preset("trm", delta_low=0.1), "delta_low=0.1 is not used by the point kl x sample x seq-mask"),
+    (lambda: gppo.preset("cispo", delta_high=0.2), "delta_high=0.2 is not used by the point rule 'truncate'"),
+    # wrong types: the field, the value and the fix
+    (lambda: gppo.preset("ppo", delta_high="0.2"), "delta_high must be a number or None, got str '0.2'; pass the number delta_high=0.2"),
+    (lambda: gppo.preset("dppo-topk-tv", top_k=2.5), "top_k must be an integer or None, got float 2.5"),
+    (lambda: gppo.preset("dppo-topk-tv", top_k=True), "top_k must be an integer or None, got bool"),
+    (lambda: gppo.preset("ppo", rule=3), "rule must be a string, got int 3"),
+    (lambda: gppo.preset("ppo", kl_coef=None), "kl_coef must be a number, got NoneType"),
+    (lambda: gppo.preset("ppo", anchor=["old"]), "anchor must be a string"),
+    (lambda: gppo.preset("ppo", kl_coef=float("nan")), "kl_coef must be >= 0 and finite"),
 ])
 def test_config_errors_name_the_field(call, match):
     with pytest.raises(gppo.GPPOConfigError, match=match):

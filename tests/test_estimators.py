@@ -32,8 +32,8 @@ def make_batch(log_pi, log_mu, k, seed=0, mask=None):
 def estimates(batch, name, params, top_k, top_p=0.9):
     out = {}
     for est in ("sample", "cell", "binary", "topk", "topp", "full"):
-        cfg = gppo.preset("dppo-topk-tv", divergence=name, estimator=est, top_k=top_k, top_p=top_p,
-                          **params)
+        used = {k: v for k, v in dict(top_k=top_k, top_p=top_p).items() if k in gppo.ESTIMATORS[est].params}
+        cfg = gppo.preset("dppo-topk-tv", divergence=name, estimator=est, **used, **params)
         out[est] = gppo.estimate(cfg, batch)[:, 0]
     return out
 

@@ -15,6 +15,7 @@ DELTA_HELP = ("reference TV radius at q = 0.5: every (divergence, estimator) get
               "at most the binary interval")
 
 
-def make_divergence(name: str, alpha: float = 0.5) -> gppo.Divergence:
-    """The divergence `name` (alpha is used by name='alpha' only)."""
-    return gppo.divergence(name, alpha=alpha) if name == "alpha" else gppo.divergence(name)
+def make_divergence(name: str, alpha: float | None = 0.5) -> gppo.Divergence:
+    """The divergence `name`; alpha goes to the divergences that declare it (None: their default)."""
+    uses_alpha = alpha is not None and "alpha" in gppo.DIVERGENCES.lookup(name).params
+    return gppo.divergence(name, **({"alpha": alpha} if uses_alpha else {}))

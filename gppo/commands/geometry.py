@@ -28,7 +28,6 @@ import numpy as np
 
 from gppo import theory
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
-from gppo.core.config import RATIO_INTERVAL_ESTIMATORS
 from gppo.options import CLI, ArgumentParser, add_arguments, check, option
 from gppo.report import pyplot, save_figure, write_csv
 from gppo.theory import REFERENCE_Q, matched_radii
@@ -39,7 +38,7 @@ def geometry_rows(divergences, delta: float, q, raw: bool = False, alpha: float 
     rows = []
     for name in divergences:
         div = make_divergence(name, alpha)
-        for est in RATIO_INTERVAL_ESTIMATORS:
+        for est in theory.ratio_interval_estimators():
             low, high = (delta, delta) if raw else matched_radii(div, est, delta)
             lo, hi = theory.ratio_interval(div, est, q, low, high)
             rows += [dict(divergence=name, estimator=est, delta_low=low, delta_high=high, q=float(x),
@@ -52,8 +51,10 @@ def plot_geometry(rows: list[dict], path: Path, title: str) -> Path:
     plt = pyplot()
     names = list(dict.fromkeys(r["divergence"] for r in rows))
     colors = dict(zip(names, plt.cm.tab10.colors))
-    fig, axes = plt.subplots(1, len(RATIO_INTERVAL_ESTIMATORS), figsize=(15, 4.2), sharey=True)
-    for ax, est in zip(axes, RATIO_INTERVAL_ESTIMATORS):
+    estimators = list(dict.fromkeys(r["estimator"] for r in rows))
+    fig, axes = plt.subplots(1, len(estimators), figsize=(15, 4.2), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, est in zip(axes, estimators):
         for name in names:
             part = [r for r in rows if r["divergence"] == name and r["estimator"] == est]
             q = np.array([r["q"] for r in part])

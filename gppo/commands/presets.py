@@ -22,6 +22,7 @@ def run(args) -> int:
         cfg = gppo.preset(name)
         other = ", ".join(f"{k}={v}" for k, v in p.fields.items() if k not in point and v is not None)
         table.add_row(name, str(cfg.divergence), str(cfg.estimator), cfg.rule,
-                      f"{cfg.delta_low:.4g} / {cfg.delta_high:.4g}", other, p.summary, p.source)
+                      " / ".join("-" if d is None else f"{d:.4g}" for d in (cfg.delta_low, cfg.delta_high)), other,
+                      p.summary, p.source)
     Console(width=200).print(table)
     return 0

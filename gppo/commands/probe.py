@@ -33,6 +33,7 @@ from rich.console import Console
 import gppo
 from gppo import ESTIMATORS
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
+from gppo.core.config import PARAM_DEFAULTS, drop_unused
 from gppo.core.loss import Q_BUCKETS, q_buckets
 from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
@@ -76,7 +77,8 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
         log_mu = torch.log_softmax(response_logits(mu_model, sub, temperature).double(), -1)
         log_pi = torch.log_softmax(response_logits(pi_model, sub, temperature).double(), -1)
         vocab = log_mu.shape[-1]
-        topk_logq, topk_ids = log_mu.topk(min(config.top_k, vocab), -1)
+        top_k = min(config.top_k or PARAM_DEFAULTS["top_k"], vocab)
+        topk_logq, topk_ids = log_mu.topk(top_k, -1)
         ids = sub.token_ids[..., None]
         batch = gppo.TokenBatch(
             logp=log_pi.gather(-1, ids).squeeze(-1), logp_behavior=log_mu.gather(-1, ids).squeeze(-1),
@@ -91,8 +93,9 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
             parts[f"mass@{k}"].append(covered[..., min(k, vocab) - 1][valid])
         for div in divergences:
             for est in ESTIMATORS:
-                point = gppo.GPPOConfig(divergence=div, alpha=config.alpha, estimator=est, rule="mask",
-                                        top_k=min(config.top_k, vocab), top_p=config.top_p)
+                settings = dict(divergence=div, estimator=est, rule="mask", alpha=config.alpha, top_k=top_k,
+                                top_p=config.top_p)
+                point = gppo.GPPOConfig(**drop_unused({k: v for k, v in settings.items() if v is not None}))
                 parts[(div, est)].append(gppo.estimate(point, batch)[valid])
     return {key: torch.cat(values) for key, values in parts.items()}
 

@@ -43,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gppo import ESTIMATORS
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
 from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
+from gppo.core.config import drop_unused
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, TrainConfig, Trainer
@@ -125,8 +126,9 @@ def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimat
                                               DEFAULT_DELTA if delta is None else delta)
                 except ValueError as err:
                     raise ConfigError(f"--delta / --divergences: {err}") from None
-                cells.append((f"{div}-{est}", {**GRID_POINT, **common, "divergence": div, "estimator": est,
-                                               "delta_low": low, "delta_high": high}))
+                cells.append((f"{div}-{est}", drop_unused({**GRID_POINT, **common, "divergence": div,
+                                                           "estimator": est, "delta_low": low,
+                                                           "delta_high": high})))
     out = Path(out)
     return [Job(cell, seed, from_dict({**values, "seed": seed, "output_dir": str(out / f"{cell}-s{seed}")}))
             for cell, values in cells for seed in seeds]

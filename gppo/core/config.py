@@ -1,82 +1,120 @@
 """`GPPOConfig` (one point of the design space) and `PRESETS` (the named methods, as data).
 
-A preset is a point Divergence x Estimator x Rule plus defaults (DESIGN.md section 5), listed in
-the single table `PRESETS`; `preset(name, **overrides)` builds a validated `GPPOConfig` from it.
+A point is a divergence, an estimator and a rule, each a name in its registry (DIVERGENCES,
+ESTIMATORS, RULES); each entry declares the GPPOConfig fields it reads, its parameters. A parameter
+is set only when the point uses it: left unset (None) it takes its default (for a divergence, the
+divergence's own); given to a point that does not use it, it is an error that names the field, the
+point and the fix. Every field's type is checked. A preset is a point plus defaults (docs/design.md
+section 5), listed in the single table `PRESETS`; `preset(name, **overrides)` builds a validated
+`GPPOConfig` from it, dropping preset parameters that an overridden point no longer uses.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 
-from gppo.core.divergences import DIVERGENCES, closest, divergence
+from gppo.core.divergences import DIVERGENCES
+from gppo.core.estimators import ESTIMATORS
+from gppo.core.registry import closest
+from gppo.core.rules import RULES
 
 
 class GPPOConfigError(ValueError):
     """An invalid point of the design space; the message names the field and the fix."""
 
 
-RULES = ("mask", "clip", "soft", "truncate", "seq-clip", "geo-mean", "seq-mask")
-ESTIMATOR_NAMES = ("sample", "cell", "binary", "topk", "topp", "full")
 ANCHORS = ("behavior", "old")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 CLIP_BOUNDS = ("region", "dcpo")
 SEQ_REDUCES = ("max", "mean")
 
-# Estimators whose trust region is an interval of the sampled token's ratio (it depends only on
-# p and q), which the clip-style rules need.
-RATIO_INTERVAL_ESTIMATORS = ("sample", "cell", "binary")
 
-_RULE_NEEDS = {
-    # rule: (uses a divergence estimate, estimators allowed; None = any)
-    "mask": (True, None),
-    "seq-mask": (True, None),
-    "clip": (True, RATIO_INTERVAL_ESTIMATORS),
-    "geo-mean": (True, RATIO_INTERVAL_ESTIMATORS),
-    "seq-clip": (True, ("sample",)),
-    "soft": (False, ()),
-    "truncate": (False, ()),
-}
+def _users(name: str) -> list[str]:
+    """The registry entries that declare `name` as a parameter, e.g. ['rule soft']."""
+    out = []
+    for axis, registry in (("divergence", DIVERGENCES), ("estimator", ESTIMATORS), ("rule", RULES)):
+        users = [n for n, entry in registry.items() if name in entry.params]
+        if users:
+            out.append(f"{axis}{'s' if len(users) > 1 else ''} {', '.join(users)}")
+    return out
 
 
-def _doc(text: str, **kw):
-    return field(metadata={"help": text}, **kw)
+class _Metadata(Mapping):
+    """Field metadata whose 'help' is composed when read, from the registries as they are then
+    (so `gppo train --help` lists names registered after import, plugins included)."""
+
+    def __init__(self, help_fn, **static):
+        self._help, self._static = help_fn, static
+
+    def __getitem__(self, key):
+        return self._help() if key == "help" else self._static[key]
+
+    def __iter__(self):
+        return iter(("help", *self._static))
+
+    def __len__(self):
+        return 1 + len(self._static)
+
+    def copy(self) -> dict:
+        return dict(self)
+
+
+def _doc(text, **kw):
+    """A field with its help text (a string, or a function giving it)."""
+    return field(metadata=_Metadata(text if callable(text) else lambda: text), **kw)
+
+
+def _param(name: str, text: str, default=None):
+    """A point parameter: None until the point uses it, then `default` unless given."""
+    def help_text():
+        shown = "" if default is None else f"; default {default}"
+        return (f"{text} (parameter of {'; '.join(_users(name)) or 'no registered entry'}{shown}; "
+                "an error for other points)")
+    return field(default=None, metadata=_Metadata(help_text, param=True, default=default))
+
+
+def _names(registry) -> str:
+    return ", ".join(registry)
 
 
 @dataclass
 class GPPOConfig:
     """One point of the GPPO design space. Build it with `gppo.preset(name, **overrides)`."""
 
-    divergence: str | None = _doc("f-divergence of the trust region: " + ", ".join(DIVERGENCES)
-                                  + " (None for rules soft/truncate)", default="tv")
-    alpha: float = _doc("alpha of divergence='alpha' (ignored otherwise)", default=0.5)
-    estimator: str | None = _doc("how D_f is estimated per token: " + ", ".join(ESTIMATOR_NAMES)
-                                 + " (None for rules soft/truncate)", default="sample")
-    rule: str = _doc("trust-region rule: " + ", ".join(RULES), default="clip")
-    delta_low: float = _doc("radius for tokens whose probability the update lowers (A<0, r<1)",
-                            default=0.1)
-    delta_high: float = _doc("radius for tokens whose probability the update raises (A>0, r>1); "
-                             "sequence rules use it as their single radius", default=0.1)
+    divergence: str | None = _doc(lambda: f"f-divergence of the trust region: {_names(DIVERGENCES)} "
+                                  "(None for rules that use no estimate)", default="tv")
+    alpha: float | None = _param("alpha", "alpha of divergence 'alpha'")
+    estimator: str | None = _doc(lambda: f"how D_f is estimated per token: {_names(ESTIMATORS)} "
+                                 "(None for rules that use no estimate)", default="sample")
+    rule: str = _doc(lambda: f"trust-region rule: {_names(RULES)}", default="clip")
+    delta_low: float | None = _param("delta_low", "radius for tokens whose probability the update "
+                                     "lowers (A<0, r<1)", 0.1)
+    delta_high: float | None = _param("delta_high", "radius for tokens whose probability the update "
+                                      "raises (A>0, r>1); sequence rules use it as their single "
+                                      "radius", 0.1)
     anchor: str = _doc("trust-region centre: 'behavior' (rollout log-probs mu) or 'old' "
                        "(recomputed pi_old)", default="behavior")
     loss_agg_mode: str = _doc("aggregation: " + ", ".join(LOSS_AGG_MODES), default="token-mean")
     norm_length: int | None = _doc("constant length L of seq-mean-token-sum-norm (None: the "
                                    "batch's T)", default=None)
-    top_k: int = _doc("K of estimators topk/topp (mu's top-K recorded at rollout)", default=20)
-    top_p: float = _doc("nucleus mass P of estimator topp", default=0.95)
-    truncation: float | None = _doc("cap C on the importance weight min(r, C) (CISPO/TIS); None "
-                                    "disables", default=None)
-    dual_clip: float | None = _doc("dual-clip constant c > 1 for A<0 (rules clip/mask); None "
-                                   "disables", default=None)
-    clip_bounds: str = _doc("ratio interval of rule clip: 'region' (from divergence x estimator "
-                            "x delta) or 'dcpo' (DCPO's probability-dependent bounds, "
-                            "eps = delta)", default="region")
-    tau_pos: float = _doc("SAPO gate temperature for A>0", default=1.0)
-    tau_neg: float = _doc("SAPO gate temperature for A<0", default=1.05)
-    seq_reduce: str = _doc("rule seq-mask: reduce token divergences by 'max' or 'mean'",
-                           default="max")
+    top_k: int | None = _param("top_k", "K of mu's top-K recorded at rollout", 20)
+    top_p: float | None = _param("top_p", "nucleus mass P", 0.95)
+    truncation: float | None = _param("truncation", "cap C on the importance weight min(r, C) "
+                                      "(CISPO/TIS); None disables")
+    dual_clip: float | None = _param("dual_clip", "dual-clip constant c > 1 for A<0; None disables")
+    clip_bounds: str | None = _param("clip_bounds", "ratio interval of rule clip: 'region' (from "
+                                     "divergence x estimator x delta) or 'dcpo' (DCPO's "
+                                     "probability-dependent bounds, eps = delta)", "region")
+    tau_pos: float | None = _param("tau_pos", "SAPO gate temperature for A>0", 1.0)
+    tau_neg: float | None = _param("tau_neg", "SAPO gate temperature for A<0", 1.05)
+    seq_reduce: str | None = _param("seq_reduce", "reduce token divergences of a sequence by 'max' "
+                                    "or 'mean'", "max")
     kl_coef: float = _doc("coefficient beta of the KL penalty to the reference model",
                           default=0.0)
     kl_estimator: str = _doc("KL penalty estimator: k1, k2, k3 or full (exact, needs logits)",
@@ -84,8 +122,8 @@ class GPPOConfig:
     behavior_weight_cap: float | None = _doc(
         "anchor='old' only: multiply each token's loss by sg[min(pi_old/mu, cap)] to correct the "
         "rollout/training mismatch (truncated IS); None disables", default=None)
-    full_chunk_size: int = _doc("tokens per chunk of estimator 'full' (memory: one chunk of "
-                                "[chunk, V] beyond the logits)", default=512)
+    full_chunk_size: int = _doc("tokens per chunk of estimator 'full' and of the entropy metric "
+                                "(memory: one chunk of [chunk, V] beyond the logits)", default=512)
 
     def __post_init__(self):
         _validate(self)
@@ -95,12 +133,20 @@ class GPPOConfig:
         """The `Divergence` object (None for rules that use none)."""
         if self.divergence is None:
             return None
-        params = {"alpha": self.alpha} if self.divergence == "alpha" else {}
-        return divergence(self.divergence, **params)
+        cls = DIVERGENCES.lookup(self.divergence)
+        given = {name: getattr(self, name) for name in cls.params}
+        return cls(**{name: value for name, value in given.items() if value is not None})
 
     @property
     def uses_estimate(self) -> bool:
-        return _RULE_NEEDS[self.rule][0]
+        return RULES.lookup(self.rule).needs_estimate(self)
+
+    @property
+    def rollout_top_k(self) -> int:
+        """K of mu's top-K that the rollout must record (0 when the estimator needs none)."""
+        if self.estimator is None or not ESTIMATORS.lookup(self.estimator).needs_rollout_topk:
+            return 0
+        return self.top_k
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +154,45 @@ class GPPOConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+PARAM_FIELDS = tuple(f.name for f in fields(GPPOConfig) if f.metadata.get("param"))
+PARAM_DEFAULTS = MappingProxyType({f.name: f.metadata["default"] for f in fields(GPPOConfig)
+                                   if f.metadata.get("param")})
+_HINTS = typing.get_type_hints(GPPOConfig)
+
+
+def check_params(owner: str, params) -> None:
+    """A registry entry may declare only GPPOConfig parameter fields as its parameters."""
+    bad = [p for p in params if p not in PARAM_FIELDS]
+    if bad:
+        raise ValueError(f"{owner} declares parameters {bad}, which are not GPPOConfig parameter "
+                         f"fields; choose among {list(PARAM_FIELDS)}")
+
+
+def _check_type(name: str, value):
+    """The value converted to the field's type (int -> float where a float is expected), or an error."""
+    hint = _HINTS[name]
+    optional = type(None) in typing.get_args(hint)
+    base = next(h for h in (typing.get_args(hint) or (hint,)) if h is not type(None))
+    if value is None:
+        if optional:
+            return None
+    elif base is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    elif base is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    elif base is str and isinstance(value, str):
+        return value
+    expected = {float: "a number", int: "an integer", str: "a string"}[base]
+    fix = ""
+    if isinstance(value, str) and base is not str:
+        try:
+            fix = f"; pass the number {name}={base(value)!r}, not the string {value!r}"
+        except ValueError:
+            pass
+    raise GPPOConfigError(f"GPPOConfig.{name} must be {expected}{' or None' if optional else ''}, got "
+                          f"{type(value).__name__} {value!r}{fix}")
 
 
 def _choice(cfg, name, choices):
@@ -119,75 +204,108 @@ def _choice(cfg, name, choices):
         )
 
 
+def _lookup(registry, cfg, name):
+    try:
+        return registry.lookup(getattr(cfg, name))
+    except ValueError as err:
+        raise GPPOConfigError(f"GPPOConfig.{name}: {err}") from None
+
+
+def _point(cfg) -> str:
+    if cfg.divergence is None and cfg.estimator is None:
+        return f"rule {cfg.rule!r}"
+    return f"{cfg.divergence} x {cfg.estimator} x {cfg.rule}"
+
+
+# Value checks of the fields that are set: (test, what it must be).
+_CHECKS = {
+    "delta_low": (lambda v: v > 0, "> 0"),
+    "delta_high": (lambda v: v > 0, "> 0"),
+    "top_k": (lambda v: v >= 1, ">= 1"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "truncation": (lambda v: v > 0, "> 0 or None"),
+    "dual_clip": (lambda v: v > 1, "> 1"),
+    "tau_pos": (lambda v: v > 0, "> 0"),
+    "tau_neg": (lambda v: v > 0, "> 0"),
+    "kl_coef": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+    "behavior_weight_cap": (lambda v: v > 0, "> 0"),
+    "norm_length": (lambda v: v >= 1, ">= 1"),
+    "full_chunk_size": (lambda v: v >= 1, ">= 1"),
+}  # comparisons are False for NaN, so NaN is refused everywhere
+
+
 def _validate(cfg: GPPOConfig) -> None:
-    _choice(cfg, "rule", RULES)
+    for f in fields(cfg):
+        setattr(cfg, f.name, _check_type(f.name, getattr(cfg, f.name)))
     _choice(cfg, "anchor", ANCHORS)
     _choice(cfg, "loss_agg_mode", LOSS_AGG_MODES)
     _choice(cfg, "kl_estimator", KL_ESTIMATORS)
-    _choice(cfg, "clip_bounds", CLIP_BOUNDS)
-    _choice(cfg, "seq_reduce", SEQ_REDUCES)
-    uses_estimate, allowed = _RULE_NEEDS[cfg.rule]
-    if cfg.rule == "clip" and cfg.clip_bounds == "dcpo":
-        uses_estimate, allowed = False, ()
-    elif cfg.clip_bounds == "dcpo":
-        raise GPPOConfigError("GPPOConfig.clip_bounds='dcpo' applies to rule='clip' only")
-    if uses_estimate:
+    for name, choices in (("clip_bounds", CLIP_BOUNDS), ("seq_reduce", SEQ_REDUCES)):
+        if getattr(cfg, name) is not None:
+            _choice(cfg, name, choices)
+
+    rule = _lookup(RULES, cfg, "rule")
+    used = set(rule.params)
+    _set_defaults(cfg, rule.params)  # the rule's parameters may decide whether it uses an estimate
+    if rule.needs_estimate(cfg):
         if cfg.divergence is None or cfg.estimator is None:
             raise GPPOConfigError(
                 f"rule {cfg.rule!r} needs a divergence and an estimator (got divergence="
                 f"{cfg.divergence!r}, estimator={cfg.estimator!r})"
             )
-        _choice(cfg, "estimator", ESTIMATOR_NAMES)
-        try:
-            divergence(cfg.divergence, **({"alpha": cfg.alpha} if cfg.divergence == "alpha" else {}))
-        except ValueError as err:
-            raise GPPOConfigError(f"GPPOConfig.divergence: {err}") from None
-        if allowed is not None and cfg.estimator not in allowed:
+        est = _lookup(ESTIMATORS, cfg, "estimator")
+        div = _lookup(DIVERGENCES, cfg, "divergence")
+        allowed = rule.estimators
+        if allowed is None and rule.ratio_interval:
+            allowed = tuple(n for n, e in ESTIMATORS.items() if e.has_ratio_interval)
+        if allowed is not None and est.name not in allowed:
             raise GPPOConfigError(
                 f"rule {cfg.rule!r} clips the sampled token's ratio, so it needs an estimator "
                 f"whose trust region is a ratio interval ({', '.join(allowed)}); estimator "
-                f"{cfg.estimator!r} depends on other tokens. Use rule='mask', which has the same "
-                "gradient as clipping, or one of those estimators"
+                f"{cfg.estimator!r} is not one. Use rule='mask', which has the same gradient as "
+                "clipping, or one of those estimators"
             )
-        for name in ("delta_low", "delta_high"):
-            value = getattr(cfg, name)
-            if not value > 0:  # also rejects NaN
-                raise GPPOConfigError(f"GPPOConfig.{name} must be > 0 (got {value})")
+        used |= set(est.params) | set(div.params)
     elif cfg.divergence is not None or cfg.estimator is not None:
         what = "DCPO bounds" if cfg.rule == "clip" else f"rule {cfg.rule!r}"
         raise GPPOConfigError(
             f"{what} uses no divergence estimate: set divergence=None and estimator=None "
             f"(got divergence={cfg.divergence!r}, estimator={cfg.estimator!r})"
         )
-    if cfg.clip_bounds == "dcpo" and not (cfg.delta_low > 0 and cfg.delta_high > 0):
-        raise GPPOConfigError("DCPO bounds need delta_low > 0 and delta_high > 0 (they are eps)")
-    if cfg.estimator in ("topk", "topp") and not cfg.top_k >= 1:
-        raise GPPOConfigError(f"GPPOConfig.top_k must be >= 1 for estimator {cfg.estimator!r}")
-    if not 0 < cfg.top_p <= 1:
-        raise GPPOConfigError(f"GPPOConfig.top_p must be in (0, 1] (got {cfg.top_p})")
-    if cfg.truncation is not None and not cfg.truncation > 0:
-        raise GPPOConfigError(f"GPPOConfig.truncation must be > 0 or None (got {cfg.truncation})")
-    if cfg.dual_clip is not None:
-        if cfg.rule not in ("clip", "mask"):
-            raise GPPOConfigError("GPPOConfig.dual_clip applies to rules 'clip' and 'mask' only")
-        if not cfg.dual_clip > 1:
-            raise GPPOConfigError(f"GPPOConfig.dual_clip must be > 1 (got {cfg.dual_clip})")
-    if not (cfg.tau_pos > 0 and cfg.tau_neg > 0):
-        raise GPPOConfigError("GPPOConfig.tau_pos and tau_neg must be > 0")
-    if cfg.kl_coef < 0:
-        raise GPPOConfigError(f"GPPOConfig.kl_coef must be >= 0 (got {cfg.kl_coef})")
-    if cfg.behavior_weight_cap is not None:
-        if cfg.anchor != "old":
+    for name in PARAM_FIELDS:
+        value = getattr(cfg, name)
+        if value is not None and name not in used:
+            users = _users(name)
             raise GPPOConfigError(
-                "GPPOConfig.behavior_weight_cap corrects pi_old vs mu and needs anchor='old'; with "
-                "anchor='behavior' the ratio already uses mu (use truncation to cap it)"
+                f"GPPOConfig.{name}={value!r} is not used by the point {_point(cfg)}: {name} is a "
+                f"parameter of {' and '.join(users) or 'no registered entry'}. Remove {name}, or "
+                "choose a point that uses it"
             )
-        if not cfg.behavior_weight_cap > 0:
-            raise GPPOConfigError("GPPOConfig.behavior_weight_cap must be > 0")
-    if cfg.norm_length is not None and not cfg.norm_length >= 1:
-        raise GPPOConfigError(f"GPPOConfig.norm_length must be >= 1 (got {cfg.norm_length})")
-    if not cfg.full_chunk_size >= 1:
-        raise GPPOConfigError("GPPOConfig.full_chunk_size must be >= 1")
+    _set_defaults(cfg, used)
+    for name, (test, must) in _CHECKS.items():
+        value = getattr(cfg, name)
+        if value is not None and not test(value):
+            raise GPPOConfigError(f"GPPOConfig.{name} must be {must} (got {value})")
+    if cfg.uses_estimate:
+        try:
+            built = cfg.divergence_fn
+        except ValueError as err:
+            raise GPPOConfigError(f"GPPOConfig.divergence: {err}") from None
+        for name in built.params:  # unset divergence parameters take the divergence's defaults
+            setattr(cfg, name, getattr(built, name))
+    if cfg.behavior_weight_cap is not None and cfg.anchor != "old":
+        raise GPPOConfigError(
+            "GPPOConfig.behavior_weight_cap corrects pi_old vs mu and needs anchor='old'; with "
+            "anchor='behavior' the ratio already uses mu (use truncation to cap it)"
+        )
+
+
+def _set_defaults(cfg: GPPOConfig, names) -> None:
+    """Unset parameters among `names` take their field's default (None for a divergence's: the
+    divergence applies its own)."""
+    for name in names:
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, PARAM_DEFAULTS[name])
 
 
 @dataclass(frozen=True)
@@ -252,7 +370,7 @@ _TABLE = {
     "trm": ("drop a whole sequence when max_t KL (k3) > 0.05; IS-weighted PG otherwise",
             "Trust Region Masking (2512.23075)",
             dict(divergence="kl", estimator="sample", rule="seq-mask", seq_reduce="max",
-                 delta_low=0.05, delta_high=0.05)),
+                 delta_high=0.05)),
     # Our recommended default: DPPO's binary-TV point, a lower bound of the true TV that, unlike
     # PPO's single-sample ratio, lets rare tokens move (|p - q| <= delta instead of |r - 1| <= eps),
     # needs only the sampled token's log-prob (so it runs inside verl and TRL unchanged), and is
@@ -272,7 +390,10 @@ PRESETS: MappingProxyType = MappingProxyType(
 
 
 def preset(name: str, **overrides) -> GPPOConfig:
-    """The preset `name` as a validated GPPOConfig, with `overrides` applied field by field."""
+    """The preset `name` as a validated GPPOConfig, with `overrides` applied field by field.
+
+    Preset parameters that the overridden point does not use are dropped (e.g. top_k of
+    dppo-topk-tv with estimator='binary'); an override the point does not use is an error."""
     if name not in PRESETS:
         raise GPPOConfigError(
             f"unknown preset {name!r}{closest(name, PRESETS)}; choose one of {list(PRESETS)}"
@@ -283,4 +404,30 @@ def preset(name: str, **overrides) -> GPPOConfig:
             raise GPPOConfigError(
                 f"unknown GPPOConfig field {key!r}{closest(key, valid)}; fields are {valid}"
             )
-    return GPPOConfig(**{**PRESETS[name].fields, **overrides})
+    values = {**PRESETS[name].fields, **overrides}
+    kept = _used_params(values)
+    return GPPOConfig(**{k: v for k, v in values.items()
+                         if k in overrides or k not in PARAM_FIELDS or kept is None or k in kept})
+
+
+def drop_unused(values: Mapping) -> dict:
+    """`values` (flat keys; GPPOConfig fields among them) without the parameters that their point
+    does not use: for commands that apply one set of settings to many points (a sweep grid)."""
+    used = _used_params(values)
+    return {k: v for k, v in values.items() if k not in PARAM_FIELDS or used is None or k in used}
+
+
+def _used_params(values: Mapping) -> set[str] | None:
+    """The parameters the point in `values` uses, or None when the point is invalid (GPPOConfig
+    then says why). The rule's own parameters are kept: they may decide whether it uses an estimate."""
+    try:
+        rule = RULES.lookup(values.get("rule", GPPOConfig.rule))
+        names = set(GPPOConfig.field_names()) - set(PARAM_FIELDS) | set(rule.params)
+        point = GPPOConfig(**{k: v for k, v in values.items() if k in names})
+    except (GPPOConfigError, ValueError, TypeError):
+        return None
+    used = set(rule.params)
+    if point.uses_estimate:
+        used |= set(ESTIMATORS.lookup(point.estimator).params)
+        used |= set(DIVERGENCES.lookup(point.divergence).params)
+    return used

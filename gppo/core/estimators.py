@@ -7,18 +7,22 @@ pi and the anchor, so by the data-processing inequality
     cell <= binary <= topk <= full,    topp <= full.
 
 All estimates are computed without gradient, in float32 (float64 if the inputs are float64).
+Each estimator is one `Estimator` in the registry `ESTIMATORS` (what it needs, its parameters, its
+ratio interval); `register_estimator` adds one.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
 from gppo.core.batch import TokenBatch, require
 from gppo.core.divergences import Divergence, log1mexp, upcast
+from gppo.core.regions import bisect_interval, cell_interval, sample_interval
+from gppo.core.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (DESIGN.md section 1)
 REST_FLOOR = 1e-12  # the rest cell's mass is clamped to at least this
@@ -34,6 +38,7 @@ class Anchor:
     full_logq: torch.Tensor | None
 
 
+ANCHOR_ROLES = ("token", "topk", "full")  # the Anchor fields, in order
 ANCHOR_FIELDS = {
     "behavior": ("logp_behavior", "topk_logp_behavior", "logp_behavior_full"),
     "old": ("logp_old", "topk_logp_old", "logp_old_full"),
@@ -108,13 +113,63 @@ def full_estimate(div: Divergence, logits, full_logq, mask, chunk_size: int) -> 
 
 @dataclass(frozen=True)
 class Estimator:
-    """An estimator: the TokenBatch fields it needs (beyond the anchor) and how it computes."""
+    """An estimator: what it needs, its parameters, its ratio interval, how it computes.
+
+    compute(div, batch, anchor, config) -> D-hat [B,T]. `needs`: TokenBatch fields beyond the anchor;
+    `anchor`: which anchor log-probs it reads ("token", "topk", "full"); `params`: the GPPOConfig
+    fields it reads. `token_estimate(div, logp, logq)` is set when the estimate is a function of the
+    sampled token's log-probs alone: its region is then a ratio interval (clip-style rules, theory),
+    computed by `interval(div, q, delta_low, delta_high)` when a closed form is given, by
+    `constant_interval(div, delta_low, delta_high)` when it does not depend on q, else by bisection.
+    """
 
     name: str
-    needs: tuple[str, ...]
-    needs_anchor: tuple[int, ...]  # which Anchor fields: 0 token, 1 top-K, 2 full
-    summary: str
     compute: Callable
+    needs: tuple[str, ...] = ()
+    anchor: tuple[str, ...] = ("token",)
+    params: tuple[str, ...] = ()
+    summary: str = ""
+    token_estimate: Callable | None = None
+    interval: Callable | None = None
+    constant_interval: Callable | None = None
+
+    @property
+    def needs_rollout_topk(self) -> bool:
+        """Whether the rollout must record mu's top-K ids (and log-probs) for this estimator."""
+        return "topk_ids" in self.needs
+
+    @property
+    def has_ratio_interval(self) -> bool:
+        return self.token_estimate is not None
+
+    def batch_fields(self, anchor: str) -> list[str]:
+        """Every TokenBatch field this estimator reads with the given anchor ('behavior' / 'old')."""
+        anchor_fields = dict(zip(ANCHOR_ROLES, ANCHOR_FIELDS[anchor]))
+        return [*self.needs, *(anchor_fields[role] for role in self.anchor)]
+
+    def ratio_interval(self, div: Divergence, q, delta_low, delta_high):
+        """Per-token [lo, hi] of r = p/q within the radii for anchor probability q (float64, any
+        shape); hi never exceeds 1/q (p <= 1)."""
+        if self.token_estimate is None:
+            raise ValueError(
+                f"estimator {self.name!r} has no ratio interval: its estimate depends on other tokens' "
+                "probabilities, not only on the sampled token's p and q"
+            )
+        q = torch.as_tensor(q, dtype=torch.float64)
+        if self.constant_interval is not None:
+            lo, hi = self.constant_interval(div, float(delta_low), float(delta_high))
+            return torch.full_like(q, lo), torch.full_like(q, hi).minimum(1.0 / q)
+        if self.interval is not None:
+            lo, hi = self.interval(div, q, delta_low, delta_high)
+            return lo, hi.minimum(1.0 / q)
+        return bisect_interval(lambda logp, logq: self.token_estimate(div, logp, logq), q,
+                               delta_low, delta_high)
+
+
+def _per_token(fn: Callable) -> Callable:
+    def compute(div, batch, anchor, config):
+        return fn(div, batch.logp, anchor.logq)
+    return compute
 
 
 def _topk(top_p_of: Callable):
@@ -124,34 +179,68 @@ def _topk(top_p_of: Callable):
     return compute
 
 
-ESTIMATORS: dict[str, Estimator] = {
-    e.name: e
-    for e in (
-        Estimator("sample", (), (0,), "single-sample f~(r) of the sampled token",
-                  lambda div, batch, anchor, config: sample_estimate(div, batch.logp, anchor.logq)),
-        Estimator("cell", (), (0,), "the sampled token's own cell q f~(r)",
-                  lambda div, batch, anchor, config: cell_estimate(div, batch.logp, anchor.logq)),
-        Estimator("binary", (), (0,), "exact D_f on {sampled, rest}",
-                  lambda div, batch, anchor, config: binary_estimate(div, batch.logp, anchor.logq)),
-        Estimator("topk", ("token_ids", "topk_ids", "topk_logp"), (0, 1),
-                  "exact D_f on mu's top-K u {sampled} u {rest}", _topk(lambda c: 1.0)),
-        Estimator("topp", ("token_ids", "topk_ids", "topk_logp"), (0, 1),
-                  "exact D_f on mu's nucleus (mass top_p, at most K) u {sampled} u {rest}",
-                  _topk(lambda c: c.top_p)),
-        Estimator("full", ("logits",), (2,), "exact D_f over the whole vocabulary",
-                  lambda div, batch, anchor, config: full_estimate(
-                      div, batch.logits, anchor.full_logq, batch.mask, config.full_chunk_size)),
-    )
-}
+ESTIMATORS = Registry("estimator")
+for _est in (
+    Estimator("sample", _per_token(sample_estimate), summary="single-sample f~(r) of the sampled token",
+              token_estimate=sample_estimate, constant_interval=sample_interval),
+    Estimator("cell", _per_token(cell_estimate), summary="the sampled token's own cell q f~(r)",
+              token_estimate=cell_estimate, interval=cell_interval),
+    Estimator("binary", _per_token(binary_estimate), summary="exact D_f on {sampled, rest}",
+              token_estimate=binary_estimate),
+    Estimator("topk", _topk(lambda c: 1.0), ("token_ids", "topk_ids", "topk_logp"), ("token", "topk"),
+              ("top_k",), "exact D_f on mu's top-K u {sampled} u {rest}"),
+    Estimator("topp", _topk(lambda c: c.top_p), ("token_ids", "topk_ids", "topk_logp"), ("token", "topk"),
+              ("top_k", "top_p"), "exact D_f on mu's nucleus (mass top_p, at most K) u {sampled} u {rest}"),
+    Estimator("full", lambda div, batch, anchor, config: full_estimate(
+                  div, batch.logits, anchor.full_logq, batch.mask, config.full_chunk_size),
+              ("logits",), ("full",), (), "exact D_f over the whole vocabulary"),
+):
+    ESTIMATORS.add(_est.name, _est, builtin=True)
+
+
+def register_estimator(name: str, *, needs=(), anchor=("token",), params=(), per_token: bool = False,
+                       summary: str = ""):
+    """Decorator registering an estimator under `name`.
+
+    Default form: fn(div, batch, anchor, config) -> D-hat [B,T] (div a gppo.Divergence, anchor the
+    centre's log-probs: .logq [B,T], .topk_logq, .full_logq), reading the TokenBatch fields `needs`,
+    the anchor roles `anchor` ("token", "topk", "full") and the GPPOConfig fields `params`.
+    per_token=True: fn(div, logp, logq) -> D-hat of the sampled token from its log-probs alone; its
+    trust region is then a ratio interval (rules clip and geo-mean accept it, gppo.theory plots it).
+    """
+    from gppo.core.config import check_params  # config imports this module
+
+    ESTIMATORS.check_new(name)
+    batch_fields = {f.name for f in fields(TokenBatch)}
+    unknown = [n for n in needs if n not in batch_fields]
+    if unknown:
+        raise ValueError(f"estimator {name!r} needs {unknown}, which are not TokenBatch fields "
+                         f"{sorted(batch_fields)}")
+    bad_roles = [r for r in anchor if r not in ANCHOR_ROLES]
+    if bad_roles or not anchor:
+        raise ValueError(f"estimator {name!r}: anchor must name some of {list(ANCHOR_ROLES)} "
+                         f"(got {list(anchor)})")
+    check_params(f"estimator {name!r}", params)
+    if "topk_ids" in needs and "top_k" not in params:
+        raise ValueError(f"estimator {name!r} needs mu's top-K (topk_ids), so it must declare top_k "
+                         "among its params: top_k is how many entries the rollout records")
+
+    def decorate(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"register_estimator({name!r}) decorates a function, got {type(fn).__name__}")
+        compute, token = (_per_token(fn), fn) if per_token else (fn, None)
+        ESTIMATORS.add(name, Estimator(name, compute, tuple(needs), tuple(anchor), tuple(params),
+                                       summary or (fn.__doc__ or "").strip().split("\n")[0],
+                                       token_estimate=token))
+        return fn
+    return decorate
 
 
 def run_estimator(config, batch: TokenBatch, div: Divergence | None = None) -> torch.Tensor:
     """D-hat [B,T] for `config.estimator` (0 at masked-out positions), without gradient; float32,
     or float64 when the inputs are."""
-    est = ESTIMATORS[config.estimator]
-    token, topk, full = ANCHOR_FIELDS[config.anchor]
-    anchor_names = [(token, topk, full)[i] for i in est.needs_anchor]
-    require(batch, [*est.needs, *anchor_names],
+    est = ESTIMATORS.lookup(config.estimator)
+    require(batch, est.batch_fields(config.anchor),
             f"estimator {config.estimator!r} with anchor={config.anchor!r}")
     anchor = anchor_of(batch, config.anchor)
     with torch.no_grad():

@@ -128,7 +128,7 @@ def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | No
         log_ratio=(logp - logq).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
         logq=logq,
     )
-    out = RULES[config.rule](ctx)
+    out = RULES.lookup(config.rule).loss(ctx)
     per_token = out.loss
     if config.behavior_weight_cap is not None:
         behavior_log_ratio = (upcast(batch.logp_old) - upcast(batch.logp_behavior)).clamp(

@@ -1,20 +1,21 @@
 """Trust regions as ratio intervals: the r = p/q a token may reach within radius delta.
 
-For the estimators whose value depends only on the sampled token's p and q (sample, cell,
-binary), the region {D-hat <= delta} is an interval [lo, hi] around r = 1 because D-hat is convex
-in r with its minimum 0 at r = 1. This is what the clip-style rules clip to, and what
-`gppo.theory` plots as the geometry of a divergence (PPO: constant; RIPO: |r-1| <= sqrt(delta/q);
-binary TV: |r-1| <= delta/q).
+For an estimator whose value depends only on the sampled token's p and q (sample, cell, binary,
+or any registered with per_token=True), the region {D-hat <= delta} is an interval [lo, hi]
+around r = 1 because D-hat is convex in r with its minimum 0 at r = 1. This is what the
+clip-style rules clip to, and what `gppo.theory` plots as the geometry of a divergence (PPO:
+constant; RIPO: |r-1| <= sqrt(delta/q); binary TV: |r-1| <= delta/q). Each estimator's
+`ratio_interval` (gppo.core.estimators) picks one of the functions below.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
 from gppo.core.divergences import Divergence
-from gppo.core.estimators import binary_estimate
 
 
 @functools.lru_cache(maxsize=256)
@@ -23,6 +24,13 @@ def sample_interval(div: Divergence, delta_low: float, delta_high: float) -> tup
     lo, _ = div.normalized_inverse(torch.tensor(float(delta_low), dtype=torch.float64))
     _, hi = div.normalized_inverse(torch.tensor(float(delta_high), dtype=torch.float64))
     return float(lo), float(hi)
+
+
+def cell_interval(div: Divergence, q: torch.Tensor, delta_low, delta_high):
+    """[lo, hi] of the cell estimate: q f~(r) <= delta  <=>  f~(r) <= delta / q."""
+    lo, _ = div.normalized_inverse(delta_low / q)
+    _, hi = div.normalized_inverse(delta_high / q)
+    return lo, hi
 
 
 def _bisect(fn, inside, outside, delta, steps=80):
@@ -34,36 +42,19 @@ def _bisect(fn, inside, outside, delta, steps=80):
     return inside
 
 
-def ratio_interval(div: Divergence, estimator: str, q: torch.Tensor, delta_low, delta_high):
-    """Per-token [lo, hi] of r = p/q allowed by `estimator`'s estimate of `div` within the radii.
+def bisect_interval(token_estimate: Callable, q: torch.Tensor, delta_low, delta_high):
+    """[lo, hi] of {token_estimate(log q + u, log q) <= delta} by bisection on u = log r (the lower
+    bound can be astronomically small); hi never exceeds 1/q. q is float64."""
+    log_q = torch.log(q)
 
-    q is the anchor probability of the sampled token (any shape). hi never exceeds 1/q (p <= 1).
-    The interval is computed in float64 and returned in that dtype.
-    """
-    q = torch.as_tensor(q, dtype=torch.float64)
-    cap = 1.0 / q
-    if estimator == "sample":
-        lo, hi = sample_interval(div, float(delta_low), float(delta_high))
-        return torch.full_like(q, lo), torch.full_like(q, hi).minimum(cap)
-    if estimator == "cell":  # q f~(r) <= delta  <=>  f~(r) <= delta / q
-        lo, _ = div.normalized_inverse(delta_low / q)
-        _, hi = div.normalized_inverse(delta_high / q)
-        return lo, torch.minimum(hi, cap)
-    if estimator == "binary":  # bisection on log r: the lower bound can be astronomically small
-        log_q = torch.log(q)
+    def fn(log_ratio):  # the estimate of the token once its ratio is exp(log_ratio)
+        return token_estimate(log_q + log_ratio, log_q)
 
-        def fn(log_ratio):  # binary D-hat of the token once its ratio is exp(log_ratio)
-            return binary_estimate(div, log_q + log_ratio, log_q)
-
-        zero, log_cap = torch.zeros_like(q), torch.log(cap)
-        floor = torch.full_like(q, -745.0)  # exp(-745) underflows to r = 0
-        lo = torch.where(fn(floor) <= delta_low, zero, _bisect(fn, zero, floor, delta_low).exp())
-        hi = torch.where(fn(log_cap) <= delta_high, cap, _bisect(fn, zero, log_cap, delta_high).exp())
-        return lo, hi
-    raise ValueError(
-        f"estimator {estimator!r} has no ratio interval: its estimate depends on other tokens' "
-        "probabilities, not only on the sampled token's p and q"
-    )
+    zero, log_cap = torch.zeros_like(q), -log_q
+    floor = torch.full_like(q, -745.0)  # exp(-745) underflows to r = 0
+    lo = torch.where(fn(floor) <= delta_low, zero, _bisect(fn, zero, floor, delta_low).exp())
+    hi = torch.where(fn(log_cap) <= delta_high, 1.0 / q, _bisect(fn, zero, log_cap, delta_high).exp())
+    return lo, hi
 
 
 def dcpo_interval(q: torch.Tensor, eps_low: float, eps_high: float):

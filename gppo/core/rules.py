@@ -4,20 +4,25 @@ Every rule returns the per-token loss l_t [B,T] (to be aggregated) and which tok
 gradient blocked by the trust region (for metrics). Notation: r = pi/anchor of the sampled token,
 A its advantage, sg[.] stop-gradient, C the truncation of the importance weight: with C set, no
 token's gradient weight exceeds C (mask / truncate: sg[min(r, C)] log p; the others: their loss
-times sg[min(x, C) / x], x the ratio they weight by).
+times sg[min(x, C) / x], x the ratio they weight by). Each rule is one `Rule` in the registry `RULES`
+(its parameters, whether it needs an estimate and which estimators it accepts); `register_rule`
+adds one.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from gppo.core.config import GPPOConfig
-from gppo.core.estimators import run_estimator
-from gppo.core.regions import dcpo_interval, ratio_interval, sample_interval
+from gppo.core.estimators import ESTIMATORS, run_estimator
+from gppo.core.regions import dcpo_interval
+from gppo.core.registry import Registry
+
+if TYPE_CHECKING:  # config validates against this module's registry
+    from gppo.core.config import GPPOConfig
 
 
 @dataclass
@@ -48,12 +53,13 @@ class RuleContext:
         cfg = self.config
         if cfg.clip_bounds == "dcpo":
             lo, hi = dcpo_interval(self.logq.detach().double().exp(), cfg.delta_low, cfg.delta_high)
-        elif cfg.estimator == "sample":  # scalar bounds: no per-token work
-            lo, hi = sample_interval(cfg.divergence_fn, cfg.delta_low, cfg.delta_high)
+            return lo.to(self.logp.dtype), hi.to(self.logp.dtype)
+        est = ESTIMATORS.lookup(cfg.estimator)
+        if est.constant_interval is not None:  # scalar bounds: no per-token work
+            lo, hi = est.constant_interval(cfg.divergence_fn, cfg.delta_low, cfg.delta_high)
             as_tensor = lambda x: torch.tensor(x, dtype=self.logp.dtype, device=self.logp.device)
             return as_tensor(lo), as_tensor(hi)
-        else:
-            lo, hi = ratio_interval(cfg.divergence_fn, cfg.estimator, self.logq.detach().double().exp(),
+        lo, hi = est.ratio_interval(cfg.divergence_fn, self.logq.detach().double().exp(),
                                     cfg.delta_low, cfg.delta_high)
         return lo.to(self.logp.dtype), hi.to(self.logp.dtype)
 
@@ -175,12 +181,70 @@ def seq_mask_rule(ctx: RuleContext) -> RuleOutput:
     return RuleOutput(_policy_gradient(ctx, keep=keep.float()), ~keep & ctx.valid)
 
 
-RULES: dict[str, Callable[[RuleContext], RuleOutput]] = {
-    "mask": mask_rule,
-    "clip": clip_rule,
-    "soft": soft_rule,
-    "truncate": truncate_rule,
-    "seq-clip": seq_clip_rule,
-    "geo-mean": geo_mean_rule,
-    "seq-mask": seq_mask_rule,
-}
+@dataclass(frozen=True)
+class Rule:
+    """A trust-region rule: loss(ctx) -> RuleOutput, and what it needs of the point.
+
+    params: the GPPOConfig fields it reads. uses_estimate: whether it reads divergence x estimator
+    (a bool, or a function of the config for a rule whose parameters decide it: clip with DCPO
+    bounds uses none). ratio_interval: it clips the sampled token's ratio, so the estimator must
+    have a ratio interval. estimators: the only estimators it accepts (None: any).
+    """
+
+    name: str
+    loss: Callable[[RuleContext], RuleOutput]
+    params: tuple[str, ...] = ()
+    uses_estimate: bool | Callable = True
+    ratio_interval: bool = False
+    estimators: tuple[str, ...] | None = None
+    summary: str = ""
+
+    def needs_estimate(self, config) -> bool:
+        return self.uses_estimate(config) if callable(self.uses_estimate) else self.uses_estimate
+
+
+_DELTAS = ("delta_low", "delta_high")
+RULES = Registry("rule")
+for _rule in (
+    Rule("mask", mask_rule, (*_DELTAS, "dual_clip", "truncation"), summary="DPPO's directional mask"),
+    Rule("clip", clip_rule, (*_DELTAS, "clip_bounds", "dual_clip", "truncation"),
+         uses_estimate=lambda cfg: cfg.clip_bounds != "dcpo", ratio_interval=True,
+         summary="PPO clip of the ratio to the region's interval (or DCPO's bounds)"),
+    Rule("soft", soft_rule, ("tau_pos", "tau_neg", "truncation"), uses_estimate=False,
+         summary="SAPO's soft gate"),
+    Rule("truncate", truncate_rule, ("truncation",), uses_estimate=False,
+         summary="CISPO / truncated IS policy gradient, no region"),
+    Rule("seq-clip", seq_clip_rule, (*_DELTAS, "truncation"), ratio_interval=True, estimators=("sample",),
+         summary="GSPO clip of the sequence ratio"),
+    Rule("geo-mean", geo_mean_rule, (*_DELTAS, "truncation"), ratio_interval=True,
+         summary="GMPO geometric-mean sequence weight"),
+    Rule("seq-mask", seq_mask_rule, ("delta_high", "seq_reduce", "truncation"),
+         summary="Trust Region Masking: drop a sequence whose max (or mean) estimate exceeds delta_high"),
+):
+    RULES.add(_rule.name, _rule, builtin=True)
+
+
+def register_rule(name: str, *, params=(), uses_estimate: bool = True, ratio_interval: bool = False,
+                  estimators=None, summary: str = ""):
+    """Decorator registering a trust-region rule: fn(ctx: RuleContext) -> RuleOutput.
+
+    ctx gives the per-token adv, valid, logp (differentiable), log_ratio, ratio, logq, estimate()
+    (D-hat, when uses_estimate) and interval() (when ratio_interval), and ctx.config; `params` are
+    the GPPOConfig fields fn reads (e.g. ("delta_high", "truncation")).
+    """
+    from gppo.core.config import check_params  # config imports this module
+
+    RULES.check_new(name)
+    check_params(f"rule {name!r}", params)
+    if estimators is not None:
+        for est in estimators:
+            ESTIMATORS.lookup(est)
+
+    def decorate(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"register_rule({name!r}) decorates a function, got {type(fn).__name__}")
+        RULES.add(name, Rule(name, fn, tuple(params), uses_estimate, ratio_interval,
+                             None if estimators is None else tuple(estimators),
+                             summary or (fn.__doc__ or "").strip().split("\n")[0]))
+        return fn
+    return decorate

@@ -11,10 +11,10 @@ Which log-probs play which role (all at TRL's sampling temperature):
 - mu (logp_behavior): vLLM's `sampling_per_token_logps` when vLLM generates (tokens vLLM could not
   score fall back to pi_old, as in TRL), else pi_old, which is the sampling policy itself when
   transformers' `generate` samples with the training weights;
-- top-K (estimators topk / topp): TRL records no top-K, so right after generation this trainer runs
-  one extra no-grad forward of the model that generated (the old-policy pass it controls) and keeps
-  that distribution's top-K ids and log-probs; the training forward then gathers the current
-  policy's log-probs at those ids from full logits. With transformers' `generate` that distribution
+- top-K (estimators whose registry entry needs rollout top-K: topk, topp): TRL records no top-K, so
+  right after generation this trainer runs one extra no-grad forward of the model that generated
+  (the old-policy pass it controls) and keeps that distribution's top-K ids and log-probs; the
+  training forward then gathers the current policy's log-probs at those ids from full logits. With transformers' `generate` that distribution
   is mu. With vLLM it is pi_old (TRL asks vLLM for the sampled token's log-prob only), so top-K
   needs anchor='old' there; anchor='behavior' is refused.
 Aggregation normalisers reproduce TRL's: token-mean divides by the accumulation window's token count
@@ -34,7 +34,10 @@ from trl import GRPOConfig, GRPOTrainer
 import gppo
 from gppo.options import ConfigError, Source, gppo_overrides
 
-TOPK_ESTIMATORS = ("topk", "topp")
+# TokenBatch fields GPPOTrainer fills: the sampled token's log-probs (both anchors) and ids, the
+# top-K of its own old-policy pass when the estimator needs rollout top-K, the reference's log-probs.
+PROVIDED_FIELDS = ("logp", "logp_behavior", "logp_old", "advantages", "mask", "token_ids", "topk_ids",
+                   "topk_logp", "topk_logp_behavior", "topk_logp_old", "logp_ref")
 # Inputs of TRL's log-prob pass for vision-language models, passed through unchanged.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -90,10 +93,13 @@ class GPPOTrainerConfig(GRPOConfig):
                 "the reference log-probs only when beta != 0")
         overrides.setdefault("norm_length", self.max_completion_length)
         cfg = gppo.preset(self.gppo_preset, kl_coef=self.beta, **overrides)
-        if cfg.estimator == "full" or cfg.kl_estimator == "full":
+        missing = [] if cfg.estimator is None else [
+            name for name in gppo.ESTIMATORS[cfg.estimator].batch_fields(cfg.anchor) if name not in PROVIDED_FIELDS]
+        if missing or cfg.kl_estimator == "full":
+            what = f"estimator={cfg.estimator!r} (it reads {missing})" if missing else "kl_estimator='full'"
             raise gppo.GPPOConfigError(
-                "GPPOTrainer cannot run estimator='full' or kl_estimator='full': the old policy's full "
-                "distribution [B,T,V] would have to be kept for the whole generation batch; use topk")
+                f"GPPOTrainer cannot run {what}: the old policy's full distribution [B,T,V] would have "
+                "to be kept for the whole generation batch; use topk")
         return cfg
 
 
@@ -133,7 +139,7 @@ class GPPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             raise gppo.GPPOConfigError(
                 "GPPOTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0")
-        if self.use_vllm and self.gppo.estimator in TOPK_ESTIMATORS and self.gppo.anchor == "behavior":
+        if self.use_vllm and self.gppo.rollout_top_k and self.gppo.anchor == "behavior":
             raise gppo.GPPOConfigError(
                 f"estimator {self.gppo.estimator!r} with anchor='behavior' needs vLLM's top-K log-probs, "
                 "which GRPOTrainer does not request; use gppo_overrides={'anchor': 'old'} (top-K of the "
@@ -155,7 +161,7 @@ class GPPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         """TRL's generation batch, plus the generating policy's top-K for estimators topk / topp."""
         output = super()._generate_and_score_completions(inputs)
-        if self.gppo.estimator not in TOPK_ESTIMATORS:
+        if not self.gppo.rollout_top_k:
             return output
         ids, topk_logp, token_logp = [], [], []
         chunk = self.args.per_device_train_batch_size
@@ -163,7 +169,7 @@ class GPPOTrainer(GRPOTrainer):
             for start in range(0, output["completion_ids"].size(0), chunk):
                 rows = slice(start, start + chunk)
                 log_probs = self._completion_log_probs(self.model, output, rows)
-                values, indices = log_probs.topk(self.gppo.top_k, dim=-1)
+                values, indices = log_probs.topk(self.gppo.rollout_top_k, dim=-1)
                 ids.append(indices)
                 topk_logp.append(values)
                 token_logp.append(log_probs.gather(-1, output["completion_ids"][rows, :, None]).squeeze(-1))
@@ -179,7 +185,7 @@ class GPPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         topk_ids = topk_logp = topk_logp_old = None
-        if cfg.estimator in TOPK_ESTIMATORS:
+        if cfg.rollout_top_k:
             log_probs = self._completion_log_probs(model, inputs)
             topk_ids = inputs["gppo_topk_ids"]
             logp, topk_logp = gppo.gather_logp(log_probs, completion_ids, topk_ids)

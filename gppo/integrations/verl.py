@@ -17,7 +17,8 @@ sizes in `global_batch_info`) and rollout_is_weights [B,T] or None; nothing else
 - the trust-region anchor is whatever verl put in old_log_prob: the rollout log-probs mu when
   algorithm.rollout_correction.bypass_mode=true (anchor='behavior', gppo's default), the
   recomputed pi_old otherwise (anchor='old'); the two must agree, checked at start-up;
-- estimators topk / topp / full are refused at start-up (no top-K, no logits reach the loss);
+- estimators that read more than the sampled token's log-probs (topk / topp / full, per the
+  estimator registry) are refused at start-up (no top-K, no logits reach the loss);
 - aggregation, KL to the reference and entropy stay verl's: actor.loss_agg_mode and
   loss_scale_factor, actor.use_kl_loss / kl_loss_coef, actor.entropy_coeff.
 """
@@ -43,9 +44,8 @@ MODES = {"gppo": None, **{"gppo_" + name.replace("-", "_"): name
 OVERRIDABLE = ("divergence", "alpha", "estimator", "rule", "delta_low", "delta_high", "anchor",
                "truncation", "dual_clip", "clip_bounds", "tau_pos", "tau_neg", "seq_reduce")
 
-_TOPK_INPUTS = "mu's top-K token ids and log-probs at every response position"
-UNAVAILABLE_ESTIMATORS = {"topk": _TOPK_INPUTS, "topp": _TOPK_INPUTS,
-                          "full": "the current logits and mu's full distribution"}
+# The TokenBatch fields this plugin fills from what verl passes a policy loss.
+PROVIDED_FIELDS = ("logp", "logp_behavior", "logp_old", "advantages", "mask")
 
 
 @dataclass
@@ -109,12 +109,16 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
 def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> None:
     """Refuse what verl cannot feed: top-K/full estimators, and an anchor that old_log_prob is not."""
     mode = policy_loss.loss_mode
-    if cfg.estimator in UNAVAILABLE_ESTIMATORS:
+    missing = missing_fields(cfg.estimator, cfg.anchor)
+    if missing:
+        est = gppo.ESTIMATORS[cfg.estimator]
+        what = ("mu's top-K token ids and log-probs at every response position"
+                if est.needs_rollout_topk else f"the TokenBatch fields {missing}")
+        runnable = [name for name in gppo.ESTIMATORS if not missing_fields(name, cfg.anchor)]
         raise gppo.GPPOConfigError(
-            f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs "
-            f"{UNAVAILABLE_ESTIMATORS[cfg.estimator]}; verl 0.9 passes a policy loss only the sampled "
-            "token's log-probs. Use an estimator among sample / cell / binary, e.g. "
-            "loss_mode=gppo_dppo_binary_tv instead of gppo_dppo_topk_tv")
+            f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs {what}; verl 0.9 "
+            f"passes a policy loss only the sampled token's log-probs. Use an estimator among "
+            f"{' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv instead of gppo_dppo_topk_tv")
     if policy_loss.bypass_mode is None:
         raise gppo.GPPOConfigError(
             "policy_loss.bypass_mode is unset, so the plugin cannot tell whether verl's "
@@ -138,6 +142,13 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
             "bypass_mode=true needs trainer.use_v1=true (and policy_loss.use_v1='${trainer.use_v1}'): "
             "verl's legacy trainer rewrites policy_loss.loss_mode to 'bypass_mode' when bypass_mode "
             "is on (verl.trainer.ppo.rollout_corr_helper.apply_bypass_mode)")
+
+
+def missing_fields(estimator: str | None, anchor: str) -> list[str]:
+    """The TokenBatch fields `estimator` reads (per the registry) that verl does not provide."""
+    if estimator is None:
+        return []
+    return [f for f in gppo.ESTIMATORS[estimator].batch_fields(anchor) if f not in PROVIDED_FIELDS]
 
 
 def global_normalizers(info: dict, loss_agg_mode: str) -> tuple[float | None, float | None]:

@@ -86,7 +86,7 @@ class Trainer:
 
         cfg = config.gppo_config()
         self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
-        self.top_k = self.loss_config.top_k if self.loss_config.estimator in ("topk", "topp") else 0
+        self.top_k = self.loss_config.rollout_top_k
 
         self.base_model_path = self._base_model_path()
         self.model, self.tokenizer = load_model_and_tokenizer(checkpoint or self.base_model_path,
@@ -230,7 +230,7 @@ class Trainer:
                                                   if isinstance(getattr(rollout, f.name), torch.Tensor)})
         cfg, temperature = self.loss_config, self.config.temperature
         need_old = cfg.anchor == "old"
-        need_full = cfg.estimator == "full"
+        need_full = cfg.estimator is not None and "full" in gppo.ESTIMATORS[cfg.estimator].anchor
         need_ref = self.ref_model is not None
         if not (need_old or need_full or need_ref):
             return rollout
