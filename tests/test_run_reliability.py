@@ -147,6 +147,10 @@ def test_checkpoints_carry_a_manifest_and_final_is_replaced_whole(micro_model, t
     sizes = json.loads((checkpoint / MANIFEST).read_text())["files"]
     assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt"} <= set(sizes)
     assert all((checkpoint / name).stat().st_size == size for name, size in sizes.items())
+    (tmp_path / "plain_dir").mkdir()
+    (tmp_path / "plain_file").write_text("")
+    for made, plain in ((run / "final", "plain_dir"), (checkpoint, "plain_dir"), (run / "config.yaml", "plain_file")):
+        assert made.stat().st_mode == (tmp_path / plain).stat().st_mode, made  # not mkdtemp's 0700 / mkstemp's 0600
     before = weights(run / "final")
 
     resumed = Trainer.resume(run, {"steps": 3})

@@ -43,6 +43,8 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "chec
 ABORTED = "aborted"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _NO_SPACE = {errno.ENOSPC: os.strerror(errno.ENOSPC), errno.EDQUOT: os.strerror(errno.EDQUOT)}
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read the umask: mkstemp/mkdtemp create 0600/0700, a plain file or folder is 0666/0777 - umask
 
 
 class RunError(ValueError):
@@ -133,6 +135,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}-")
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)
         with no_space_is_an_error(path), os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -150,6 +153,7 @@ def write_dir(target: Path, write, consequence: str = "", manifest: bool = False
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{TEMP_PREFIX}{target.name}-"))
     old = None
     try:
+        tmp.chmod(0o777 & ~_UMASK)
         with no_space_is_an_error(target, consequence):
             write(tmp)
             if manifest:
