@@ -22,7 +22,7 @@ from gppo.cli import main
 from gppo.trainer import ConfigError, RunError, Trainer
 from gppo.trainer.config import from_dict
 from gppo.trainer.checkpoint import (MANIFEST, NoSpaceError, RunLock, checkpoint_problem, is_no_space,
-                                     latest_checkpoint, save_checkpoint)
+                                     latest_checkpoint, save_checkpoint, write_dir)
 from gppo.trainer.logging import MetricsLog
 from gppo.trainer.trainer import NonFiniteError
 from tests.test_trainer import micro_config
@@ -174,6 +174,21 @@ def test_checkpoints_carry_a_manifest_and_final_is_replaced_whole(micro_model, t
     monkeypatch.undo()
     Trainer.resume(run).train()  # the step-3 checkpoint was written: resuming writes final/ again
     assert (run / "final" / "tokenizer.json").is_file() and temps(run) == []
+
+
+def test_a_failed_rename_puts_the_previous_directory_back(tmp_path, monkeypatch):
+    target = tmp_path / "final"
+    write_dir(target, lambda tmp: (tmp / "a").write_text("old"))
+    replace = os.replace
+
+    def failing(src, dst):
+        if str(src).startswith(str(tmp_path / ".tmp-final-")):
+            raise OSError(errno.EIO, "Input/output error")
+        replace(src, dst)
+    monkeypatch.setattr("gppo.trainer.checkpoint.os.replace", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_dir(target, lambda tmp: (tmp / "a").write_text("new"))
+    assert (target / "a").read_text() == "old" and temps(tmp_path) == []
 
 
 def test_pruning_keeps_the_new_checkpoint_and_drops_abandoned_newer_ones(micro_model, tmp_path):

@@ -151,7 +151,6 @@ def write_dir(target: Path, write, consequence: str = "", manifest: bool = False
     """Create directory `target` whole or not at all: `write(tmp)` fills a temporary sibling, which
     is fsynced and renamed to `target` (an existing `target` is replaced)."""
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{TEMP_PREFIX}{target.name}-"))
-    old = None
     try:
         tmp.chmod(0o777 & ~_UMASK)
         with no_space_is_an_error(target, consequence):
@@ -160,18 +159,30 @@ def write_dir(target: Path, write, consequence: str = "", manifest: bool = False
                 sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
                 (tmp / MANIFEST).write_text(json.dumps({"files": sizes}, indent=1) + "\n")
             fsync_tree(tmp)
-        if target.exists():  # a directory cannot be renamed over a non-empty one: move it out of the way first
-            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{TEMP_PREFIX}old-{target.name}-"))
-            os.replace(target, old / target.name)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
+            _rename_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _rename_dir(new: Path, target: Path) -> None:
+    """Rename directory `new` to `target`. A directory cannot be renamed over a non-empty one, so an
+    existing `target` is first moved into a temporary folder, and put back if the rename fails."""
+    if not target.exists():
+        os.replace(new, target)
+        fsync_dir(target.parent)
+        return
+    old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{TEMP_PREFIX}old-{target.name}-"))
+    os.replace(target, old / target.name)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(old / target.name, target)
+        old.rmdir()
+        raise
+    fsync_dir(target.parent)
+    shutil.rmtree(old)
 
 
 def remove_stale_temps(run_dir: Path) -> list[Path]:
