@@ -176,6 +176,35 @@ def test_checkpoints_carry_a_manifest_and_final_is_replaced_whole(micro_model, t
     assert (run / "final" / "tokenizer.json").is_file() and temps(run) == []
 
 
+def test_every_file_and_folder_is_fsynced_before_latest_moves(micro_model, tmp_path, monkeypatch):
+    from gppo.models.embedded import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(micro_model)
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(src, dst):
+        events.append(("replace", str(dst)))
+        replace(src, dst)
+    monkeypatch.setattr("gppo.trainer.checkpoint.os.fsync", recording_fsync)
+    monkeypatch.setattr("gppo.trainer.checkpoint.os.replace", recording_replace)
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, model, tokenizer, {}, keep=2)
+    monkeypatch.undo()
+    root = run / "checkpoints"
+    pointer = events.index(("replace", str(root / "latest")))
+    renamed = events.index(("replace", str(root / "step_000001")))
+    synced = [path for kind, path in events[:renamed] if kind == "fsync"]
+    temp = os.path.commonpath(synced)  # the temporary folder the checkpoint was written in
+    assert sorted(os.path.relpath(p, temp) for p in synced if p != temp) == \
+        sorted(p.name for p in (root / "step_000001").iterdir())
+    assert temp in synced and ("fsync", str(root)) in events[renamed:pointer]  # the folder, then its rename
+    assert events[pointer - 1][0] == "fsync"  # the pointer's own content
+
+
 def test_a_failed_rename_puts_the_previous_directory_back(tmp_path, monkeypatch):
     target = tmp_path / "final"
     write_dir(target, lambda tmp: (tmp / "a").write_text("old"))
