@@ -385,12 +385,13 @@ def test_a_diverging_run_stops_naming_the_step_the_metric_and_the_last_good_chec
     second gives a NaN gradient norm (the micro model's gradients vanish instead)."""
     run = tmp_path / "run"
     values = micro_config("", run, lr=1e6, epochs=1, mini_batch_size=16, steps=4).to_dict()
-    config = from_dict({**values, "model": None})
+    trainer = Trainer(from_dict({**values, "model": None}))
     with pytest.raises(NonFiniteError, match=f"step 2: optim/grad_norm is nan, so training stopped .*last good "
                                              f"checkpoint is {run / 'checkpoints' / 'step_000001'}: resume from it "
                                              f"with a lower learning rate, e.g. `gppo train --resume {run} "
                                              f"--lr 100000`"):
-        Trainer(config).train()
+        trainer.train()
+    assert all(p.isfinite().all() for p in trainer.model.parameters())  # the NaN update was not applied
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 2 and json.loads(lines[-1])["optim/grad_norm"] == "nan"
     assert math.isnan(MetricsLog(run / "metrics.jsonl", [], {}).read()[-1]["optim/grad_norm"])
