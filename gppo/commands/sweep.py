@@ -5,7 +5,8 @@ training settings plus the cell's point. Grid cells use the directional mask (ru
 anchor='behavior') unless the base settings override rule or anchor; presets keep their own
 radii. Runs execute in up to `workers` processes (each with threads=1 unless set). A rerun skips
 runs that have summary.json, resumes those with a checkpoint (`Trainer.resume`), and starts the
-rest again (a run that stopped before its first checkpoint loses its metrics.jsonl).
+rest again (the trainer moves the files of a run that stopped before its first checkpoint to
+its aborted/ folder).
 
 Radii: `delta` is a reference TV radius at q = 0.5, converted for each (divergence, estimator)
 by `gppo.theory.matched_radii` into the radii whose ratio interval at q = 0.5 is
@@ -158,7 +159,6 @@ def run_job(config: TrainConfig) -> None:
             if latest_checkpoint(run_dir) is not None:
                 trainer = Trainer.resume(run_dir, {"threads": config.threads}, console=console)
             else:
-                (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # stopped before its first checkpoint
                 trainer = Trainer(config, console=console)
             trainer.train()
         except Exception:

@@ -1,4 +1,8 @@
-"""Run logging: metrics.jsonl (one flushed line per step), optional TensorBoard / W&B, PNG curves."""
+"""Run logging: metrics.jsonl (one fsynced line per step), optional TensorBoard / W&B, PNG curves.
+
+JSON has no NaN or infinity: metrics.jsonl records a non-finite value as the string "nan", "inf" or
+"-inf" (what `float()` reads back), and `MetricsLog.read` returns it as a float again.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from gppo.report import pyplot, save_figure
-from gppo.trainer.checkpoint import atomic_write_text
+from gppo.trainer.checkpoint import atomic_write_text, no_space_is_an_error
 
 
 class MetricsLog:
@@ -31,9 +35,10 @@ class MetricsLog:
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, step: int, metrics: dict) -> None:
-        record = {"step": step, "time": time.time(), **{k: v for k, v in metrics.items() if _finite(v)}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        record = {"step": step, "time": time.time(), **metrics}
+        line = json.dumps({k: _encode(v) for k, v in record.items()}, allow_nan=False)
+        with no_space_is_an_error(self.path), open(self.path, "a") as f:
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
         for sink in self.sinks:
@@ -45,15 +50,19 @@ class MetricsLog:
         return [r for r in map(_parse, self.path.read_text().splitlines()) if r is not None]
 
 
+_NON_FINITE = ("nan", "inf", "-inf")
+
+
+def _encode(value):
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _parse(line: str):
     try:
-        return json.loads(line)
+        record = json.loads(line)
     except json.JSONDecodeError:  # a line cut by a crash
         return None
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    return {k: float(v) if v in _NON_FINITE else v for k, v in record.items()}
 
 
 def _tensorboard(run_dir: Path, report_to: list[str]):

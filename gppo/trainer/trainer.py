@@ -31,8 +31,8 @@ from gppo.options import load_yaml, resolve_device
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import SamplingParams, make_engine
 from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations, token_batch
-from gppo.trainer.checkpoint import (atomic_write_text, latest_checkpoint, load_trainer_state, save_checkpoint,
-                                     set_rng_state)
+from gppo.trainer.checkpoint import (RunError, RunLock, atomic_write_text, latest_checkpoint, load_checkpoint,
+                                     remove_stale_temps, save_checkpoint, save_final, set_aside, set_rng_state)
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set
 from gppo.trainer.logging import MetricsLog, plot_curves
@@ -54,6 +54,11 @@ def _dtype(name: str) -> torch.dtype:
     return dtypes[name]
 
 
+class NonFiniteError(RunError):
+    """Training produced a non-finite loss, gradient norm or log-prob; the message names the step,
+    the metric and the last good checkpoint."""
+
+
 class MeanOf:
     """Weighted means of metric dicts (weights: tokens for per-token metrics)."""
 
@@ -70,19 +75,35 @@ class MeanOf:
 
 
 class Trainer:
-    """`Trainer(config).train()` runs a whole job; `Trainer.resume(run_dir).train()` continues one."""
+    """`Trainer(config).train()` runs a whole job; `Trainer.resume(run_dir).train()` continues one.
+
+    A Trainer holds the lock of its run directory from construction until `train()` returns or
+    raises (or `close()`), so that no second process writes into the same run."""
 
     def __init__(self, config: TrainConfig, resume: bool = False, console: Console | None = None):
         self.config = config
         self.console = console or Console()
         self.run_dir = config.run_dir()
+        self.lock = RunLock(self.run_dir)
+        try:
+            self._start(resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _start(self, resume: bool) -> None:
+        config = self.config
         torch.set_num_threads(config.threads or default_threads())
         transformers.utils.logging.disable_progress_bar()
         self.device = resolve_device(config.device)
-        checkpoint = latest_checkpoint(self.run_dir)
+        remove_stale_temps(self.run_dir)
+        checkpoint, state = load_checkpoint(self.run_dir) or (None, None)
         if checkpoint is not None and not resume:
             raise ConfigError(f"{self.run_dir} already holds a run (last checkpoint {checkpoint.name}): continue "
                               f"it with `gppo train --resume {self.run_dir}` or choose another --output_dir")
+        if checkpoint is None and resume:
+            raise ConfigError(f"{self.run_dir} has no usable checkpoint to resume from; start it again without "
+                              f"--resume (the files of the stopped attempt are then moved to {self.run_dir}/aborted/)")
 
         cfg = config.gppo_config()
         self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
@@ -120,22 +141,26 @@ class Trainer:
         updates = config.steps * config.epochs * math.ceil(sequences / config.mini_batch_size)
         self.scheduler = get_scheduler(config.lr_schedule, self.optimizer, num_warmup_steps=config.warmup_steps,
                                        num_training_steps=updates)
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", config.report_to, config.to_dict())
         self.step = 0
+        self.diverged: str | None = None
+        if checkpoint is None:
+            aside = set_aside(self.run_dir)
+            if aside is not None:
+                self.console.print(f"{self.run_dir} held an attempt that stopped before its first checkpoint: "
+                                   f"moved its files to {aside} and started again")
+        # written on resume too, so that overrides given with --resume survive the next interruption
+        atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", config.report_to, config.to_dict())
         if checkpoint is not None:
-            self._restore(checkpoint)
-        else:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+            self._restore(checkpoint, state)
 
     @classmethod
     def resume(cls, run_dir: str | Path, overrides: dict | None = None, console: Console | None = None) -> "Trainer":
-        """Continue the run in `run_dir` from its last checkpoint (overrides, e.g. a larger `steps`)."""
+        """Continue the run in `run_dir` from its last usable checkpoint. `overrides` (e.g. a larger
+        `steps`, another preset) are saved in config.yaml, so a later resume keeps them."""
         run_dir = Path(run_dir)
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"{run_dir} has no config.yaml: it is not a gppo run directory")
-        if latest_checkpoint(run_dir) is None:
-            raise ConfigError(f"{run_dir} has no finished checkpoint to resume from; start it again instead")
         values = load_yaml(run_dir / "config.yaml", flag="--resume")
         values.update(overrides or {})
         values["output_dir"] = str(run_dir)
@@ -149,8 +174,7 @@ class Trainer:
             raise ConfigError("--data needs --model: the embedded tiny model only knows the built-in tasks")
         return embedded_checkpoint(self.config.task)
 
-    def _restore(self, checkpoint: Path) -> None:
-        state = load_trainer_state(checkpoint)
+    def _restore(self, checkpoint: Path, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.problems.train.load_state_dict(state["data"])
@@ -163,6 +187,10 @@ class Trainer:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "data": self.problems.train.state_dict()}
         return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state, self.config.keep_checkpoints)
+
+    def close(self) -> None:
+        """Release the run directory (`train()` does it when it returns)."""
+        self.lock.release()
 
     # ------------------------------------------------------------------------------ rollout
     def _prompt_builder(self) -> PromptBuilder:
@@ -262,31 +290,48 @@ class Trainer:
         averages, per_update = MeanOf(), MeanOf()
         shuffle = torch.Generator().manual_seed(c.seed * _SEED_STRIDE + self.step)
         self.model.train()
-        for _ in range(c.epochs):
-            for minibatch in torch.randperm(rollout.size, generator=shuffle).split(c.mini_batch_size):
-                minibatch = minibatch.to(self.device)
-                self.optimizer.zero_grad(set_to_none=True)
-                tokens = rollout.response_mask[minibatch].sum()
-                total = 0.0
-                for micro in minibatch.split(c.micro_batch_size):
-                    sub = rollout.select(micro)
-                    outputs = policy_outputs(self.model, sub, c.temperature)
-                    loss, metrics = gppo.policy_loss(token_batch(sub, outputs), self.loss_config,
-                                                     num_tokens=tokens, num_sequences=len(minibatch))
-                    loss.backward()
-                    total += loss.item()
-                    metrics.pop("loss/policy", None)
-                    averages.add(metrics, weight=sub.response_mask.sum().item())
-                max_norm = c.max_grad_norm if c.max_grad_norm > 0 else math.inf
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-                self.optimizer.step()
-                self.scheduler.step()
-                per_update.add({"loss": total, "grad_norm": grad_norm.item(), "lr": self.scheduler.get_last_lr()[0]})
+        minibatches = (minibatch for _ in range(c.epochs)
+                       for minibatch in torch.randperm(rollout.size, generator=shuffle).split(c.mini_batch_size))
+        for minibatch in minibatches:
+            per_update.add(self._optimizer_step(rollout, minibatch.to(self.device), averages))
+            if self.diverged:
+                break
         self.model.eval()
         sync = getattr(self.engine, "update_weights", None)
         if sync is not None:
             sync(self.model)
         return {**averages.result("loss/"), **per_update.result("optim/")}
+
+    def _optimizer_step(self, rollout: Rollout, minibatch: torch.Tensor, averages: MeanOf) -> dict:
+        """One optimizer step on `minibatch` (gradients accumulated over micro-batches). A non-finite
+        policy log-prob, loss or gradient norm sets `self.diverged` instead, and the weights stay."""
+        c = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = rollout.response_mask[minibatch].sum()
+        total = 0.0
+        for micro in minibatch.split(c.micro_batch_size):
+            sub = rollout.select(micro)
+            outputs = policy_outputs(self.model, sub, c.temperature)
+            for name, logp in (("the policy's", outputs.logp), ("the rollout's", sub.logp_behavior)):
+                bad = int((~logp.isfinite() & sub.response_mask.bool()).sum())
+                if bad:
+                    self.diverged = f"optim/loss is nan ({name} log-probs of {bad} response tokens are not finite)"
+                    return {"loss": math.nan}
+            loss, metrics = gppo.policy_loss(token_batch(sub, outputs), self.loss_config,
+                                             num_tokens=tokens, num_sequences=len(minibatch))
+            loss.backward()
+            total += loss.item()
+            metrics.pop("loss/policy", None)
+            averages.add(metrics, weight=sub.response_mask.sum().item())
+        max_norm = c.max_grad_norm if c.max_grad_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        for name, value in (("optim/loss", total), ("optim/grad_norm", grad_norm)):
+            if not math.isfinite(value):
+                self.diverged = f"{name} is {value}"
+                return {"loss": total, "grad_norm": grad_norm}
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
 
     def train_step(self) -> dict:
         start = time.time()
@@ -319,7 +364,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ main loop
     def train(self, stop_after: int | None = None) -> dict | None:
-        """Run to `config.steps`. `stop_after=k` returns after step k as if interrupted (tests)."""
+        """Run to `config.steps`, then release the run directory. `stop_after=k` returns after step k
+        as if interrupted (tests). A non-finite loss or gradient norm raises NonFiniteError."""
+        if not self.lock.held:
+            raise RunError(f"this Trainer has released {self.run_dir}; continue the run with "
+                           f"Trainer.resume({str(self.run_dir)!r})")
+        try:
+            return self._train(stop_after)
+        finally:
+            self.lock.release()
+
+    def _train(self, stop_after: int | None) -> dict | None:
         c = self.config
         if self.step == 0:
             first = self.evaluate()
@@ -331,6 +386,9 @@ class Trainer:
             task = progress.add_task(f"{self.problems.name} {c.preset}", total=c.steps, completed=self.step, info="")
             while self.step < c.steps:
                 metrics = self.train_step()
+                if self.diverged:
+                    self.log.write(self.step, metrics)
+                    raise self._non_finite_error()
                 last = self.step == c.steps
                 if last or (c.eval_every and self.step % c.eval_every == 0):
                     evaluation = self.evaluate()
@@ -344,11 +402,22 @@ class Trainer:
                     return None
         return self.finish()
 
+    def _non_finite_error(self) -> "NonFiniteError":
+        lower = f"--lr {self.config.lr / 10:g}"
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is None:
+            then = (f"no checkpoint was written yet: start the run again with a lower learning rate (e.g. {lower}); "
+                    f"the files of this attempt are then moved to {self.run_dir}/aborted/")
+        else:
+            then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower learning rate, "
+                    f"e.g. `gppo train --resume {self.run_dir} {lower}`")
+        return NonFiniteError(f"step {self.step}: {self.diverged}, so training stopped before applying that update "
+                              f"(metrics.jsonl records the step; the learning rate may be too high, or the rewards "
+                              f"not finite); {then}")
+
     def finish(self) -> dict:
         """Final model, curves and summary (accuracy before and after RL)."""
-        final = self.run_dir / "final"
-        self.model.save_pretrained(final)
-        self.tokenizer.save_pretrained(final)
+        save_final(self.run_dir, self.model, self.tokenizer)
         records = self.log.read()
         plot = plot_curves(records, self.run_dir / "curves.png", f"{self.problems.name} | {self.config.preset}")
         evals = [r for r in records if "eval/greedy" in r]
