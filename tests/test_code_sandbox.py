@@ -29,7 +29,7 @@ SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 def sandbox_processes() -> set[int]:
     """Live processes running the sandbox (bootstraps and the programs they forked)."""
-    marker = str(Path(sandbox.__file__).resolve()).encode()
+    marker = str(Path(sandbox._RUNNER).resolve()).encode()
     pids = set()
     for entry in os.listdir("/proc"):
         try:
