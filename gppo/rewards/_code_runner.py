@@ -13,7 +13,6 @@ token only if the worker's frame stands on that line.
 
 import _thread
 import builtins
-import ctypes
 import json
 import math
 import os
@@ -37,13 +36,14 @@ _REFUSED_EVENTS = {
     # network, processes, signals, native code
     "socket.__new__", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
     "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
-    "ctypes.call_function", "os.symlink",
+    "ctypes.call_function", "os.symlink", "code.__new__",
     # reaching the harness's frames, objects or control flow
     "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
     "sys.monitoring.register_callback", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
 }
 _FRAME_ATTRIBUTES = {"tb_frame", "gi_frame", "cr_frame", "ag_frame"}
-# modules that reach native code or processes without an audit event
+# modules that reach native code, memory or processes without an audit event (refused with
+# ImportError, which libraries that can do without them, such as numpy for ctypes, expect)
 _REFUSED_MODULES = {"ctypes", "_ctypes", "_posixsubprocess", "_testcapi", "_testinternalcapi",
                     "_testbuffer", "_testmultiphase", "_xxsubinterpreters", "_xxinterpchannels"}
 # audit event -> indices of the path arguments that must stay inside the working directory
@@ -57,6 +57,8 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 def _bootstrap(config_fd: int, status_fd: int) -> None:
     """Isolate, fork the program, enforce the wall clock, kill and reap what it left, report."""
+    import ctypes  # a local name: once removed from sys.modules, the program cannot reach it
+
     with open(config_fd, "rb") as f:
         config = json.loads(f.read())
     libc = ctypes.CDLL(None, use_errno=True)
@@ -171,6 +173,8 @@ def _mount(libc, source: str, target: str, fstype: str | None, flags: int,
            options: str | None = None) -> None:
     src, dst, kind, opts = (None if s is None else s.encode() for s in (source, target, fstype, options))
     if libc.mount(src, dst, kind, flags, opts) != 0:
+        import ctypes
+
         errno = ctypes.get_errno()
         raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
 
@@ -221,7 +225,7 @@ def _guard(workdir: str):
         if event == "object.__setattr__" and args[1] == "__code__":
             raise PermissionError("sandbox: replacing a function's code is not allowed")
         if event == "import" and str(args[0]).partition(".")[0] in _REFUSED_MODULES:
-            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
+            raise ImportError(f"sandbox: importing {args[0]} is not allowed")
         if event == "open":
             path, mode, flags = args
             if in_proc(path):

@@ -237,6 +237,7 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
                  for name in ("stdin", "stdout", "stderr", "status", "config", "done")}
         try:
             config["done_fd"] = files["done"].fileno()
+            os.fchmod(files["stdin"].fileno(), 0o644)  # the program may reopen it (/dev/stdin)
             if isinstance(test, StdioTest):
                 files["stdin"].write(test.input.encode())
                 files["stdin"].seek(0)
