@@ -13,6 +13,7 @@ token only if the worker's frame stands on that line.
 
 import _thread
 import builtins
+import collections
 import json
 import math
 import os
@@ -252,6 +253,9 @@ def _run(config: dict, workdir: str) -> None:
     done_fd, pass_line = config["done_fd"], _PASS_LINE
     passed, failed = bytes.fromhex(config["passed_token"]), bytes.fromhex(config["failed_token"])
     write, exit_, type_, bytes_, len_ = os.write, os._exit, type, bytes, len
+    for name in list(sys.modules):  # already imported, so importing them again raises no event
+        if name.partition(".")[0] in _REFUSED_MODULES:
+            del sys.modules[name]
     task = _task(config)
     wake, hold, ready, go = locks = [_thread.allocate_lock() for _ in range(4)]
     for lock in locks:
@@ -262,9 +266,6 @@ def _run(config: dict, workdir: str) -> None:
     ready.acquire()
     frame, slot = handoff
     del task, locks, handoff
-    for name in list(sys.modules):  # already imported, so importing them again raises no event
-        if name.partition(".")[0] in _REFUSED_MODULES:
-            del sys.modules[name]
     sys.addaudithook(_guard(workdir))
     go.release()
     wake.acquire()
@@ -327,6 +328,8 @@ def _task(config: dict):
         exec(_PRELUDE, prelude)
     prelude_items = tuple((k, v) for k, v in prelude.items() if k != "__builtins__")
     hidden = frozenset(builtins.__dict__) | frozenset(prelude)
+    if kind == "assert":
+        unchanged, checked = _test_guards()
 
     def task() -> bytes:
         namespace = {"__name__": "__main__" if kind == "stdio" else "solution", "__builtins__": builtins}
@@ -352,18 +355,87 @@ def _task(config: dict):
             if type_(text) is not str_:
                 raise TypeError("the returned value could not be written as JSON")
             return text.encode()
-        # The test sees the program's own names, but builtins and prelude names as they were
-        # before the program ran, in a namespace the program never saw.
+        # The test sees the program's own names (its functions checked), but builtins and prelude
+        # names as they were before the program ran, in a namespace the program never saw.
+        unchanged()
         test_namespace = dict_(prelude_items)
         for name, value in namespace.items():
             if name not in hidden:
-                test_namespace[name] = value
+                test_namespace[name] = checked(value, name)
         test_namespace["__builtins__"] = dict_(builtin_items)
         test_namespace["__name__"] = "solution"
         exec_(compile_(test_code, "test.py", "exec", dont_inherit=True, optimize=0), test_namespace)
+        unchanged()
         return b""
 
     return task
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made at run time (by Python code, mostly)
+_UNCHECKED_MODULES = {"sys", "builtins", "__main__"}  # changed at run time by ordinary programs
+
+
+def _test_guards():
+    """Two checks for assert-style tests, made from the modules loaded before the program ran.
+
+    `unchanged()` raises if the program rebound or deleted a module attribute that existed then
+    (say `math.isclose`) or replaced a module in `sys.modules`. `checked(value, name)` wraps a
+    function of the program so that what it returns must be plain data: objects of built-in
+    (static) types or of classes that existed before the program ran, recursing into lists,
+    tuples, sets, dicts and deques and checking the items of iterators as they come. A class the
+    program defined could otherwise answer `==`, `<`, `-` or `bool()` as it likes (an object
+    equal to everything passes `assert f(x) == y`).
+    """
+    type_, id_, callable_, isinstance_, iter_, hasattr_ = type, id, callable, isinstance, iter, hasattr
+    flags, dict_get, dict_items = type.__dict__["__flags__"].__get__, dict.get, dict.items
+    modules_get, missing, heap = sys.modules.get, object(), _HEAPTYPE
+    modules = tuple((name, module, module.__dict__, tuple(module.__dict__.items()))
+                    for name, module in tuple(sys.modules.items())
+                    if name not in _UNCHECKED_MODULES and type(module.__dict__) is dict)
+    known = frozenset(id(value) for *_, items in modules for _, value in items if isinstance(value, type))
+    containers = (list, tuple, set, frozenset, collections.deque)
+
+    def unchanged() -> None:
+        for name, module, namespace, items in modules:
+            if modules_get(name) is not module:
+                raise RuntimeError(f"the program replaced the module {name}")
+            for key, value in items:
+                if dict_get(namespace, key, missing) is not value:
+                    raise RuntimeError(f"the program changed {name}.{key}")
+
+    def plain(value, name: str):
+        todo = [value]
+        while todo:
+            item = todo.pop()
+            cls = type_(item)
+            if flags(cls) & heap and id_(cls) not in known:
+                raise TypeError(f"{name} returned an object of a class the program made ({cls.__name__}); "
+                                "tests compare plain values")
+            if isinstance_(item, dict):
+                for pair in dict_items(item):
+                    todo.extend(pair)
+            elif isinstance_(item, containers):
+                todo.extend(iter_(item))
+        if hasattr_(type_(value), "__next__"):  # an iterator: check its items as they come
+            return checked_items(value, name)
+        return value
+
+    def checked_items(iterator, name: str):
+        for item in iterator:
+            yield plain(item, name)
+
+    def checked(value, name: str):
+        if not callable_(value) or isinstance_(value, type):
+            return value
+
+        def call(*args, **kwargs):
+            return plain(value(*args, **kwargs), name)
+
+        call.__name__ = call.__qualname__ = name
+        call.__wrapped__ = value
+        return call
+
+    return unchanged, checked
 
 
 def _finish_stdio() -> None:
