@@ -319,6 +319,48 @@ def test_patched_builtins_do_not_reach_the_tests(patch, test_code):
     assert run_test("def f(x):\n    return x + 1\n", AssertTest(test_code), FAST).status is CaseStatus.PASSED
 
 
+@pytest.mark.parametrize("program, test_code", [
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return X()\n", "assert f(1) == 2"),
+    ("class X(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return X(0)\n", "assert f(1) == 2"),
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return [X()]\n", "assert f(1) == [2]"),
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return {1: X()}\n",
+     "assert f(1) == {1: 2}"),
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return (X() for _ in range(2))\n",
+     "assert list(f(1)) == [2, 2]"),
+    ("class X:\n    def __sub__(self, other):\n        return 0\n    __rsub__ = __sub__\ndef f(x):\n    return X()\n",
+     "assert abs(f(1) - 2) < 1e-9"),
+    ("class X:\n    def __bool__(self):\n        return True\ndef f(x):\n    return X()\n", "assert f(1)"),
+], ids=["eq", "int-subclass", "in-list", "in-dict", "generator", "sub", "bool"])
+def test_objects_that_answer_comparisons_themselves_score_zero(program, test_code):
+    assert_scores_zero(program, AssertTest(test_code))
+
+
+@pytest.mark.parametrize("program", [
+    "import math\nmath.isclose = lambda *a, **k: True\n" + WRONG,
+    "import math\ndef f(x):\n    math.isclose = lambda *a, **k: True\n    return x\n",
+    "import sys, types\nsys.modules['math'] = types.SimpleNamespace(isclose=lambda *a, **k: True)\n" + WRONG,
+    "import math\ndel math.isclose\nmath.isclose = lambda *a, **k: True\n" + WRONG,
+], ids=["module-attribute", "during-the-test", "sys.modules", "deleted"])
+def test_patching_the_standard_library_scores_zero(program):
+    assert_scores_zero(program, AssertTest("import math\nassert math.isclose(f(1), 2)\nassert math.isclose(f(2), 3)"))
+
+
+@pytest.mark.parametrize("program, test_code", [
+    ("def f(s):\n    return Counter(s)\n", "assert f('aab') == {'a': 2, 'b': 1}"),
+    ("def f(n):\n    return (i * i for i in range(n))\n", "assert list(f(3)) == [0, 1, 4]"),
+    ("def f(n):\n    return collections.deque(range(n))\n", "assert list(f(2)) == [0, 1]"),
+    ("@functools.lru_cache(None)\ndef f(n):\n    return n if n < 2 else f(n - 1) + f(n - 2)\n", "assert f(30) == 832040"),
+    ("import random, re, warnings\ndef f(s):\n    with warnings.catch_warnings():\n        warnings.simplefilter('ignore')\n"
+     "    random.seed(0)\n    return re.sub('a', 'b', s)\n", "assert f('aa') == 'bb'"),
+    ("class Solution:\n    def f(self, xs: List[int]) -> int:\n        return sum(xs)\n", "assert Solution().f([1, 2]) == 3"),
+    ("def f(x):\n    return (x, [x], {x: x}, {x}, None, 1.5, 'a', b'b', True)\n",
+     "assert f(1) == (1, [1], {1: 1}, {1}, None, 1.5, 'a', b'b', True)"),
+], ids=["Counter", "generator", "deque", "lru_cache", "stdlib", "Solution", "plain"])
+def test_legitimate_assert_programs_still_pass(program, test_code):
+    result = run_test(program, AssertTest(test_code), FAST)
+    assert result.status is CaseStatus.PASSED, result.detail
+
+
 @pytest.mark.parametrize("handler", ["atexit.register(os._exit, 0)", "atexit.register(print, 2)",
                                      "atexit.register(lambda: os.write(1, b'2\\n'))"],
                          ids=["os._exit", "print", "write"])
@@ -508,7 +550,9 @@ def test_the_checked_line_is_the_workers_last():
     "data = open('/dev/stdin').read().split()\nprint(int(data[0]) + int(data[1]))\n",
     "import sys\nsys.setrecursionlimit(100000)\ndef depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
     "assert depth(20000) == 20000\n" + SUM,
-], ids=["exit", "sys.exit", "thread", "stdlib-frames", "dev-stdin", "recursion"])
+    "import functools, sys\nsys.setrecursionlimit(100000)\n@functools.lru_cache(None)\n"
+    "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\nassert depth(3000) == 3000\n" + SUM,
+], ids=["exit", "sys.exit", "thread", "stdlib-frames", "dev-stdin", "recursion", "c-recursion"])
 def test_legitimate_programs_still_pass(program):
     result = run_test(program, StdioTest("2 3\n", "5\n"), FAST)
     assert result.status is CaseStatus.PASSED, result.detail

@@ -262,7 +262,9 @@ def _run(config: dict, workdir: str) -> None:
         lock.acquire()
     handoff: list = []
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _thread.stack_size(_main_stack_bytes(config))  # the worker gets the stack a main thread would
     _thread.start_new_thread(_worker, (task, wake, hold, ready, go, handoff))
+    _thread.stack_size(0)
     ready.acquire()
     frame, slot = handoff
     del task, locks, handoff
@@ -275,6 +277,13 @@ def _run(config: dict, workdir: str) -> None:
     token = passed if frame.f_lineno == pass_line else failed
     write(done_fd, payload + len_(payload).to_bytes(8, "big") + token)
     exit_(0)
+
+
+def _main_stack_bytes(config: dict) -> int:
+    """RLIMIT_STACK (8 MiB where unlimited), at most a quarter of the address-space limit."""
+    soft = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    size = 8 << 20 if soft == resource.RLIM_INFINITY else soft
+    return max(1 << 20, min(size, (config["memory_mb"] << 20) // 4))
 
 
 def _worker(task, wake, hold, ready, go, handoff) -> None:
