@@ -34,10 +34,11 @@ _PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 _PRELUDE = "from typing import *\nimport collections, heapq, bisect, math, itertools, functools\n"
 
 _REFUSED_EVENTS = {
-    # network, processes, signals, native code
+    # network, processes, signals, native code, links
     "socket.__new__", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
-    "ctypes.call_function", "os.symlink", "code.__new__",
+    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.killpg",
+    "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function",
+    "os.symlink", "code.__new__",
     # reaching the harness's frames, objects or control flow
     "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
     "sys.monitoring.register_callback", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
@@ -341,7 +342,8 @@ def _task(config: dict):
         unchanged, checked = _test_guards()
 
     def task() -> bytes:
-        namespace = {"__name__": "__main__" if kind == "stdio" else "solution", "__builtins__": builtins}
+        name = "__main__" if kind == "stdio" else "solution"
+        namespace = {"__name__": name, "__builtins__": builtins}
         namespace.update(prelude_items)
         program = compile_(source, "solution.py", "exec", dont_inherit=True, optimize=0)
         if kind == "stdio":
@@ -401,7 +403,8 @@ def _test_guards():
     modules = tuple((name, module, module.__dict__, tuple(module.__dict__.items()))
                     for name, module in tuple(sys.modules.items())
                     if name not in _UNCHECKED_MODULES and type(module.__dict__) is dict)
-    known = frozenset(id(value) for *_, items in modules for _, value in items if isinstance(value, type))
+    known = frozenset(id(value) for *_, items in modules for _, value in items
+                      if isinstance(value, type))
     containers = (list, tuple, set, frozenset, collections.deque)
 
     def unchanged() -> None:
@@ -418,8 +421,8 @@ def _test_guards():
             item = todo.pop()
             cls = type_(item)
             if flags(cls) & heap and id_(cls) not in known:
-                raise TypeError(f"{name} returned an object of a class the program made ({cls.__name__}); "
-                                "tests compare plain values")
+                raise TypeError(f"{name} returned an object of a class the program made "
+                                f"({cls.__name__}); tests compare plain values")
             if isinstance_(item, dict):
                 for pair in dict_items(item):
                     todo.extend(pair)

@@ -1,16 +1,18 @@
 """Run untrusted Python programs against tests in a sandboxed subprocess.
 
-Every test case runs in a fresh `python -I -B` process (this file run as a script; isolated mode:
-no user site-packages, no PYTHON* variables, neither the script directory nor the current one on
-sys.path), started in a new private temporary directory that is deleted afterwards. That process
-is a trusted bootstrap: it isolates itself, forks the program, enforces the wall clock, and kills
-and reaps every process the program left behind. Layers, strongest first:
+Every test case runs in a fresh `python -I -B` process (`_code_runner.py` run as a script;
+isolated mode: no user site-packages, no PYTHON* variables, neither the script directory nor the
+current one on sys.path), started in a new private temporary directory that is deleted
+afterwards. That process is a trusted bootstrap: it isolates itself, forks the program process,
+enforces the wall clock, and kills and reaps every process the program left behind. Layers,
+strongest first:
 
 - Namespaces, where the kernel permits them (as root, or as any user where unprivileged user
   namespaces are allowed): a new network namespace (only a loopback that is down: no network at
   all), a mount namespace with empty private tmpfs on /tmp (the working directory), /var/tmp and
-  /dev/shm, whose contents vanish with the program, and a PID namespace, so every process the
-  program started is killed when it ends.
+  /dev/shm, whose contents vanish with the program, a PID namespace, so every process the
+  program started is killed when it ends, and its own /proc (where the kernel allows mounting
+  one), in which neither the caller nor the bootstrap appears.
 - No root: a program started as root runs as `nobody` (65534), because RLIMIT_NPROC never binds
   root (no fork-bomb protection) and root may write anywhere. Interpreter directories `nobody`
   cannot enter (e.g. a pyenv under /root) are bind-mounted back in place under an empty tmpfs
@@ -20,12 +22,61 @@ and reaps every process the program left behind. Layers, strongest first:
   file written), RLIMIT_NOFILE, no core files; the wall clock is enforced by the bootstrap and, as
   a backstop, by the caller, which kills the whole process group (`start_new_session=True`).
 - Always, a Python audit hook in the program's interpreter refuses creating sockets and resolving
-  host names, starting processes or executables, loading or calling native code with ctypes,
-  signalling processes, and writing, renaming or deleting files outside the working directory.
+  host names, starting processes or executables, importing ctypes or other modules that reach
+  native code or processes unaudited, signalling processes, creating symbolic links, anything
+  under /proc, writing, renaming or deleting files outside the working directory, and every way
+  to the interpreter's frames, objects and control flow that it can see: `sys._getframe` (with
+  the ValueError the standard library expects where frames are missing, so namedtuple, Enum and
+  logging still work), traceback, generator and coroutine frames, `sys._current_frames`, the
+  garbage collector's object lists, tracing and profiling, new audit hooks, replacing a
+  function's code and making code objects.
 
 Fallback: where namespaces are refused, that audit hook is the only network barrier. It is a
 guard against accidents, not a security boundary (a program with its own native code could get
 around it), and processes that leave the program's process group (setsid) can outlive it.
+
+Proof that the test ran to its end (reward hacking). A program that ends early (`sys.exit(0)`,
+`os._exit(0)`, a signal, a crash, killing its parent), or vouches for itself, must score 0. The
+caller draws two random 16-byte tokens, `passed` and `failed`, and sends them with the test
+through a descriptor that the bootstrap reads and closes before the program process exists; no
+file of the harness has a name (stdin, stdout, the test, the tokens and the results are unlinked
+temporary files). In the program process the main thread keeps the tokens in its local variables
+and never runs program code; a worker thread runs the program and then its test, and stops on
+the last line of its function, which it reaches only when the program and the test returned
+without an exception (call tests: the function returned a value; stdin/stdout tests: the program
+finished or called `sys.exit(0)`, then its threads finished). The main thread wakes, reads that
+frame's current line, and writes `payload, length, token` to the result file: the `passed` token
+only if the worker stands on that line. The caller accepts exactly that framing with one of its
+tokens; anything else (nothing written, other bytes before or after) is a runtime error. So a
+program that ends early leaves no token; one that writes to descriptors 3..255 cannot write a
+token it does not know, and spoils its own record; `atexit` handlers never run (the main thread
+ends with `os._exit`); killing the caller or the bootstrap is refused (and the caller's and the
+bootstrap's process are not in the program's PID namespace). Assert tests run in a fresh
+namespace with the program's names but with builtins and prelude names as they were before the
+program ran (shadowing or patching `builtins.abs`, `__import__`, `AssertionError` or `check`
+reaches only the program's own code); the program's functions are wrapped so that what they
+return must be plain data (built-in types, or classes loaded before the program ran, checked
+through lists, tuples, sets, dicts, deques and iterators), since an object of the program's own
+class could answer `==`, `-` or `bool()` as it likes; and the test fails if the program rebound
+an attribute of a module loaded before it ran (`math.isclose`) or replaced a module in
+`sys.modules`. Stdin/stdout outputs and call results are compared in the caller, out of reach.
+
+Threat model and its limits. The design holds against programs that stay within Python as the
+audit hook leaves it to them, on CPython 3.10-3.12 (there a frame's line cannot be moved but by a
+tracing function, and a frame's locals cannot be written from outside). It does not hold against
+native code, which could read the tokens from memory: CPython does not check bytecode (a
+hand-made code object read with `marshal`), ctypes' pointer types read memory without an audit
+event (so ctypes is refused, and the caller's numpy imports without it), and an interpreter bug
+would do. Within Python, an assert-style test necessarily runs inside the program's interpreter:
+a program could find the test's expected values through a route the hook misses; the check on
+returned values does not look inside objects of trusted classes other than the containers above
+(an object array, `SimpleNamespace`), nor at methods of the program's classes (`Solution().f()`),
+nor at arguments the program mutates in place; it rejects the program's own namedtuple,
+dataclass and Enum objects and classes from modules the program imported itself (`Fraction`);
+and a patch that the program undoes before the test ends (from another thread, a finalizer) is
+not seen. Programs that rely on `signal.signal` fail (it needs the main thread), and one that
+ends with `os._exit(0)` after printing the right answer fails too. Run untrusted code in a
+container or VM if more is at stake.
 
 Outputs of stdin/stdout tests are compared token by token (any run of whitespace separates
 tokens, so trailing spaces and newlines do not matter); two numeric tokens also match when they
