@@ -330,7 +330,11 @@ def test_patched_builtins_do_not_reach_the_tests(patch, test_code):
     ("class X:\n    def __sub__(self, other):\n        return 0\n    __rsub__ = __sub__\ndef f(x):\n    return X()\n",
      "assert abs(f(1) - 2) < 1e-9"),
     ("class X:\n    def __bool__(self):\n        return True\ndef f(x):\n    return X()\n", "assert f(1)"),
-], ids=["eq", "int-subclass", "in-list", "in-dict", "generator", "sub", "bool"])
+    ("import collections\nclass X:\n    def __eq__(self, other):\n        return True\n"
+     "def f(x):\n    return collections.UserList([X()])\n", "assert f(1) == [2]"),
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    xs = [X()]\n    xs.append(xs)\n"
+     "    return xs\n", "assert f(1)[0] == 2"),
+], ids=["eq", "int-subclass", "in-list", "in-dict", "generator", "sub", "bool", "in-attribute", "cycle"])
 def test_objects_that_answer_comparisons_themselves_score_zero(program, test_code):
     assert_scores_zero(program, AssertTest(test_code))
 

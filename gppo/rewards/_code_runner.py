@@ -393,12 +393,15 @@ def _test_guards():
     (say `math.isclose`) or replaced a module in `sys.modules`. `checked(value, name)` wraps a
     function of the program so that what it returns must be plain data: objects of built-in
     (static) types or of classes that existed before the program ran, recursing into lists,
-    tuples, sets, dicts and deques and checking the items of iterators as they come. A class the
+    tuples, sets, dicts, deques and instance attributes, and checking the items of iterators as
+    they come. A class the
     program defined could otherwise answer `==`, `<`, `-` or `bool()` as it likes (an object
     equal to everything passes `assert f(x) == y`).
     """
     type_, id_, callable_, isinstance_, iter_, hasattr_ = type, id, callable, isinstance, iter, hasattr
-    flags, dict_get, dict_items = type.__dict__["__flags__"].__get__, dict.get, dict.items
+    getattr_, module_type = getattr, type(sys)
+    flags = type.__dict__["__flags__"].__get__
+    dict_get, dict_items, dict_values = dict.get, dict.items, dict.values
     modules_get, missing, heap = sys.modules.get, object(), _HEAPTYPE
     modules = tuple((name, module, module.__dict__, tuple(module.__dict__.items()))
                     for name, module in tuple(sys.modules.items())
@@ -416,9 +419,12 @@ def _test_guards():
                     raise RuntimeError(f"the program changed {name}.{key}")
 
     def plain(value, name: str):
-        todo = [value]
+        todo, seen = [value], set()
         while todo:
             item = todo.pop()
+            if id_(item) in seen:
+                continue
+            seen.add(id_(item))
             cls = type_(item)
             if flags(cls) & heap and id_(cls) not in known:
                 raise TypeError(f"{name} returned an object of a class the program made "
@@ -428,6 +434,10 @@ def _test_guards():
                     todo.extend(pair)
             elif isinstance_(item, containers):
                 todo.extend(iter_(item))
+            if not isinstance_(item, (type, module_type)):  # e.g. UserList's data, SimpleNamespace
+                attributes = getattr_(item, "__dict__", None)
+                if type_(attributes) is dict:
+                    todo.extend(dict_values(attributes))
         if hasattr_(type_(value), "__next__"):  # an iterator: check its items as they come
             return checked_items(value, name)
         return value

@@ -56,7 +56,7 @@ namespace with the program's names but with builtins and prelude names as they w
 program ran (shadowing or patching `builtins.abs`, `__import__`, `AssertionError` or `check`
 reaches only the program's own code); the program's functions are wrapped so that what they
 return must be plain data (built-in types, or classes loaded before the program ran, checked
-through lists, tuples, sets, dicts, deques and iterators), since an object of the program's own
+through lists, tuples, sets, dicts, deques, instance attributes and iterators), since an object of the program's own
 class could answer `==`, `-` or `bool()` as it likes; and the test fails if the program rebound
 an attribute of a module loaded before it ran (`math.isclose`) or replaced a module in
 `sys.modules`. Stdin/stdout outputs and call results are compared in the caller, out of reach.
@@ -70,7 +70,7 @@ event (so ctypes is refused, and the caller's numpy imports without it), and an 
 would do. Within Python, an assert-style test necessarily runs inside the program's interpreter:
 a program could find the test's expected values through a route the hook misses; the check on
 returned values does not look inside objects of trusted classes other than the containers above
-(an object array, `SimpleNamespace`), nor at methods of the program's classes (`Solution().f()`),
+(a numpy object array, a `slice`), nor at methods of the program's classes (`Solution().f()`),
 nor at arguments the program mutates in place; it rejects the program's own namedtuple,
 dataclass and Enum objects and classes from modules the program imported itself (`Fraction`);
 and a patch that the program undoes before the test ends (from another thread, a finalizer) is
