@@ -14,6 +14,7 @@ token only if the worker's frame stands on that line.
 import _thread
 import builtins
 import collections
+import importlib.machinery
 import json
 import math
 import os
@@ -38,16 +39,19 @@ _REFUSED_EVENTS = {
     "socket.__new__", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
     "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.killpg",
     "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function",
-    "os.symlink", "code.__new__",
+    "os.symlink",
     # reaching the harness's frames, objects or control flow
     "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
     "sys.monitoring.register_callback", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
 }
 _FRAME_ATTRIBUTES = {"tb_frame", "gi_frame", "cr_frame", "ag_frame"}
-# modules that reach native code, memory or processes without an audit event (refused with
-# ImportError, which libraries that can do without them, such as numpy for ctypes, expect)
-_REFUSED_MODULES = {"ctypes", "_ctypes", "_posixsubprocess", "_testcapi", "_testinternalcapi",
-                    "_testbuffer", "_testmultiphase", "_xxsubinterpreters", "_xxinterpchannels"}
+# modules that reach native code or memory without an audit event: refused with ImportError,
+# which libraries that can do without them expect (numpy without ctypes)
+_REFUSED_MODULES = {"ctypes", "_ctypes", "_testcapi", "_testinternalcapi", "_testbuffer",
+                    "_testmultiphase", "_xxsubinterpreters", "_xxinterpchannels"}
+# starts processes without an audit event: imported (subprocess and asyncio need it), its
+# fork_exec refused, and loading a second copy refused
+_PROCESS_MODULE = "_posixsubprocess"
 # audit event -> indices of the path arguments that must stay inside the working directory
 _PATH_EVENTS = {
     "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (1,),
@@ -197,6 +201,8 @@ def _set_limits(config: dict) -> None:
 def _guard(workdir: str):
     """The audit hook: see the module docstring of gppo.rewards.code for what it refuses."""
     root = os.path.realpath(workdir)
+    refused, trees, harness = _REFUSED_MODULES | {_PROCESS_MODULE}, _interpreter_dirs(), globals()
+    extensions = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 
     def inside(path) -> bool:
         if isinstance(path, int):  # an open descriptor
@@ -217,6 +223,18 @@ def _guard(workdir: str):
                 return True
         return False
 
+    def refused_import(name: str, filename) -> None:
+        """Refuse the modules above, also under another name or package (the init function of an
+        extension is found by its file), and extensions from outside the interpreter's trees."""
+        stems = set(name.split("."))
+        if filename is not None:
+            stems.add(os.path.basename(os.fsdecode(filename)).partition(".")[0])
+            real = os.path.realpath(os.fsdecode(filename))
+            if real.endswith(extensions) and not any(real.startswith(d + os.sep) for d in trees):
+                raise ImportError(f"sandbox: loading the extension {real!r} is not allowed")
+        if stems & refused:
+            raise ImportError(f"sandbox: importing {name} is not allowed")
+
     def hook(event: str, args: tuple) -> None:
         if event in _REFUSED_EVENTS:
             raise PermissionError(f"sandbox: {event} is not allowed")
@@ -224,10 +242,11 @@ def _guard(workdir: str):
             raise ValueError("sandbox: frames are not available")
         if event == "object.__getattr__" and args[1] in _FRAME_ATTRIBUTES:
             raise PermissionError(f"sandbox: reading {args[1]} is not allowed")
-        if event == "object.__setattr__" and args[1] == "__code__":
-            raise PermissionError("sandbox: replacing a function's code is not allowed")
-        if event == "import" and str(args[0]).partition(".")[0] in _REFUSED_MODULES:
-            raise ImportError(f"sandbox: importing {args[0]} is not allowed")
+        if event == "object.__setattr__" and args[1] == "__code__" and \
+                getattr(args[0], "__globals__", None) is harness:
+            raise PermissionError("sandbox: replacing the code of the harness is not allowed")
+        if event == "import":
+            refused_import(str(args[0]), args[1])
         if event == "open":
             path, mode, flags = args
             if in_proc(path):
@@ -257,6 +276,7 @@ def _run(config: dict, workdir: str) -> None:
     for name in list(sys.modules):  # already imported, so importing them again raises no event
         if name.partition(".")[0] in _REFUSED_MODULES:
             del sys.modules[name]
+    __import__(_PROCESS_MODULE).fork_exec = _refused_fork_exec
     task = _task(config)
     wake, hold, ready, go = locks = [_thread.allocate_lock() for _ in range(4)]
     for lock in locks:
@@ -278,6 +298,10 @@ def _run(config: dict, workdir: str) -> None:
     token = passed if frame.f_lineno == pass_line else failed
     write(done_fd, payload + len_(payload).to_bytes(8, "big") + token)
     exit_(0)
+
+
+def _refused_fork_exec(*args, **kwargs):
+    raise PermissionError("sandbox: starting processes is not allowed")
 
 
 def _main_stack_bytes(config: dict) -> int:

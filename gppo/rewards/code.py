@@ -28,8 +28,8 @@ strongest first:
   to the interpreter's frames, objects and control flow that it can see: `sys._getframe` (with
   the ValueError the standard library expects where frames are missing, so namedtuple, Enum and
   logging still work), traceback, generator and coroutine frames, `sys._current_frames`, the
-  garbage collector's object lists, tracing and profiling, new audit hooks, replacing a
-  function's code and making code objects.
+  garbage collector's object lists, tracing and profiling, new audit hooks, and replacing the
+  code of the harness's functions.
 
 Fallback: where namespaces are refused, that audit hook is the only network barrier. It is a
 guard against accidents, not a security boundary (a program with its own native code could get
@@ -65,7 +65,7 @@ Threat model and its limits. The design holds against programs that stay within 
 audit hook leaves it to them, on CPython 3.10-3.12 (there a frame's line cannot be moved but by a
 tracing function, and a frame's locals cannot be written from outside). It does not hold against
 native code, which could read the tokens from memory: CPython does not check bytecode (a
-hand-made code object read with `marshal`), ctypes' pointer types read memory without an audit
+hand-made code object, from `marshal` or `CodeType`), ctypes' pointer types read memory without an audit
 event (so ctypes is refused, and the caller's numpy imports without it), and an interpreter bug
 would do. Within Python, an assert-style test necessarily runs inside the program's interpreter:
 a program could find the test's expected values through a route the hook misses; the check on
