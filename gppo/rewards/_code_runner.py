@@ -129,7 +129,6 @@ def _program_process(config: dict, libc, namespaces: bool, status_fd: int) -> No
         os.setgid(_NOBODY)
         os.setuid(_NOBODY)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
-    _set_limits(config)
     _record(status_fd, {"setup": {"isolation": "namespaces" if namespaces else "guard"}})
     os.close(status_fd)
     _run(config, workdir)
@@ -289,6 +288,7 @@ def _run(config: dict, workdir: str) -> None:
     ready.acquire()
     frame, slot = handoff
     del task, locks, handoff
+    _set_limits(config)  # after the worker started: RLIMIT_NPROC would count it against the program
     sys.addaudithook(_guard(workdir))
     go.release()
     wake.acquire()

@@ -157,7 +157,8 @@ class CaseResult:
 class Limits:
     """Per-test-case limits. `timeout_s` bounds wall-clock time and, rounded up, CPU seconds;
     `memory_mb` is address space (RLIMIT_AS); `max_processes` (RLIMIT_NPROC) counts the processes
-    and threads of the user the program runs as, so programs running at the same time share it."""
+    and threads of the user the program runs as, so programs running at the same time share it
+    (each holds two: the harness's thread and the one running the program)."""
 
     timeout_s: float = 6.0
     memory_mb: int = 1024
@@ -377,7 +378,10 @@ def _judge(test: CodeTest, files: dict, tokens: tuple[bytes, bytes], limits: Lim
     files["status"].seek(0)
     info: dict = {}
     for line in files["status"].read().splitlines():  # written by the sandbox only
-        info.update(json.loads(line))
+        try:
+            info.update(json.loads(line))
+        except ValueError:
+            pass  # cut short: the backstop killed the bootstrap while it wrote
     isolation = info.get("setup", {}).get("isolation", "")
 
     def result(status: CaseStatus, detail: str = "") -> CaseResult:
