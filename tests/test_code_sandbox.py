@@ -478,18 +478,19 @@ def test_hooks_a_program_installs_never_run():
 
 def test_the_tokens_cannot_be_found(monkeypatch):
     """With the harness's tokens known to the test, a program searches everything it can reach."""
-    tokens = iter([bytes(range(16)), bytes(range(100, 116))])
+    drawn = [os.urandom(16), os.urandom(16)]
+    tokens = iter(drawn)
     monkeypatch.setattr(sandbox.secrets, "token_bytes", lambda n: next(tokens))
-    halves = [(t[:8].hex(), t[8:].hex()) for t in (bytes(range(16)), bytes(range(100, 116)))]
+    halves = [(t[:8].hex(), t[8:].hex()) for t in drawn]  # the program's source never holds a token
     program = (
         "import os, sys, types\n"
         f"WANT = [bytes.fromhex(a + b) for a, b in {halves!r}]\n"
         "WANT += [w.hex() for w in WANT]\n"
-        "mine, seen, found = {id(w) for w in WANT}, set(), []\n"
+        "mine, seen, found = {id(w) for w in WANT}, {}, []\n"
         "def visit(obj, where, depth=0):\n"
         "    if id(obj) in seen or id(obj) in mine or depth > 12:\n"
         "        return\n"
-        "    seen.add(id(obj))\n"
+        "    seen[id(obj)] = obj  # kept alive, so that no other object gets its id\n"
         "    if isinstance(obj, (bytes, bytearray, str)):\n"
         "        if any(type(w) is type(obj) and w in obj for w in WANT):\n"
         "            found.append(where)\n"
