@@ -334,7 +334,9 @@ def test_patched_builtins_do_not_reach_the_tests(patch, test_code):
      "def f(x):\n    return collections.UserList([X()])\n", "assert f(1) == [2]"),
     ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    xs = [X()]\n    xs.append(xs)\n"
      "    return xs\n", "assert f(1)[0] == 2"),
-], ids=["eq", "int-subclass", "in-list", "in-dict", "generator", "sub", "bool", "in-attribute", "cycle"])
+    ("def f(x):\n    Counter.__eq__ = lambda self, other: True\n    return Counter()\n", "assert f(1) == {1: 2}"),
+], ids=["eq", "int-subclass", "in-list", "in-dict", "generator", "sub", "bool", "in-attribute", "cycle",
+        "patched-class"])
 def test_objects_that_answer_comparisons_themselves_score_zero(program, test_code):
     assert_scores_zero(program, AssertTest(test_code))
 

@@ -197,8 +197,9 @@ def _set_limits(config: dict) -> None:
         resource.setrlimit(limit, (value, value))
 
 
-def _guard(workdir: str):
-    """The audit hook: see the module docstring of gppo.rewards.code for what it refuses."""
+def _guard(workdir: str, frozen: frozenset = frozenset()):
+    """The audit hook: see the module docstring of gppo.rewards.code for what it refuses.
+    `frozen` holds the ids of classes whose attributes may not be set or deleted."""
     root = os.path.realpath(workdir)
     refused, trees, harness = _REFUSED_MODULES | {_PROCESS_MODULE}, _interpreter_dirs(), globals()
     extensions = tuple(importlib.machinery.EXTENSION_SUFFIXES)
@@ -241,6 +242,8 @@ def _guard(workdir: str):
             raise ValueError("sandbox: frames are not available")
         if event == "object.__getattr__" and args[1] in _FRAME_ATTRIBUTES:
             raise PermissionError(f"sandbox: reading {args[1]} is not allowed")
+        if event in ("object.__setattr__", "object.__delattr__") and id(args[0]) in frozen:
+            raise PermissionError(f"sandbox: changing the class {args[0].__name__} is not allowed")
         if event == "object.__setattr__" and args[1] == "__code__" and \
                 getattr(args[0], "__globals__", None) is harness:
             raise PermissionError("sandbox: replacing the code of the harness is not allowed")
@@ -276,7 +279,7 @@ def _run(config: dict, workdir: str) -> None:
         if name.partition(".")[0] in _REFUSED_MODULES:
             del sys.modules[name]
     __import__(_PROCESS_MODULE).fork_exec = _refused_fork_exec
-    task = _task(config)
+    task, frozen = _task(config)
     wake, hold, ready, go = locks = [_thread.allocate_lock() for _ in range(4)]
     for lock in locks:
         lock.acquire()
@@ -289,7 +292,7 @@ def _run(config: dict, workdir: str) -> None:
     frame, slot = handoff
     del task, locks, handoff
     _set_limits(config)  # after the worker started: RLIMIT_NPROC would count it against the program
-    sys.addaudithook(_guard(workdir))
+    sys.addaudithook(_guard(workdir, frozen))
     go.release()
     wake.acquire()
     payload = slot[0]
@@ -349,7 +352,8 @@ def _describe(error: BaseException) -> bytes:
 
 def _task(config: dict):
     """The program and its test as a function run in the worker thread: it returns the payload
-    (the JSON value of a call test, else b"") and raises when the program or a test fails.
+    (the JSON value of a call test, else b"") and raises when the program or a test fails. Also
+    the ids of the classes the program may not change (assert tests).
 
     Everything it needs is bound here, before any program code runs, and the tokens are not."""
     kind, source = config["kind"], config["source"]
@@ -363,7 +367,9 @@ def _task(config: dict):
     prelude_items = tuple((k, v) for k, v in prelude.items() if k != "__builtins__")
     hidden = frozenset(builtins.__dict__) | frozenset(prelude)
     if kind == "assert":
-        unchanged, checked = _test_guards()
+        unchanged, checked, frozen = _test_guards()
+    else:
+        frozen = frozenset()
 
     def task() -> bytes:
         name = "__main__" if kind == "stdio" else "solution"
@@ -403,7 +409,7 @@ def _task(config: dict):
         unchanged()
         return b""
 
-    return task
+    return task, frozen
 
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made at run time (by Python code, mostly)
@@ -411,7 +417,7 @@ _UNCHECKED_MODULES = {"sys", "builtins", "__main__"}  # changed at run time by o
 
 
 def _test_guards():
-    """Two checks for assert-style tests, made from the modules loaded before the program ran.
+    """Checks for assert-style tests, made from the modules loaded before the program ran.
 
     `unchanged()` raises if the program rebound or deleted a module attribute that existed then
     (say `math.isclose`) or replaced a module in `sys.modules`. `checked(value, name)` wraps a
@@ -420,7 +426,8 @@ def _test_guards():
     tuples, sets, dicts, deques and instance attributes, and checking the items of iterators as
     they come. A class the
     program defined could otherwise answer `==`, `<`, `-` or `bool()` as it likes (an object
-    equal to everything passes `assert f(x) == y`).
+    equal to everything passes `assert f(x) == y`). The ids of those classes come third: the
+    audit hook refuses changing them (say `Counter.__eq__`).
     """
     type_, id_, callable_, isinstance_, iter_, hasattr_ = type, id, callable, isinstance, iter, hasattr
     getattr_, module_type = getattr, type(sys)
@@ -481,7 +488,7 @@ def _test_guards():
         call.__wrapped__ = value
         return call
 
-    return unchanged, checked
+    return unchanged, checked, known
 
 
 def _finish_stdio() -> None:
