@@ -334,9 +334,12 @@ def test_patched_builtins_do_not_reach_the_tests(patch, test_code):
      "def f(x):\n    return collections.UserList([X()])\n", "assert f(1) == [2]"),
     ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    xs = [X()]\n    xs.append(xs)\n"
      "    return xs\n", "assert f(1)[0] == 2"),
-    ("def f(x):\n    Counter.__eq__ = lambda self, other: True\n    return Counter()\n", "assert f(1) == {1: 2}"),
+    ("def f(x):\n    collections.Counter.__eq__ = lambda self, other: True\n    return collections.Counter()\n",
+     "assert f(1) == {1: 2}"),
+    ("def f(x):\n    collections.ChainMap.__eq__ = lambda self, other: True\n    return collections.ChainMap()\n",
+     "assert f(1) == {1: 2}"),
 ], ids=["eq", "int-subclass", "in-list", "in-dict", "generator", "sub", "bool", "in-attribute", "cycle",
-        "patched-class"])
+        "patched-class", "class-attribute-added"])
 def test_objects_that_answer_comparisons_themselves_score_zero(program, test_code):
     assert_scores_zero(program, AssertTest(test_code))
 
@@ -359,9 +362,10 @@ def test_patching_the_standard_library_scores_zero(program):
     ("import random, re, warnings\ndef f(s):\n    with warnings.catch_warnings():\n        warnings.simplefilter('ignore')\n"
      "    random.seed(0)\n    return re.sub('a', 'b', s)\n", "assert f('aa') == 'bb'"),
     ("class Solution:\n    def f(self, xs: List[int]) -> int:\n        return sum(xs)\n", "assert Solution().f([1, 2]) == 3"),
+    ("import copy\ndef f(s):\n    return copy.deepcopy(Counter(s))\n", "assert f('a') == {'a': 1}"),
     ("def f(x):\n    return (x, [x], {x: x}, {x}, None, 1.5, 'a', b'b', True)\n",
      "assert f(1) == (1, [1], {1: 1}, {1}, None, 1.5, 'a', b'b', True)"),
-], ids=["Counter", "generator", "deque", "lru_cache", "stdlib", "Solution", "plain"])
+], ids=["Counter", "generator", "deque", "lru_cache", "stdlib", "Solution", "copy", "plain"])
 def test_legitimate_assert_programs_still_pass(program, test_code):
     result = run_test(program, AssertTest(test_code), FAST)
     assert result.status is CaseStatus.PASSED, result.detail

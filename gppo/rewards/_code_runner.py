@@ -197,9 +197,8 @@ def _set_limits(config: dict) -> None:
         resource.setrlimit(limit, (value, value))
 
 
-def _guard(workdir: str, frozen: frozenset = frozenset()):
-    """The audit hook: see the module docstring of gppo.rewards.code for what it refuses.
-    `frozen` holds the ids of classes whose attributes may not be set or deleted."""
+def _guard(workdir: str):
+    """The audit hook: see the module docstring of gppo.rewards.code for what it refuses."""
     root = os.path.realpath(workdir)
     refused, trees, harness = _REFUSED_MODULES | {_PROCESS_MODULE}, _interpreter_dirs(), globals()
     extensions = tuple(importlib.machinery.EXTENSION_SUFFIXES)
@@ -242,8 +241,6 @@ def _guard(workdir: str, frozen: frozenset = frozenset()):
             raise ValueError("sandbox: frames are not available")
         if event == "object.__getattr__" and args[1] in _FRAME_ATTRIBUTES:
             raise PermissionError(f"sandbox: reading {args[1]} is not allowed")
-        if event in ("object.__setattr__", "object.__delattr__") and id(args[0]) in frozen:
-            raise PermissionError(f"sandbox: changing the class {args[0].__name__} is not allowed")
         if event == "object.__setattr__" and args[1] == "__code__" and \
                 getattr(args[0], "__globals__", None) is harness:
             raise PermissionError("sandbox: replacing the code of the harness is not allowed")
@@ -279,7 +276,7 @@ def _run(config: dict, workdir: str) -> None:
         if name.partition(".")[0] in _REFUSED_MODULES:
             del sys.modules[name]
     __import__(_PROCESS_MODULE).fork_exec = _refused_fork_exec
-    task, frozen = _task(config)
+    task = _task(config)
     wake, hold, ready, go = locks = [_thread.allocate_lock() for _ in range(4)]
     for lock in locks:
         lock.acquire()
@@ -292,7 +289,7 @@ def _run(config: dict, workdir: str) -> None:
     frame, slot = handoff
     del task, locks, handoff
     _set_limits(config)  # after the worker started: RLIMIT_NPROC would count it against the program
-    sys.addaudithook(_guard(workdir, frozen))
+    sys.addaudithook(_guard(workdir))
     go.release()
     wake.acquire()
     payload = slot[0]
@@ -352,8 +349,7 @@ def _describe(error: BaseException) -> bytes:
 
 def _task(config: dict):
     """The program and its test as a function run in the worker thread: it returns the payload
-    (the JSON value of a call test, else b"") and raises when the program or a test fails. Also
-    the ids of the classes the program may not change (assert tests).
+    (the JSON value of a call test, else b"") and raises when the program or a test fails.
 
     Everything it needs is bound here, before any program code runs, and the tokens are not."""
     kind, source = config["kind"], config["source"]
@@ -367,9 +363,7 @@ def _task(config: dict):
     prelude_items = tuple((k, v) for k, v in prelude.items() if k != "__builtins__")
     hidden = frozenset(builtins.__dict__) | frozenset(prelude)
     if kind == "assert":
-        unchanged, checked, frozen = _test_guards()
-    else:
-        frozen = frozenset()
+        unchanged, checked = _test_guards()
 
     def task() -> bytes:
         name = "__main__" if kind == "stdio" else "solution"
@@ -409,7 +403,7 @@ def _task(config: dict):
         unchanged()
         return b""
 
-    return task, frozen
+    return task
 
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made at run time (by Python code, mostly)
@@ -426,19 +420,23 @@ def _test_guards():
     tuples, sets, dicts, deques and instance attributes, and checking the items of iterators as
     they come. A class the
     program defined could otherwise answer `==`, `<`, `-` or `bool()` as it likes (an object
-    equal to everything passes `assert f(x) == y`). The ids of those classes come third: the
-    audit hook refuses changing them (say `Counter.__eq__`).
+    equal to everything passes `assert f(x) == y`), so `unchanged()` also checks that those
+    classes keep their attributes (say `Counter.__eq__`).
     """
     type_, id_, callable_, isinstance_, iter_, hasattr_ = type, id, callable, isinstance, iter, hasattr
-    getattr_, module_type = getattr, type(sys)
+    getattr_, module_type, len_, set_ = getattr, type(sys), len, set
     flags = type.__dict__["__flags__"].__get__
     dict_get, dict_items, dict_values = dict.get, dict.items, dict.values
     modules_get, missing, heap = sys.modules.get, object(), _HEAPTYPE
     modules = tuple((name, module, module.__dict__, tuple(module.__dict__.items()))
                     for name, module in tuple(sys.modules.items())
                     if name not in _UNCHECKED_MODULES and type(module.__dict__) is dict)
-    known = frozenset(id(value) for *_, items in modules for _, value in items
-                      if isinstance(value, type))
+    classes = {id(value): value for *_, items in modules for _, value in items
+               if isinstance(value, type)}
+    known = frozenset(classes)
+    mutable = tuple((cls, cls.__dict__, tuple(cls.__dict__.items()))  # static types cannot change
+                    for cls in classes.values() if flags(cls) & heap)
+    proxy_get = type(type.__dict__).get
     containers = (list, tuple, set, frozenset, collections.deque)
 
     def unchanged() -> None:
@@ -448,6 +446,14 @@ def _test_guards():
             for key, value in items:
                 if dict_get(namespace, key, missing) is not value:
                     raise RuntimeError(f"the program changed {name}.{key}")
+        for cls, namespace, items in mutable:
+            for key, value in items:
+                if proxy_get(namespace, key, missing) is not value:
+                    raise RuntimeError(f"the program changed {cls.__qualname__}.{key}")
+            if len_(namespace) != len_(items):  # an added attribute (copy caches __slotnames__)
+                added = set_(namespace) - {key for key, _ in items} - {"__slotnames__"}
+                if added:
+                    raise RuntimeError(f"the program changed {cls.__qualname__}.{min(added)}")
 
     def plain(value, name: str):
         todo, seen = [value], set()
@@ -488,7 +494,7 @@ def _test_guards():
         call.__wrapped__ = value
         return call
 
-    return unchanged, checked, known
+    return unchanged, checked
 
 
 def _finish_stdio() -> None:

@@ -57,10 +57,9 @@ program ran (shadowing or patching `builtins.abs`, `__import__`, `AssertionError
 reaches only the program's own code); the program's functions are wrapped so that what they
 return must be plain data (built-in types, or classes loaded before the program ran, checked
 through lists, tuples, sets, dicts, deques, instance attributes and iterators), since an object of the program's own
-class could answer `==`, `-` or `bool()` as it likes (and those older classes may not be
-changed: `Counter.__eq__ = ...` is refused); and the test fails if the program rebound
-an attribute of a module loaded before it ran (`math.isclose`) or replaced a module in
-`sys.modules`. Stdin/stdout outputs and call results are compared in the caller, out of reach.
+class could answer `==`, `-` or `bool()` as it likes ; and the test fails if the program rebound an
+attribute of a module loaded before it ran (`math.isclose`), changed a class from such a module
+(`Counter.__eq__`) or replaced a module in `sys.modules`. Stdin/stdout outputs and call results are compared in the caller, out of reach.
 
 Threat model and its limits. The design holds against programs that stay within Python as the
 audit hook leaves it to them, on CPython 3.10-3.12 (there a frame's line cannot be moved but by a
