@@ -56,27 +56,28 @@ namespace with the program's names but with builtins and prelude names as they w
 program ran (shadowing or patching `builtins.abs`, `__import__`, `AssertionError` or `check`
 reaches only the program's own code); the program's functions are wrapped so that what they
 return must be plain data (built-in types, or classes loaded before the program ran, checked
-through lists, tuples, sets, dicts, deques, instance attributes and iterators), since an object of the program's own
-class could answer `==`, `-` or `bool()` as it likes ; and the test fails if the program rebound an
-attribute of a module loaded before it ran (`math.isclose`), changed a class from such a module
-(`Counter.__eq__`) or replaced a module in `sys.modules`. Stdin/stdout outputs and call results are compared in the caller, out of reach.
+through lists, tuples, sets, dicts, deques, instance attributes and iterators), since an object
+of the program's own class could answer `==`, `-` or `bool()` as it likes; and the test fails if
+the program rebound an attribute of a module loaded before it ran (`math.isclose`), changed a
+class from such a module (`Counter.__eq__`) or replaced a module in `sys.modules`. Stdin/stdout
+outputs and call results are compared in the caller, out of reach.
 
 Threat model and its limits. The design holds against programs that stay within Python as the
-audit hook leaves it to them, on CPython 3.10-3.12 (there a frame's line cannot be moved but by a
-tracing function, and a frame's locals cannot be written from outside). It does not hold against
-native code, which could read the tokens from memory: CPython does not check bytecode (a
-hand-made code object, from `marshal` or `CodeType`), ctypes' pointer types read memory without an audit
-event (so ctypes is refused, and the caller's numpy imports without it), and an interpreter bug
-would do. Within Python, an assert-style test necessarily runs inside the program's interpreter:
-a program could find the test's expected values through a route the hook misses; the check on
-returned values does not look inside objects of trusted classes other than the containers above
-(a numpy object array, a `slice`), nor at methods of the program's classes (`Solution().f()`),
-nor at arguments the program mutates in place; it rejects the program's own namedtuple,
-dataclass and Enum objects and classes from modules the program imported itself (`Fraction`);
-and a patch that the program undoes before the test ends (from another thread, a finalizer) is
-not seen. Programs that rely on `signal.signal` fail (it needs the main thread), and one that
-ends with `os._exit(0)` after printing the right answer fails too. Run untrusted code in a
-container or VM if more is at stake.
+audit hook leaves it to them, on CPython 3.10-3.12 (there a frame's line cannot be moved but by
+a tracing function, and a frame's locals cannot be written from outside). It does not hold
+against native code, which could read the tokens from memory: CPython does not check bytecode (a
+hand-made code object, from `marshal` or `CodeType`), ctypes' pointer types read memory without
+an audit event (so ctypes is refused; numpy imports without it), and an interpreter bug would
+do. Within Python, an assert-style test necessarily runs inside the
+program's interpreter: a program could find the test's expected values through a route the hook
+misses; the check on returned values does not look inside objects of trusted classes other than
+the containers above (a numpy object array, a `slice`), nor at methods of the program's classes
+(`Solution().f()`), nor at arguments the program mutates in place; it rejects the program's own
+namedtuple, dataclass and Enum objects and classes from modules the program imported itself
+(`Fraction`); and a patch that the program undoes before the test ends (from another thread, a
+finalizer) is not seen. Programs that rely on `signal.signal` fail (it needs the main thread),
+and one that ends with `os._exit(0)` after printing the right answer fails too. Run untrusted
+code in a container or VM if more is at stake.
 
 Outputs of stdin/stdout tests are compared token by token (any run of whitespace separates
 tokens, so trailing spaces and newlines do not matter); two numeric tokens also match when they
