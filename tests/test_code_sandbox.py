@@ -29,7 +29,7 @@ SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 def sandbox_processes() -> set[int]:
     """Live processes running the sandbox (bootstraps and the programs they forked)."""
-    marker = str(Path(sandbox.__file__).resolve()).encode()
+    marker = str(Path(sandbox._RUNNER).resolve()).encode()
     pids = set()
     for entry in os.listdir("/proc"):
         try:
@@ -235,3 +235,347 @@ def test_limits_name_the_bad_field():
 )
 def test_extract_code(completion, expected):
     assert extract_code(completion) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward hacking: a program must not score without its test running to the end
+
+WRONG = "def f(x):\n    return x\n"  # f(1) should be 2
+ASSERTS = AssertTest("assert f(1) == 2\nassert f(5) == 6\n")
+HUMANEVAL = AssertTest("def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(5) == 6\n\ncheck(f)\n")
+CALL = CallTest("f", [1], 2)
+STDIO = StdioTest("1\n", "2\n")
+
+
+def assert_scores_zero(program: str, test) -> None:
+    result = run_test(program, test, FAST)
+    assert result.status is not CaseStatus.PASSED, result
+    assert score_code([f"```python\n{program}```"], [[test]], FAST)[0].reward == 0.0
+
+
+@pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, CALL], ids=["assert", "check", "call"])
+@pytest.mark.parametrize("exit_call", ["import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n", "raise SystemExit\n",
+                                       "exit()\n", "import _thread\n_thread.exit()\n"],
+                         ids=["sys.exit", "os._exit", "SystemExit", "exit", "thread.exit"])
+def test_exiting_before_the_tests_scores_zero(exit_call, test):
+    assert_scores_zero(exit_call + WRONG, test)
+
+
+@pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, CALL], ids=["assert", "check", "call"])
+@pytest.mark.parametrize("exit_call", ["import sys\n    sys.exit(0)", "import os\n    os._exit(0)"],
+                         ids=["sys.exit", "os._exit"])
+def test_exiting_inside_the_tested_function_scores_zero(exit_call, test):
+    assert_scores_zero(f"def f(x):\n    {exit_call}\n", test)
+
+
+@pytest.mark.parametrize("program, test", [
+    ("raise SystemExit('2')\n", STDIO),  # the expected output, but as the exit message (stderr)
+    ("print(2)\nraise SystemExit(2)\n", STDIO),
+    ("print(2)\nraise SystemExit\n" + WRONG, ASSERTS),
+    ("raise SystemExit(2)\n", CALL),
+], ids=["stdio-message", "stdio-status", "assert", "call"])
+def test_system_exit_with_the_expected_output_scores_zero(program, test):
+    assert_scores_zero(program, test)
+
+
+@pytest.mark.parametrize("crash", ["1 / 0", "import os\nos._exit(0)", "import os\nos._exit(1)", "import os\nos.abort()",
+                                   "import functools\nsys.setrecursionlimit(1 << 30)\n"
+                                   "g = functools.lru_cache(None)(lambda n: g(n + 1))\ng(0)"],
+                         ids=["exception", "os._exit(0)", "os._exit(1)", "abort", "stack-overflow"])
+def test_printing_the_expected_output_then_crashing_scores_zero(crash):
+    assert_scores_zero(f"import sys\nprint(2)\nsys.stdout.flush()\n{crash}\n", STDIO)
+
+
+@pytest.mark.parametrize("kill", ["os.kill(os.getppid(), signal.SIGKILL)", "os.killpg(os.getpgid(0), signal.SIGKILL)",
+                                  "signal.pthread_kill(threading.main_thread().ident, signal.SIGKILL)"],
+                         ids=["parent", "group", "main-thread"])
+@pytest.mark.parametrize("test", [ASSERTS, CALL, STDIO], ids=["assert", "call", "stdio"])
+def test_killing_the_parent_or_the_harness_scores_zero(kill, test):
+    program = f"import os, signal, threading\n{kill}\nprint(2)\n" + WRONG
+    assert_scores_zero(program, test)
+    assert run_test(SUM, StdioTest("1 1", "2"), FAST).status is CaseStatus.PASSED  # the caller lives on
+
+
+@pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, AssertTest("if f(1) != 2:\n    raise AssertionError('f(1)')\n")],
+                         ids=["assert", "check", "raise"])
+def test_redefining_assertion_error_or_check_scores_zero(test):
+    program = ("import builtins\nclass AssertionError(Exception):\n    pass\nbuiltins.AssertionError = AssertionError\n"
+               "def check(candidate):\n    pass\n" + WRONG)
+    assert_scores_zero(program, test)
+
+
+@pytest.mark.parametrize("patch, test_code", [
+    ("import builtins\nbuiltins.abs = lambda v: 0", "assert abs(f(1) - 2) < 1e-9"),
+    ("abs = lambda v: 0", "assert abs(f(1) - 2) < 1e-9"),
+    ("import builtins\nbuiltins.all = lambda v: True", "assert all([f(1) == 2])"),
+    ("import builtins, types\nreal = builtins.__import__\nfake = types.SimpleNamespace(isclose=lambda *a, **k: True)\n"
+     "builtins.__import__ = lambda name, *a, **k: fake if name == 'math' else real(name, *a, **k)",
+     "import math\nassert math.isclose(f(1), 2)"),
+    ("import builtins\nbuiltins.print = lambda *a, **k: None\nbuiltins.exec = lambda *a, **k: None", "assert f(1) == 2"),
+], ids=["builtins.abs", "global-abs", "builtins.all", "__import__", "print-exec"])
+def test_patched_builtins_do_not_reach_the_tests(patch, test_code):
+    assert_scores_zero(patch + "\n" + WRONG, AssertTest(test_code))
+    # the same test still passes a right answer
+    assert run_test("def f(x):\n    return x + 1\n", AssertTest(test_code), FAST).status is CaseStatus.PASSED
+
+
+@pytest.mark.parametrize("program, test_code", [
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return X()\n", "assert f(1) == 2"),
+    ("class X(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return X(0)\n", "assert f(1) == 2"),
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return [X()]\n", "assert f(1) == [2]"),
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return {1: X()}\n",
+     "assert f(1) == {1: 2}"),
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return (X() for _ in range(2))\n",
+     "assert list(f(1)) == [2, 2]"),
+    ("class X:\n    def __sub__(self, other):\n        return 0\n    __rsub__ = __sub__\ndef f(x):\n    return X()\n",
+     "assert abs(f(1) - 2) < 1e-9"),
+    ("class X:\n    def __bool__(self):\n        return True\ndef f(x):\n    return X()\n", "assert f(1)"),
+    ("import collections\nclass X:\n    def __eq__(self, other):\n        return True\n"
+     "def f(x):\n    return collections.UserList([X()])\n", "assert f(1) == [2]"),
+    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    xs = [X()]\n    xs.append(xs)\n"
+     "    return xs\n", "assert f(1)[0] == 2"),
+    ("def f(x):\n    collections.Counter.__eq__ = lambda self, other: True\n    return collections.Counter()\n",
+     "assert f(1) == {1: 2}"),
+    ("def f(x):\n    collections.ChainMap.__eq__ = lambda self, other: True\n    return collections.ChainMap()\n",
+     "assert f(1) == {1: 2}"),
+], ids=["eq", "int-subclass", "in-list", "in-dict", "generator", "sub", "bool", "in-attribute", "cycle",
+        "patched-class", "class-attribute-added"])
+def test_objects_that_answer_comparisons_themselves_score_zero(program, test_code):
+    assert_scores_zero(program, AssertTest(test_code))
+
+
+@pytest.mark.parametrize("program", [
+    "import math\nmath.isclose = lambda *a, **k: True\n" + WRONG,
+    "import math\ndef f(x):\n    math.isclose = lambda *a, **k: True\n    return x\n",
+    "import sys, types\nsys.modules['math'] = types.SimpleNamespace(isclose=lambda *a, **k: True)\n" + WRONG,
+    "import math\ndel math.isclose\nmath.isclose = lambda *a, **k: True\n" + WRONG,
+], ids=["module-attribute", "during-the-test", "sys.modules", "deleted"])
+def test_patching_the_standard_library_scores_zero(program):
+    assert_scores_zero(program, AssertTest("import math\nassert math.isclose(f(1), 2)\nassert math.isclose(f(2), 3)"))
+
+
+@pytest.mark.parametrize("program, test_code", [
+    ("def f(s):\n    return Counter(s)\n", "assert f('aab') == {'a': 2, 'b': 1}"),
+    ("def f(n):\n    return (i * i for i in range(n))\n", "assert list(f(3)) == [0, 1, 4]"),
+    ("def f(n):\n    return collections.deque(range(n))\n", "assert list(f(2)) == [0, 1]"),
+    ("@functools.lru_cache(None)\ndef f(n):\n    return n if n < 2 else f(n - 1) + f(n - 2)\n", "assert f(30) == 832040"),
+    ("import random, re, warnings\ndef f(s):\n    with warnings.catch_warnings():\n        warnings.simplefilter('ignore')\n"
+     "    random.seed(0)\n    return re.sub('a', 'b', s)\n", "assert f('aa') == 'bb'"),
+    ("class Solution:\n    def f(self, xs: List[int]) -> int:\n        return sum(xs)\n", "assert Solution().f([1, 2]) == 3"),
+    ("import copy\ndef f(s):\n    return copy.deepcopy(Counter(s))\n", "assert f('a') == {'a': 1}"),
+    ("def f(x):\n    return (x, [x], {x: x}, {x}, None, 1.5, 'a', b'b', True)\n",
+     "assert f(1) == (1, [1], {1: 1}, {1}, None, 1.5, 'a', b'b', True)"),
+], ids=["Counter", "generator", "deque", "lru_cache", "stdlib", "Solution", "copy", "plain"])
+def test_legitimate_assert_programs_still_pass(program, test_code):
+    result = run_test(program, AssertTest(test_code), FAST)
+    assert result.status is CaseStatus.PASSED, result.detail
+
+
+@pytest.mark.parametrize("handler", ["atexit.register(os._exit, 0)", "atexit.register(print, 2)",
+                                     "atexit.register(lambda: os.write(1, b'2\\n'))"],
+                         ids=["os._exit", "print", "write"])
+@pytest.mark.parametrize("test", [ASSERTS, CALL, StdioTest("", "2")], ids=["assert", "call", "stdio"])
+def test_atexit_handlers_neither_end_nor_vouch_for_the_test(handler, test):
+    assert_scores_zero(f"import atexit, os\n{handler}\n" + WRONG, test)
+
+
+@pytest.mark.parametrize("test", [CALL, STDIO], ids=["call", "stdio"])
+def test_monkeypatching_the_comparison_scores_zero(test):
+    program = (
+        "import json, sys, __main__\n"
+        "for name in ('_same_value', '_same_stdout', '_same_number', '_verdict', '_judge'):\n"
+        "    setattr(__main__, name, lambda *a, **k: True)\n"
+        "try:\n"
+        "    from gppo.rewards import code\n"
+        "    code._same_value = code._same_stdout = lambda *a, **k: True\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "json.dumps = lambda *a, **k: '2'\n"
+        "print(1)\n" + WRONG
+    )
+    assert_scores_zero(program, test)
+
+
+@pytest.mark.parametrize("test", [ASSERTS, CALL, STDIO], ids=["assert", "call", "stdio"])
+def test_writing_forged_records_to_every_descriptor_scores_zero(test):
+    program = (
+        "import json, os\n"
+        "forged = [json.dumps({'program': {}, 'exit': {'code': 0, 'timed_out': False}, 'setup': {}}).encode() + b'\\n',\n"
+        "          b'', (0).to_bytes(8, 'big') + bytes(16), bytes(24), b'P' * 64]\n"
+        "for fd in range(3, 256):\n"
+        "    for record in forged:\n"
+        "        try:\n"
+        "            os.write(fd, record)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "os._exit(0)\n"
+    )
+    assert_scores_zero(program, test)
+
+
+def test_the_harness_files_and_processes_are_out_of_reach():
+    program = (
+        "import os, sys\n"
+        "paths = ['/proc/self/mem', '/proc/self/fd', '/proc/self/fd/3', '/proc/self/environ', '/proc/self/cmdline',\n"
+        "         '/proc/1/mem', '/proc/1/fd', '/dev/fd/3', '/dev/fd/../../1/fd/3', '/proc', '/proc/self/maps']\n"
+        "paths += [f'/proc/{p}/fd' for p in (os.getppid(), 1, 2)]\n"
+        "reached = []\n"
+        "for path in paths:\n"
+        "    try:\n"
+        "        if os.path.isdir(path):\n"
+        "            os.listdir(path)\n"
+        "        else:\n"
+        "            open(path, 'rb').read(1)\n"
+        "        reached.append(path)\n"
+        "    except (OSError, ValueError):\n"
+        "        pass\n"
+        "try:\n"
+        "    os.symlink('/proc/self/mem', 'link')\n"
+        "    reached.append('symlink')\n"
+        "except OSError:\n"
+        "    pass\n"
+        "names = [n for n in os.listdir('.') if n != 'link']\n"
+        "print(reached, names, sorted(os.listdir('/proc/self/fd') if reached else []))\n"
+    )
+    result = run_test(program, StdioTest("", "[] [] []"), FAST)
+    assert result.status is CaseStatus.PASSED, result.detail
+
+
+@pytest.mark.parametrize("attempt", [
+    "sys._getframe(1).f_locals",
+    "sys._getframe().f_back",
+    "inspect.currentframe()",
+    "gc.get_objects()",
+    "gc.get_referrers(sys.modules)",
+    "sys._current_frames()",
+    "sys.settrace(lambda *a: None)",
+    "sys.setprofile(lambda *a: None)",
+    "(lambda: (yield))().gi_frame",
+    "exec('try:\\n    1 / 0\\nexcept Exception as e:\\n    e.__traceback__.tb_frame')",
+    "import __main__\n__main__._describe.__code__ = (lambda error: b'').__code__",
+    "import ctypes",
+    "import _posixsubprocess\n_posixsubprocess.fork_exec(*[None] * 21)",
+    "import importlib.machinery, _imp\nspec = importlib.machinery.PathFinder.find_spec('_ctypes')\n"
+    "spec.name = 'package._ctypes'\n_imp.create_dynamic(spec)",
+    "import importlib.machinery, _imp, shutil\nspec = importlib.machinery.PathFinder.find_spec('_json')\n"
+    "shutil.copy(spec.origin, 'own.so')\nspec.origin = 'own.so'\n_imp.create_dynamic(spec)",
+], ids=lambda a: a.split("(")[0].replace("\n", " ")[:40])
+def test_frames_objects_and_native_code_are_refused(attempt):
+    program = f"import gc, inspect, sys, threading\n{WRONG}{attempt}\nprint('reached')\n"
+    result = run_test(program, StdioTest("", ""), FAST)
+    assert result.status is CaseStatus.RUNTIME_ERROR and "reached" not in result.detail, result
+
+
+def test_hooks_a_program_installs_never_run():
+    program = (
+        "import sys, threading\n"
+        "calls = []\n"
+        "sys.addaudithook(lambda *a: calls.append('audit'))\n"  # refused silently, as Python does
+        "threading.settrace(lambda *a: calls.append('trace'))\n"  # refused in the new thread
+        "thread = threading.Thread(target=len, args=([],))\n"
+        "thread.start()\n"
+        "thread.join()\n"
+        "open('file', 'w').close()\n"
+        "print(calls)\n"
+    )
+    result = run_test(program, StdioTest("", "[]"), FAST)
+    assert result.status is CaseStatus.PASSED, result.detail
+
+
+def test_the_tokens_cannot_be_found(monkeypatch):
+    """With the harness's tokens known to the test, a program searches everything it can reach."""
+    drawn = [os.urandom(16), os.urandom(16)]
+    tokens = iter(drawn)
+    monkeypatch.setattr(sandbox.secrets, "token_bytes", lambda n: next(tokens))
+    halves = [(t[:8].hex(), t[8:].hex()) for t in drawn]  # the program's source never holds a token
+    program = (
+        "import os, sys, types\n"
+        f"WANT = [bytes.fromhex(a + b) for a, b in {halves!r}]\n"
+        "WANT += [w.hex() for w in WANT]\n"
+        "mine, seen, found = {id(w) for w in WANT}, {}, []\n"
+        "def visit(obj, where, depth=0):\n"
+        "    if id(obj) in seen or id(obj) in mine or depth > 12:\n"
+        "        return\n"
+        "    seen[id(obj)] = obj  # kept alive, so that no other object gets its id\n"
+        "    if isinstance(obj, (bytes, bytearray, str)):\n"
+        "        if any(type(w) is type(obj) and w in obj for w in WANT):\n"
+        "            found.append(where)\n"
+        "        return\n"
+        "    children = []\n"
+        "    if isinstance(obj, dict):\n"
+        "        children = list(obj.items())\n"
+        "    elif isinstance(obj, (list, tuple, set, frozenset)):\n"
+        "        children = list(obj)\n"
+        "    elif isinstance(obj, types.FunctionType):\n"
+        "        children = [c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not c] + \\\n"
+        "                   [obj.__defaults__, obj.__kwdefaults__, obj.__globals__]\n"
+        "    elif isinstance(obj, types.MethodType):\n"
+        "        children = [obj.__func__, obj.__self__]\n"
+        "    elif hasattr(obj, '__dict__'):\n"
+        "        try:\n"
+        "            children = [vars(obj)]\n"
+        "        except TypeError:\n"
+        "            pass\n"
+        "    for child in children:\n"
+        "        visit(child, where, depth + 1)\n"
+        "for name, module in list(sys.modules.items()):\n"
+        "    visit(module, name)\n"
+        "visit(dict(os.environ), 'environ'); visit(sys.argv, 'argv'); visit(sys.__dict__, 'sys')\n"
+        "for fd in range(256):\n"
+        "    try:\n"
+        "        visit(os.pread(fd, 1 << 20, 0), f'fd {fd}')\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "for directory in ('.', '/tmp'):\n"
+        "    for name in os.listdir(directory):\n"
+        "        try:\n"
+        "            visit(open(os.path.join(directory, name), 'rb').read(), name)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "print('found in', found[:5]) if found else print('hidden')\n"
+    )
+    result = run_test(program, StdioTest("", "hidden"), Limits(timeout_s=10))
+    assert result.status is CaseStatus.PASSED, result.detail
+
+
+def test_the_verdict_needs_the_passed_token_and_exact_framing():
+    passed, failed = b"p" * 16, b"f" * 16
+    record = b'{"x": 1}' + (8).to_bytes(8, "big")
+    assert sandbox._verdict(record + passed, (passed, failed)) == (True, b'{"x": 1}')
+    assert sandbox._verdict(record + failed, (passed, failed)) == (False, b'{"x": 1}')
+    for data in (b"", record + b"q" * 16, b"junk" + record + passed, record + passed + b"junk", passed):
+        assert sandbox._verdict(data, (passed, failed)) == (None, b""), data
+
+
+def test_the_checked_line_is_the_workers_last():
+    from gppo.rewards import _code_runner as runner
+
+    lines = Path(runner.__file__).read_text().splitlines()
+    assert lines[runner._PASS_LINE - 1].strip().startswith("wake.release(); hold.acquire()")
+
+
+@pytest.mark.parametrize("program", [
+    SUM + "exit()\nprint('not reached')\n",
+    "import sys\n" + SUM + "sys.exit(0)\n",
+    "import sys, threading\nthreading.stack_size(1 << 26)\n"
+    "def main():\n    a, b = map(int, input().split())\n    print(a + b)\nthreading.Thread(target=main).start()\n",
+    "from collections import namedtuple\nfrom dataclasses import dataclass\nfrom enum import Enum\n"
+    "import asyncio, logging, subprocess, typing\n"
+    "P = namedtuple('P', 'x')\nE = Enum('E', 'a b')\nT = typing.TypeVar('T')\n@dataclass\nclass D:\n    x: int\n"
+    "logging.getLogger('x').debug('hidden')\n" + SUM,
+    "data = open('/dev/stdin').read().split()\nprint(int(data[0]) + int(data[1]))\n",
+    "import sys\nsys.setrecursionlimit(100000)\ndef depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+    "assert depth(20000) == 20000\n" + SUM,
+    "import functools, sys\nsys.setrecursionlimit(100000)\n@functools.lru_cache(None)\n"
+    "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\nassert depth(3000) == 3000\n" + SUM,
+], ids=["exit", "sys.exit", "thread", "stdlib-frames", "dev-stdin", "recursion", "c-recursion"])
+def test_legitimate_programs_still_pass(program):
+    result = run_test(program, StdioTest("2 3\n", "5\n"), FAST)
+    assert result.status is CaseStatus.PASSED, result.detail
+
+
+def test_numpy_still_imports():
+    pytest.importorskip("numpy")
+    program = "import numpy as np\nprint(int(np.array(input().split(), dtype=int).sum()))\n"
+    result = run_test(program, StdioTest("2 3\n", "5\n"), Limits(timeout_s=10))
+    assert result.status is CaseStatus.PASSED, result.detail

@@ -1,16 +1,18 @@
 """Run untrusted Python programs against tests in a sandboxed subprocess.
 
-Every test case runs in a fresh `python -I -B` process (this file run as a script; isolated mode:
-no user site-packages, no PYTHON* variables, neither the script directory nor the current one on
-sys.path), started in a new private temporary directory that is deleted afterwards. That process
-is a trusted bootstrap: it isolates itself, forks the program, enforces the wall clock, and kills
-and reaps every process the program left behind. Layers, strongest first:
+Every test case runs in a fresh `python -I -B` process (`_code_runner.py` run as a script;
+isolated mode: no user site-packages, no PYTHON* variables, neither the script directory nor the
+current one on sys.path), started in a new private temporary directory that is deleted
+afterwards. That process is a trusted bootstrap: it isolates itself, forks the program process,
+enforces the wall clock, and kills and reaps every process the program left behind. Layers,
+strongest first:
 
 - Namespaces, where the kernel permits them (as root, or as any user where unprivileged user
   namespaces are allowed): a new network namespace (only a loopback that is down: no network at
   all), a mount namespace with empty private tmpfs on /tmp (the working directory), /var/tmp and
-  /dev/shm, whose contents vanish with the program, and a PID namespace, so every process the
-  program started is killed when it ends.
+  /dev/shm, whose contents vanish with the program, a PID namespace, so every process the
+  program started is killed when it ends, and its own /proc (where the kernel allows mounting
+  one), in which neither the caller nor the bootstrap appears.
 - No root: a program started as root runs as `nobody` (65534), because RLIMIT_NPROC never binds
   root (no fork-bomb protection) and root may write anywhere. Interpreter directories `nobody`
   cannot enter (e.g. a pyenv under /root) are bind-mounted back in place under an empty tmpfs
@@ -20,12 +22,62 @@ and reaps every process the program left behind. Layers, strongest first:
   file written), RLIMIT_NOFILE, no core files; the wall clock is enforced by the bootstrap and, as
   a backstop, by the caller, which kills the whole process group (`start_new_session=True`).
 - Always, a Python audit hook in the program's interpreter refuses creating sockets and resolving
-  host names, starting processes or executables, loading or calling native code with ctypes,
-  signalling processes, and writing, renaming or deleting files outside the working directory.
+  host names, starting processes or executables, importing ctypes or other modules that reach
+  native code or processes unaudited, signalling processes, creating symbolic links, anything
+  under /proc, writing, renaming or deleting files outside the working directory, and every way
+  to the interpreter's frames, objects and control flow that it can see: `sys._getframe` (with
+  the ValueError the standard library expects where frames are missing, so namedtuple, Enum and
+  logging still work), traceback, generator and coroutine frames, `sys._current_frames`, the
+  garbage collector's object lists, tracing and profiling, new audit hooks, and replacing the
+  code of the harness's functions.
 
 Fallback: where namespaces are refused, that audit hook is the only network barrier. It is a
 guard against accidents, not a security boundary (a program with its own native code could get
 around it), and processes that leave the program's process group (setsid) can outlive it.
+
+Proof that the test ran to its end (reward hacking). A program that ends early (`sys.exit(0)`,
+`os._exit(0)`, a signal, a crash, killing its parent), or vouches for itself, must score 0. The
+caller draws two random 16-byte tokens, `passed` and `failed`, and sends them with the test
+through a descriptor that the bootstrap reads and closes before the program process exists; no
+file of the harness has a name (stdin, stdout, the test, the tokens and the results are unlinked
+temporary files). In the program process the main thread keeps the tokens in its local variables
+and never runs program code; a worker thread runs the program and then its test, and stops on
+the last line of its function, which it reaches only when the program and the test returned
+without an exception (call tests: the function returned a value; stdin/stdout tests: the program
+finished or called `sys.exit(0)`, then its threads finished). The main thread wakes, reads that
+frame's current line, and writes `payload, length, token` to the result file: the `passed` token
+only if the worker stands on that line. The caller accepts exactly that framing with one of its
+tokens; anything else (nothing written, other bytes before or after) is a runtime error. So a
+program that ends early leaves no token; one that writes to descriptors 3..255 cannot write a
+token it does not know, and spoils its own record; `atexit` handlers never run (the main thread
+ends with `os._exit`); killing the caller or the bootstrap is refused (and the caller's and the
+bootstrap's process are not in the program's PID namespace). Assert tests run in a fresh
+namespace with the program's names but with builtins and prelude names as they were before the
+program ran (shadowing or patching `builtins.abs`, `__import__`, `AssertionError` or `check`
+reaches only the program's own code); the program's functions are wrapped so that what they
+return must be plain data (built-in types, or classes loaded before the program ran, checked
+through lists, tuples, sets, dicts, deques, instance attributes and iterators), since an object
+of the program's own class could answer `==`, `-` or `bool()` as it likes; and the test fails if
+the program rebound an attribute of a module loaded before it ran (`math.isclose`), changed a
+class from such a module (`Counter.__eq__`) or replaced a module in `sys.modules`. Stdin/stdout
+outputs and call results are compared in the caller, out of reach.
+
+Threat model and its limits. The design holds against programs that stay within Python as the
+audit hook leaves it to them, on CPython 3.10-3.12 (there a frame's line cannot be moved but by
+a tracing function, and a frame's locals cannot be written from outside). It does not hold
+against native code, which could read the tokens from memory: CPython does not check bytecode (a
+hand-made code object, from `marshal` or `CodeType`), ctypes' pointer types read memory without
+an audit event (so ctypes is refused; numpy imports without it), and an interpreter bug would
+do. Within Python, an assert-style test necessarily runs inside the
+program's interpreter: a program could find the test's expected values through a route the hook
+misses; the check on returned values does not look inside objects of trusted classes other than
+the containers above (a numpy object array, a `slice`), nor at methods of the program's classes
+(`Solution().f()`), nor at arguments the program mutates in place; it rejects the program's own
+namedtuple, dataclass and Enum objects and classes from modules the program imported itself
+(`Fraction`); and a patch that the program undoes before the test ends (from another thread, a
+finalizer) is not seen. Programs that rely on `signal.signal` fail (it needs the main thread),
+and one that ends with `os._exit(0)` after printing the right answer fails too. Run untrusted
+code in a container or VM if more is at stake.
 
 Outputs of stdin/stdout tests are compared token by token (any run of whitespace separates
 tokens, so trailing spaces and newlines do not matter); two numeric tokens also match when they
@@ -36,20 +88,17 @@ relative). Problems needing a special checker (several valid answers) are not su
 from __future__ import annotations
 
 import ast
-import ctypes
 import json
 import math
 import os
 import re
-import resource
+import secrets
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -109,7 +158,8 @@ class CaseResult:
 class Limits:
     """Per-test-case limits. `timeout_s` bounds wall-clock time and, rounded up, CPU seconds;
     `memory_mb` is address space (RLIMIT_AS); `max_processes` (RLIMIT_NPROC) counts the processes
-    and threads of the user the program runs as, so programs running at the same time share it."""
+    and threads of the user the program runs as, so programs running at the same time share it
+    (each holds two: the harness's thread and the one running the program)."""
 
     timeout_s: float = 6.0
     memory_mb: int = 1024
@@ -209,11 +259,13 @@ def extract_code(completion: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Running (caller side)
 
+_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_runner.py")
 _NOBODY = 65534
 _GRACE_S = 5.0  # the caller's backstop beyond the bootstrap's own wall clock
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
         # numeric libraries would otherwise start a thread per core, against RLIMIT_NPROC
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_TOKEN_BYTES = 16
 
 
 def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult:
@@ -222,30 +274,34 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
     try:
         if os.geteuid() == 0:
             os.chown(workdir, _NOBODY, _NOBODY)  # writable by the program once it drops root
+        tokens = secrets.token_bytes(_TOKEN_BYTES), secrets.token_bytes(_TOKEN_BYTES)
         config = {"source": code, "timeout_s": limits.timeout_s, "memory_mb": limits.memory_mb,
                   "max_output_bytes": limits.max_output_bytes, "max_processes": limits.max_processes,
-                  "max_open_files": limits.max_open_files}
+                  "max_open_files": limits.max_open_files,
+                  "passed_token": tokens[0].hex(), "failed_token": tokens[1].hex()}
         if isinstance(test, CallTest):
             config.update(kind="call", fn_name=test.fn_name, args=test.args)
         elif isinstance(test, AssertTest):
             config.update(kind="assert", test_code=test.code)
         else:
             config.update(kind="stdio")
-        files = {name: open(os.path.join(workdir, name), "w+b")
-                 for name in ("stdin", "stdout", "stderr", "result")}
+        # No file has a name: the program finds neither its test nor the tokens on disk.
+        files = {name: tempfile.TemporaryFile(dir=workdir)
+                 for name in ("stdin", "stdout", "stderr", "status", "config", "done")}
         try:
+            config["done_fd"] = files["done"].fileno()
+            os.fchmod(files["stdin"].fileno(), 0o644)  # the program may reopen it (/dev/stdin)
             if isinstance(test, StdioTest):
                 files["stdin"].write(test.input.encode())
                 files["stdin"].seek(0)
-            config["result_fd"] = files["result"].fileno()
-            with open(os.path.join(workdir, "config.json"), "w") as f:
-                json.dump(config, f)
+            files["config"].write(json.dumps(config).encode())
+            files["config"].seek(0)
+            fds = (files["config"].fileno(), files["status"].fileno(), config["done_fd"])
             start = time.monotonic()
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", os.path.abspath(__file__), "config.json"],
+                [sys.executable, "-I", "-B", _RUNNER, str(fds[0]), str(fds[1])],
                 stdin=files["stdin"], stdout=files["stdout"], stderr=files["stderr"],
-                pass_fds=(files["result"].fileno(),), cwd=workdir, env={**_ENV, "HOME": workdir},
-                start_new_session=True,
+                pass_fds=fds, cwd=workdir, env={**_ENV, "HOME": workdir}, start_new_session=True,
             )
             try:
                 proc.wait(timeout=limits.timeout_s + _GRACE_S)
@@ -255,7 +311,7 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
                 proc.wait()
                 killed = True
             elapsed = time.monotonic() - start
-            return _judge(test, files, limits, killed, elapsed)
+            return _judge(test, files, tokens, limits, killed, elapsed)
         finally:
             for f in files.values():
                 f.close()
@@ -318,42 +374,51 @@ def score_code(completions: Sequence[str], tests: Sequence[Sequence[CodeTest]],
     return results
 
 
-def _judge(test: CodeTest, files: dict, limits: Limits, killed: bool, elapsed: float) -> CaseResult:
-    files["result"].seek(0)
+def _judge(test: CodeTest, files: dict, tokens: tuple[bytes, bytes], limits: Limits,
+           killed: bool, elapsed: float) -> CaseResult:
+    files["status"].seek(0)
     info: dict = {}
-    for line in files["result"].read(limits.max_output_bytes + 1).splitlines():
+    for line in files["status"].read().splitlines():  # written by the sandbox only
         try:
             info.update(json.loads(line))
-        except (TypeError, ValueError):
-            pass  # not a record of ours (the program may write to any descriptor)
+        except ValueError:
+            pass  # cut short: the backstop killed the bootstrap while it wrote
     isolation = info.get("setup", {}).get("isolation", "")
 
     def result(status: CaseStatus, detail: str = "") -> CaseResult:
         return CaseResult(status, detail[:300], round(elapsed, 3), isolation)
 
+    def stderr_tail() -> str:
+        files["stderr"].seek(0)
+        return files["stderr"].read()[-2000:].decode(errors="replace")
+
     stdout_size = os.fstat(files["stdout"].fileno()).st_size
     exit_info = info.get("exit")
-    program = info.get("program", {})
     if killed or (exit_info and exit_info["timed_out"]):
         return result(CaseStatus.TIMEOUT, f"wall-clock limit of {limits.timeout_s:g} s")
     if stdout_size > limits.max_output_bytes:
         return result(CaseStatus.OUTPUT_LIMIT, f"more than {limits.max_output_bytes} bytes of output")
     if exit_info is None or "setup" not in info:  # the sandbox failed before the program ran
-        files["stderr"].seek(0)
-        stderr = files["stderr"].read()[-2000:].decode(errors="replace")
-        raise SandboxError(f"the sandbox could not start the program: {stderr}")
-    if program.get("error") == "MemoryError":
-        return result(CaseStatus.MEMORY, f"memory limit of {limits.memory_mb} MB")
-    if exit_info["code"] in (-signal.SIGKILL, -signal.SIGXCPU):
-        return result(CaseStatus.TIMEOUT, f"CPU time limit of {math.ceil(limits.timeout_s)} s")
-    if program.get("error"):
-        failed_assert = isinstance(test, AssertTest) and program["error"] == "AssertionError"
+        raise SandboxError(f"the sandbox could not start the program: {stderr_tail()}")
+    files["done"].seek(0)
+    passed, payload = _verdict(files["done"].read(limits.max_output_bytes + 1), tokens)
+    if passed is None:
+        if exit_info["code"] in (-signal.SIGKILL, -signal.SIGXCPU):
+            return result(CaseStatus.TIMEOUT, f"CPU time limit of {math.ceil(limits.timeout_s)} s")
+        return result(CaseStatus.RUNTIME_ERROR,
+                      f"the program ended before its test finished (exit status {exit_info['code']}): "
+                      f"{stderr_tail()[-300:]}")
+    if not passed:
+        try:
+            failure = json.loads(payload)
+            error, message = str(failure["error"]), str(failure["message"])
+        except (ValueError, TypeError, KeyError):
+            error, message = "unknown", "the program failed"
+        if error == "MemoryError":
+            return result(CaseStatus.MEMORY, f"memory limit of {limits.memory_mb} MB")
+        failed_assert = isinstance(test, AssertTest) and error == "AssertionError"
         status = CaseStatus.WRONG_ANSWER if failed_assert else CaseStatus.RUNTIME_ERROR
-        return result(status, f"{program['error']}: {program.get('message', '')}")
-    if exit_info["code"] != 0:
-        files["stderr"].seek(0)
-        tail = files["stderr"].read()[-300:].decode(errors="replace")
-        return result(CaseStatus.RUNTIME_ERROR, f"exit status {exit_info['code']}: {tail}")
+        return result(status, f"{error}: {message}")
     if isinstance(test, StdioTest):
         files["stdout"].seek(0)
         got = files["stdout"].read(limits.max_output_bytes).decode(errors="replace")
@@ -361,13 +426,28 @@ def _judge(test: CodeTest, files: dict, limits: Limits, killed: bool, elapsed: f
             return result(CaseStatus.PASSED)
         return result(CaseStatus.WRONG_ANSWER, f"expected {test.output[:100]!r}, got {got[:100]!r}")
     if isinstance(test, CallTest):
-        if "value" not in program:
-            return result(CaseStatus.RUNTIME_ERROR, "the call returned no value (the program exited)")
-        if _same_value(program["value"], test.expected):
+        try:
+            value = json.loads(payload)
+        except ValueError:
+            return result(CaseStatus.RUNTIME_ERROR, "the returned value could not be read")
+        if _same_value(value, test.expected):
             return result(CaseStatus.PASSED)
         return result(CaseStatus.WRONG_ANSWER,
-                      f"expected {str(test.expected)[:100]}, got {str(program['value'])[:100]}")
+                      f"expected {str(test.expected)[:100]}, got {str(value)[:100]}")
     return result(CaseStatus.PASSED)
+
+
+def _verdict(data: bytes, tokens: tuple[bytes, bytes]) -> tuple[bool | None, bytes]:
+    """Read `payload, len(payload) as 8 bytes, token`, the harness's last word: whether the test
+    ran to its end (the `passed` token), did not (`failed`), or None when the record is missing
+    or malformed (the program ended first, or wrote to the descriptor itself)."""
+    n = _TOKEN_BYTES
+    if len(data) < n + 8 or data[-n:] not in tokens:
+        return None, b""
+    size = int.from_bytes(data[-n - 8:-n], "big")
+    if len(data) != size + n + 8:
+        return None, b""
+    return data[-n:] == tokens[0], data[:size]
 
 
 def _same_stdout(got: str, expected: str) -> bool:
@@ -400,236 +480,3 @@ def _same_value(got: Any, expected: Any) -> bool:
             (isinstance(got, float) or isinstance(expected, float))):
         return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
     return got == expected
-
-
-# ---------------------------------------------------------------------------------------------
-# The sandboxed process (runs as `python -I -B code.py config.json`; standard library only)
-
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-_PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
-
-# LeetCode/HumanEval-style code uses these names (`List[int]`) without importing them.
-_PRELUDE = "from typing import *\nimport collections, heapq, bisect, math, itertools, functools\n"
-
-_REFUSED_EVENTS = {
-    "socket.__new__", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
-    "os.killpg", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function",
-}
-# audit event -> indices of the path arguments that must stay inside the working directory
-_PATH_EVENTS = {
-    "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (1,),
-    "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-    "os.mkfifo": (0,), "os.mknod": (0,),
-}
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-
-
-def _bootstrap(config_path: str) -> None:
-    """Isolate, fork the program, enforce the wall clock, kill and reap what it left, report."""
-    with open(config_path) as f:
-        config = json.load(f)
-    libc = ctypes.CDLL(None, use_errno=True)
-    namespaces = _enter_namespaces(libc)
-    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program come back to us
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _program_process(config, libc, namespaces)  # exits, unless its setup raises
-        except BaseException:
-            traceback.print_exc()
-        os._exit(70)
-    deadline = time.monotonic() + config["timeout_s"]
-    timed_out = False
-    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        if time.monotonic() > deadline:
-            timed_out = True
-            os.kill(pid, signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    _kill_group(pid)  # still a zombie, so its process group id cannot have been reused
-    _, status = os.waitpid(pid, 0)
-    _reap_orphans()
-    _report(config, {"exit": {"code": os.waitstatus_to_exitcode(status), "timed_out": timed_out}})
-
-
-def _enter_namespaces(libc) -> bool:
-    flags = _CLONE_NEWNET | _CLONE_NEWNS | _CLONE_NEWPID
-    if _unshare(libc, flags):
-        return True
-    uid, gid = os.getuid(), os.getgid()
-    if not _unshare(libc, _CLONE_NEWUSER | flags):
-        return False
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-        with open(f"/proc/self/{name}", "w") as f:
-            f.write(text)
-    return True
-
-
-def _unshare(libc, flags: int) -> bool:
-    if hasattr(os, "unshare"):  # Python 3.12+
-        try:
-            os.unshare(flags)
-            return True
-        except OSError:
-            return False
-    return libc.unshare(flags) == 0
-
-
-def _program_process(config: dict, libc, namespaces: bool) -> None:
-    os.setpgid(0, 0)
-    drop_root = os.geteuid() == 0 and (namespaces or not _unreachable_dirs())
-    if namespaces:
-        _private_mounts(libc, cover_unreachable=drop_root)
-        os.chdir("/tmp")
-    workdir = os.getcwd()
-    os.environ.update(HOME=workdir, TMPDIR=workdir)
-    if drop_root:
-        os.setgroups([])
-        os.setgid(_NOBODY)
-        os.setuid(_NOBODY)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
-    _set_limits(config)
-    _report(config, {"setup": {"isolation": "namespaces" if namespaces else "guard"}})
-    sys.addaudithook(_guard(workdir))
-    _run_program(config)
-
-
-def _interpreter_dirs() -> set[str]:
-    return {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)}
-
-
-def _closed_ancestor(path: str) -> str | None:
-    """The first directory on the way to `path` that others may not enter, if any."""
-    parts = path.split(os.sep)
-    for i in range(2, len(parts) + 1):
-        ancestor = os.sep.join(parts[:i])
-        if not os.stat(ancestor).st_mode & stat.S_IXOTH:
-            return ancestor
-    return None
-
-
-def _unreachable_dirs() -> list[str]:
-    return [a for a in map(_closed_ancestor, _interpreter_dirs()) if a]
-
-
-def _private_mounts(libc, cover_unreachable: bool) -> None:
-    """Private tmpfs on the temporary directories (and on closed ancestors of the interpreter,
-    which is then bind-mounted back in place through descriptors opened beforehand)."""
-    _mount(libc, "none", "/", None, _MS_REC | _MS_PRIVATE)
-    covered = {d: "size=64m,mode=1777" for d in _PRIVATE_TMP if os.path.isdir(d)}
-    if cover_unreachable:
-        covered.update({d: "size=1m,mode=755" for d in _unreachable_dirs()})
-    keep = {d: os.open(d, os.O_PATH | os.O_DIRECTORY) for d in _interpreter_dirs()
-            if any(d == c or d.startswith(c + os.sep) for c in covered)}
-    for directory in sorted(covered, key=len):
-        _mount(libc, "tmpfs", directory, "tmpfs", 0, covered[directory])
-    for directory, fd in keep.items():
-        os.makedirs(directory, exist_ok=True)
-        _mount(libc, f"/proc/self/fd/{fd}", directory, None, _MS_BIND | _MS_REC)
-        os.close(fd)
-
-
-def _mount(libc, source: str, target: str, fstype: str | None, flags: int,
-           options: str | None = None) -> None:
-    src, dst, kind, opts = (None if s is None else s.encode() for s in (source, target, fstype, options))
-    if libc.mount(src, dst, kind, flags, opts) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount {source} on {target}: {os.strerror(errno)}")
-
-
-def _set_limits(config: dict) -> None:
-    cpu = max(1, math.ceil(config["timeout_s"]))  # soft = hard: SIGKILL, which even a PID 1 obeys
-    for limit, value in ((resource.RLIMIT_CPU, cpu),
-                         (resource.RLIMIT_AS, config["memory_mb"] << 20),
-                         (resource.RLIMIT_NPROC, config["max_processes"]),
-                         (resource.RLIMIT_FSIZE, config["max_output_bytes"] + 1),
-                         (resource.RLIMIT_NOFILE, config["max_open_files"]),
-                         (resource.RLIMIT_CORE, 0)):
-        hard = resource.getrlimit(limit)[1]
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(limit, (value, value))
-
-
-def _guard(workdir: str):
-    root = os.path.realpath(workdir)
-
-    def inside(path) -> bool:
-        if isinstance(path, int):  # an open descriptor
-            return True
-        real = os.path.realpath(os.fsdecode(path))
-        return real == root or real.startswith(root + os.sep)
-
-    def hook(event: str, args: tuple) -> None:
-        if event in _REFUSED_EVENTS:
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            writes = flags & _WRITE_FLAGS or (isinstance(mode, str) and any(c in mode for c in "wax+"))
-            if writes and path is not None and not inside(path):
-                raise PermissionError(f"sandbox: writing {path!r} outside the working directory")
-        elif event in _PATH_EVENTS and not all(inside(args[i]) for i in _PATH_EVENTS[event]):
-            raise PermissionError(f"sandbox: {event} outside the working directory")
-
-    return hook
-
-
-def _run_program(config: dict) -> None:
-    kind = config["kind"]
-    namespace = {"__name__": "__main__" if kind == "stdio" else "solution", "__builtins__": __builtins__}
-    sys.argv = ["solution.py"]
-    outcome: dict = {}
-    try:
-        if kind != "stdio":
-            exec(_PRELUDE, namespace)
-        exec(compile(config["source"], "solution.py", "exec"), namespace)
-        if kind == "call":
-            outcome["value"] = _function(namespace, config["fn_name"])(*config["args"])
-        elif kind == "assert":
-            exec(compile(config["test_code"], "test.py", "exec"), namespace)
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            outcome = {"error": "SystemExit", "message": f"exit status {e.code}"}
-    except BaseException as e:  # the program's failure is the result, whatever it is
-        outcome = {"error": type(e).__name__, "message": str(e)[:300]}
-    try:
-        sys.stdout.flush()
-    except OSError:
-        pass  # past the output limit; the caller sees the size
-    _report(config, {"program": outcome})
-    os._exit(1 if "error" in outcome else 0)
-
-
-def _function(namespace: dict, name: str):
-    if name in namespace:
-        return namespace[name]
-    if "Solution" in namespace and hasattr(namespace["Solution"], name):
-        return getattr(namespace["Solution"](), name)
-    raise NameError(f"the program defines no function {name!r} (nor Solution.{name})")
-
-
-def _report(config: dict, record: dict) -> None:
-    os.write(config["result_fd"], (json.dumps(record, default=repr) + "\n").encode())
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _reap_orphans(wait_s: float = 1.0) -> None:
-    end = time.monotonic() + wait_s
-    while time.monotonic() < end:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                time.sleep(0.005)
-        except ChildProcessError:
-            return
-
-
-if __name__ == "__main__":
-    _bootstrap(sys.argv[1])
