@@ -72,7 +72,7 @@ class Spec:
     optional: bool
     is_list: bool
     default: Any
-    help: str
+    metadata: Any  # the field's metadata: its help may be composed when read (GPPOConfig's lists the registries)
     group: str | None
     choices: tuple | None
     constraints: dict
@@ -80,6 +80,10 @@ class Spec:
     check: Callable | None
     example: Any
     short: str | None
+
+    @property
+    def help(self) -> str:
+        return self.metadata.get("help", "")
 
     @property
     def required(self) -> bool:
@@ -109,7 +113,7 @@ def specs(cls) -> dict[str, Spec]:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         out[f.name] = Spec(
             name=f.name, base=base, item=item, optional=optional, is_list=is_list, default=default,
-            help=f.metadata.get("help", ""), group=f.metadata.get("group"), choices=choices,
+            metadata=f.metadata, group=f.metadata.get("group"), choices=choices,
             constraints=f.metadata.get("constraints") or {}, why=f.metadata.get("why"),
             check=f.metadata.get("check"), example=f.metadata.get("example"), short=f.metadata.get("short"))
     return out

@@ -384,8 +384,8 @@ def test_a_diverging_run_stops_naming_the_step_the_metric_and_the_last_good_chec
     """The embedded addition model with lr 1e6: the first update blows the weights up, and the
     second gives a NaN gradient norm (the micro model's gradients vanish instead)."""
     run = tmp_path / "run"
-    values = micro_config("", run, lr=1e6, epochs=1, mini_batch_size=16, steps=4).to_dict()
-    trainer = Trainer(from_dict({**values, "model": None}))
+    values = micro_config("unused", run, lr=1e6, epochs=1, mini_batch_size=16, steps=4).to_dict()
+    trainer = Trainer(from_dict({**values, "model": None}))  # the embedded addition model
     with pytest.raises(NonFiniteError, match=f"step 2: optim/grad_norm is nan, so training stopped .*last good "
                                              f"checkpoint is {run / 'checkpoints' / 'step_000001'}: resume from it "
                                              f"with a lower learning rate, e.g. `gppo train --resume {run} "
