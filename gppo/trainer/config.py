@@ -63,6 +63,13 @@ class TrainConfig:
     max_new_tokens: int = _opt(24, "maximum completion length", "rollout")
     rollout_batch_size: int = _opt(256, "sequences generated together", "rollout")
     vllm_gpu_memory: float = _opt(0.5, "vLLM gpu_memory_utilization (engine=vllm)", "rollout")
+    rollout_dtype: str | None = _opt(None, "dtype of the weights the hf engine samples from: float32, bfloat16, "
+                                     "float16 (default: --dtype); a copy refreshed after every update", "rollout")
+    rollout_quantization: str = _opt("none", "none or int8: per-output-channel symmetric int8 fake-quantization "
+                                     "of the rollout copy's Linear weights (not the embeddings and LM head)",
+                                     "rollout")
+    off_policy_steps: int = _opt(0, "k: train at step t on the batch sampled by the weights of step t-k "
+                                 "(the first k batches by the initial weights; 0: on-policy)", "rollout")
 
     # rewards and advantages
     reward_funcs: list = _opt([], "extra reward functions as module:function, called like TRL's "

@@ -33,6 +33,7 @@ from gppo.trainer.checkpoint import (atomic_write_text, latest_checkpoint, load_
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set
 from gppo.trainer.logging import MetricsLog, plot_curves
+from gppo.trainer.rollout_policy import OffPolicyQueue, RolloutPolicy, check_rollout_options, mismatch_metrics
 
 _SEED_STRIDE = 1_000_003
 
@@ -91,6 +92,7 @@ class Trainer:
         cfg = config.gppo_config()
         self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
         self.top_k = self.loss_config.top_k if self.loss_config.estimator in ("topk", "topp") else 0
+        check_rollout_options(config, self.loss_config.estimator)
 
         self.base_model_path = self._base_model_path()
         self.model, self.tokenizer = load_model_and_tokenizer(checkpoint or self.base_model_path,
@@ -100,7 +102,11 @@ class Trainer:
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
-        self.engine = make_engine(config.engine, self.model, self.tokenizer, model_path=checkpoint or self.base_model_path,
+        self.rollout_policy = RolloutPolicy(self.model, _dtype(config.rollout_dtype or config.dtype),
+                                            config.rollout_quantization)
+        self.pending = OffPolicyQueue(config.off_policy_steps)
+        self.engine = make_engine(config.engine, self.rollout_policy.model, self.tokenizer,
+                                  model_path=checkpoint or self.base_model_path,
                                   device=self.device, batch_size=config.rollout_batch_size,
                                   gpu_memory_utilization=config.vllm_gpu_memory, seed=config.seed)
         if self.top_k > self.engine.max_top_k_logprobs:
@@ -167,6 +173,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.problems.train.load_state_dict(state["data"])
+        self.pending.load_state_dict(state.get("pending", []))
         set_rng_state(state["rng"])
         self.step = state["step"]
         self.log.truncate_after(self.step)
@@ -174,7 +181,7 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "data": self.problems.train.state_dict()}
+                 "data": self.problems.train.state_dict(), "pending": self.pending.state_dict()}
         return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state, self.config.keep_checkpoints)
 
     # ------------------------------------------------------------------------------ rollout
@@ -190,16 +197,18 @@ class Trainer:
                                 top_k_logprobs=top_k, seed=seed)
         return self.engine.generate([self._prompt(p.prompt) for p in problems], params)
 
-    def rollout(self) -> tuple[Rollout | None, dict]:
-        """Sample, score and (with dynamic sampling) refill until prompts_per_step informative groups."""
+    def rollout(self, step: int | None = None) -> tuple[Rollout | None, dict]:
+        """Sample, score and (with dynamic sampling) refill until prompts_per_step informative groups
+        (the batch of `step`, default the current one: its seed depends on it)."""
         c = self.config
+        step = self.step if step is None else step
         kept_gens, kept_rewards, all_rewards, all_accuracy, all_gens = [], [], [], [], []
         warnings_count, rounds = 0, 0
         start = time.time()
         while True:
             need = c.prompts_per_step - len(kept_rewards)
             problems = self.problems.train.take(need)
-            seed = (c.seed * _SEED_STRIDE + self.step) * 64 + rounds
+            seed = (c.seed * _SEED_STRIDE + step) * 64 + rounds
             gens = self._sample(problems, c.group_size, c.temperature, seed, self.top_k)
             repeated = [problems[g.prompt_index] for g in gens]
             scored = self.rewards(repeated, [g.text for g in gens], [g.completion_ids for g in gens])
@@ -237,13 +246,14 @@ class Trainer:
     @torch.no_grad()
     def prepare(self, rollout: Rollout) -> Rollout:
         """The rollout on the training device, with what the objective needs beyond it: pi_old
-        (anchor='old'), mu's full distribution (estimator 'full', recomputed with the weights that
-        sampled), the reference model's log-probs (KL penalty)."""
+        (anchor='old', and for the mismatch metrics when the engine samples from other weights
+        than the trained ones), mu's full distribution (estimator 'full', recomputed with the
+        weights that sampled), the reference model's log-probs (KL penalty)."""
         rollout = dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(self.device)
                                                   for f in dataclasses.fields(rollout)
                                                   if isinstance(getattr(rollout, f.name), torch.Tensor)})
         cfg, temperature = self.loss_config, self.config.temperature
-        need_old = cfg.anchor == "old"
+        need_old = cfg.anchor == "old" or self.rollout_policy.is_copy or self.config.off_policy_steps > 0
         need_full = cfg.estimator == "full"
         need_ref = self.ref_model is not None
         if not (need_old or need_full or need_ref):
@@ -262,7 +272,9 @@ class Trainer:
                     if out.topk_logp is not None:
                         parts["topk_logp_old"].append(pad(out.topk_logp))
                 if need_full:
-                    parts["logp_behavior_full"].append(pad(out.log_probs))
+                    mu = out if not self.rollout_policy.is_copy else policy_outputs(self.rollout_policy.model, sub,
+                                                                                    temperature)
+                    parts["logp_behavior_full"].append(pad(mu.log_probs))
             if need_ref:
                 ref = policy_outputs(self.ref_model, sub, temperature)
                 parts["logp_ref"].append(pad(ref.logp))
@@ -297,6 +309,7 @@ class Trainer:
                 self.scheduler.step()
                 per_update.add({"loss": total, "grad_norm": grad_norm.item(), "lr": self.scheduler.get_last_lr()[0]})
         self.model.eval()
+        self.rollout_policy.refresh(self.model)
         sync = getattr(self.engine, "update_weights", None)
         if sync is not None:
             sync(self.model)
@@ -304,11 +317,12 @@ class Trainer:
 
     def train_step(self) -> dict:
         start = time.time()
-        rollout, metrics = self.rollout()
+        rollout, metrics = self.pending.next(self.step, self.rollout)
         if rollout is None:
             self.console.print(f"step {self.step + 1}: every group had equal rewards; no update")
         else:
             rollout = self.prepare(rollout)
+            metrics.update(mismatch_metrics(rollout))
             update_start = time.time()
             metrics.update(self.update(rollout))
             trained = rollout.response_mask.sum().item() * self.config.epochs

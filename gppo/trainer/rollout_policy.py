@@ -1,0 +1,143 @@
+"""Training-inference mismatch on purpose: the policy the engine samples from, the rollouts
+sampled ahead, and the measured gap between the behaviour policy mu and the trainer's pi_old.
+
+Real LLM RL samples with other numerics than it trains with (bf16/fp16 kernels, INT8/FP8
+weights) and trains on rollouts a few updates old (one-step-off-policy and asynchronous
+systems). Three `gppo train` knobs reproduce that (docs/design.md section 1, anchors):
+
+- `rollout_dtype`: the engine samples from a copy of the weights in that dtype; the copy is
+  allocated once and refreshed by `copy_` after every update.
+- `rollout_quantization='int8'`: the copy's `torch.nn.Linear` weights are fake-quantized
+  per output channel (`fake_quantize_int8`); the token embeddings and the output head keep the
+  rollout dtype, as weight-only INT8 recipes usually leave them (tied to the embeddings in
+  small models, they would also change the input side).
+- `off_policy_steps=k`: the batch trained at step t was sampled with the weights of step
+  t - k; the first k batches are sampled with the initial weights. Rollouts sampled ahead are
+  part of the checkpoint, so a resumed run is exact.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import fields
+from typing import Callable
+
+import torch
+
+from gppo.trainer.batch import Rollout
+from gppo.trainer.config import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "int8")
+RATIO_QUANTILES = (0.01, 0.5, 0.99)
+
+
+def check_rollout_options(config, estimator: str | None) -> None:
+    """ConfigError naming the field, the value and the fix for a bad mismatch knob."""
+    if config.rollout_dtype is not None and config.rollout_dtype not in DTYPES:
+        raise ConfigError(f"rollout_dtype {config.rollout_dtype!r} is not one of {list(DTYPES)} "
+                          "(leave it unset to sample in --dtype)")
+    if config.rollout_quantization not in QUANTIZATIONS:
+        raise ConfigError(f"rollout_quantization {config.rollout_quantization!r} is not one of "
+                          f"{list(QUANTIZATIONS)}")
+    if not isinstance(config.off_policy_steps, int) or config.off_policy_steps < 0:
+        raise ConfigError(f"off_policy_steps must be an integer >= 0 (got {config.off_policy_steps!r}); "
+                          "0 trains on the batch the current weights sampled")
+    copies = (config.rollout_dtype not in (None, config.dtype)) or config.rollout_quantization != "none"
+    if copies and config.engine != "hf":
+        raise ConfigError(f"rollout_dtype/rollout_quantization build a rollout copy for the hf engine; "
+                          f"engine {config.engine!r} samples with its own weights and numerics: unset them")
+    if config.off_policy_steps > 0 and estimator == "full":
+        raise ConfigError("estimator 'full' recomputes mu's whole distribution with the weights that "
+                          f"sampled, which off_policy_steps={config.off_policy_steps} no longer holds: "
+                          "use off_policy_steps 0 or another estimator (topk, binary)")
+
+
+def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel symmetric int8 round trip of a [out, in] weight, in float32:
+    s_i = max_j |w_ij| / 127, w_ij -> round(w_ij / s_i) * s_i (round half to even; a zero row
+    stays zero). The result has at most 255 distinct values per row."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale) * scale
+
+
+class RolloutPolicy:
+    """The model the rollout engine samples from: the training model itself when no knob asks
+    otherwise, else a copy in `dtype` (fake-quantized when `quantization='int8'`)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, quantization: str = "none"):
+        train_dtype = next(model.parameters()).dtype
+        self.is_copy = dtype != train_dtype or quantization != "none"
+        self.model = model
+        self._quantized: set[str] = set()
+        if not self.is_copy:
+            return
+        self.model = copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
+        if quantization == "int8":
+            head = model.get_output_embeddings()
+            self._quantized = {f"{name}.weight" for name, module in model.named_modules()
+                               if isinstance(module, torch.nn.Linear) and module is not head}
+        self.refresh(model)
+
+    @torch.no_grad()
+    def refresh(self, model: torch.nn.Module) -> None:
+        """Copy `model`'s parameters into the rollout copy's own tensors (no allocation of the
+        copy; int8 weights go through `fake_quantize_int8`). A no-op without a copy."""
+        if not self.is_copy:
+            return
+        for (name, source), target in zip(model.named_parameters(), self.model.parameters()):
+            target.copy_(fake_quantize_int8(source) if name in self._quantized else source)
+
+
+class OffPolicyQueue:
+    """Rollouts sampled ahead. `next(t, sample)` first samples, with the current weights (those
+    of step t), every rollout up to step t + k not sampled yet, then returns step t's: so the
+    batch of step t was sampled at step max(0, t - k). With k = 0 it samples step t's and returns
+    it at once (on-policy)."""
+
+    def __init__(self, steps_ahead: int):
+        self.steps_ahead = steps_ahead
+        self.pending: list[tuple[int, int, Rollout | None, dict]] = []  # (for step, sampled at, ...)
+
+    def next(self, step: int, sample: Callable[[int], tuple[Rollout | None, dict]]) -> tuple[Rollout | None, dict]:
+        first = self.pending[-1][0] + 1 if self.pending else step
+        for target in range(first, step + self.steps_ahead + 1):
+            self.pending.append((target, step, *sample(target)))
+        target, sampled_at, rollout, stats = self.pending.pop(0)
+        if target != step:
+            raise RuntimeError(f"the rollout queue holds step {target}'s batch at step {step}: "
+                               "the checkpoint's pending rollouts do not belong to this run")
+        if self.steps_ahead:
+            stats = {**stats, "mismatch/policy_lag": step - sampled_at}
+        return rollout, stats
+
+    def state_dict(self) -> list:
+        return [(target, sampled_at, None if r is None else {f.name: getattr(r, f.name) for f in fields(r)}, stats)
+                for target, sampled_at, r, stats in self.pending]
+
+    def load_state_dict(self, state: list) -> None:
+        self.pending = [(target, sampled_at, None if r is None else Rollout(**r), stats)
+                        for target, sampled_at, r, stats in state]
+
+
+def mismatch_metrics(rollout: Rollout) -> dict:
+    """The gap between pi_old (the trainer's recomputation) and mu (the engine) on the sampled
+    tokens a ~ mu, with d = log pi_old(a) - log mu(a), in float64 from the float32 inputs:
+    |pi_old(a) - mu(a)| (mean, max); KL(mu || pi_old) by the sample estimator mean(-d) (k1) and
+    by mean(e^d - 1 - d) (k3, Schulman 2020: unbiased, >= 0 per token); quantiles of the ratio
+    pi_old(a) / mu(a). Empty when pi_old was not recomputed."""
+    if rollout.logp_old is None:
+        return {}
+    valid = rollout.response_mask.bool()
+    old = rollout.logp_old[valid].cpu().double()
+    mu = rollout.logp_behavior[valid].cpu().double()
+    d = old - mu
+    gap = (old.exp() - mu.exp()).abs()
+    ratio = d.exp()
+    quantiles = torch.quantile(ratio, torch.tensor(RATIO_QUANTILES, dtype=torch.float64))
+    values = {"mismatch/prob_diff/mean": gap.mean(), "mismatch/prob_diff/max": gap.max(),
+              "mismatch/kl_sample": (-d).mean(), "mismatch/kl_k3": (torch.expm1(d) - d).mean(),
+              **{f"mismatch/ratio/q{q:g}": value for q, value in zip(RATIO_QUANTILES, quantiles)}}
+    return {key: value.item() for key, value in values.items()}
