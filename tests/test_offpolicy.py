@@ -223,7 +223,24 @@ def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(
     (dict(off_policy_steps=-1), "off_policy_steps must be an integer >= 0 \\(got -1\\)"),
     (dict(engine="vllm", rollout_quantization="int8"), "engine 'vllm' samples with its own weights"),
     (dict(preset="dppo-binary-kl", estimator="full", off_policy_steps=1), "estimator 'full' recomputes mu"),
+    (dict(rollout_overlap=True), "needs off_policy_steps >= 1 \\(got 0\\)"),
 ])
 def test_bad_mismatch_knobs_are_refused_with_the_field_and_the_fix(micro_model, tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message):
         Trainer(micro_config(micro_model, tmp_path / "run", **changes))
+
+
+def test_background_rollouts_give_the_same_run_as_sequential_ones(micro_model, tmp_path):
+    """rollout_overlap only moves the sampling of step t+k into a thread that runs during step t's
+    update (from a copy of the step-t weights): parameters and logged batches are identical."""
+    runs = {}
+    for overlap in (False, True):
+        trainer = Trainer(micro_config(micro_model, tmp_path / str(overlap), eval_every=0, save_every=0,
+                                       off_policy_steps=1, rollout_overlap=overlap, **LEARNS))
+        assert trainer.rollout_policy.is_copy == overlap
+        trainer.train()
+        rows = [json.loads(line) for line in (tmp_path / str(overlap) / "metrics.jsonl").read_text().splitlines()]
+        runs[overlap] = (trainer.model, [(r.get("rollout/reward_mean"), r.get("mismatch/kl_k3")) for r in rows])
+    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters()):
+        assert torch.equal(a, b)
+    assert runs[False][1] == runs[True][1]

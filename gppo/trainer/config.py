@@ -70,6 +70,9 @@ class TrainConfig:
                                      "rollout")
     off_policy_steps: int = _opt(0, "k: train at step t on the batch sampled by the weights of step t-k "
                                  "(the first k batches by the initial weights; 0: on-policy)", "rollout")
+    rollout_overlap: bool = _opt(False, "with off_policy_steps >= 1: sample step t+k's batch in a background "
+                                 "thread while step t trains (same batches; only the wall time changes)",
+                                 "rollout")
 
     # rewards and advantages
     reward_funcs: list = _opt([], "extra reward functions as module:function, called like TRL's "

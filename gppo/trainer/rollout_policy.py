@@ -13,12 +13,15 @@ systems). Three `gppo train` knobs reproduce that (docs/design.md section 1, anc
   small models, they would also change the input side).
 - `off_policy_steps=k`: the batch trained at step t was sampled with the weights of step
   t - k; the first k batches are sampled with the initial weights. Rollouts sampled ahead are
-  part of the checkpoint, so a resumed run is exact.
+  part of the checkpoint, so a resumed run is exact. With `rollout_overlap` the rollout of step
+  t + k is sampled in a background thread, from a copy of the step-t weights, while step t's
+  update trains: the same batches, only the wall time changes.
 """
 
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
 from typing import Callable
 
@@ -47,6 +50,10 @@ def check_rollout_options(config, estimator: str | None) -> None:
     if copies and config.engine != "hf":
         raise ConfigError(f"rollout_dtype/rollout_quantization build a rollout copy for the hf engine; "
                           f"engine {config.engine!r} samples with its own weights and numerics: unset them")
+    if config.rollout_overlap and (config.off_policy_steps < 1 or config.engine != "hf"):
+        raise ConfigError(f"rollout_overlap samples step t+k's batch while step t trains, so it needs "
+                          f"off_policy_steps >= 1 (got {config.off_policy_steps}) and engine 'hf' "
+                          f"(got {config.engine!r}): set them, or rollout_overlap false")
     if config.off_policy_steps > 0 and estimator == "full":
         raise ConfigError("estimator 'full' recomputes mu's whole distribution with the weights that "
                           f"sampled, which off_policy_steps={config.off_policy_steps} no longer holds: "
@@ -65,16 +72,21 @@ def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
 
 class RolloutPolicy:
     """The model the rollout engine samples from: the training model itself when no knob asks
-    otherwise, else a copy in `dtype` (fake-quantized when `quantization='int8'`)."""
+    otherwise, else a copy in `dtype` (fake-quantized when `quantization='int8'`; `separate`
+    asks for a copy even in the training dtype, for sampling while the model trains)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, quantization: str = "none"):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, quantization: str = "none",
+                 separate: bool = False):
         train_dtype = next(model.parameters()).dtype
-        self.is_copy = dtype != train_dtype or quantization != "none"
+        self.is_copy = separate or dtype != train_dtype or quantization != "none"
         self.model = model
         self._quantized: set[str] = set()
         if not self.is_copy:
             return
-        self.model = copy.deepcopy(model).to(dtype).requires_grad_(False).eval()
+        # requires_grad stays as in `model` (never used: the engine samples under inference_mode):
+        # with it off, some CPU kernels round the last bit differently, and an overlap copy in the
+        # training dtype must sample exactly as the training model would.
+        self.model = copy.deepcopy(model).to(dtype).eval()
         if quantization == "int8":
             head = model.get_output_embeddings()
             self._quantized = {f"{name}.weight" for name, module in model.named_modules()
@@ -95,16 +107,24 @@ class OffPolicyQueue:
     """Rollouts sampled ahead. `next(t, sample)` first samples, with the current weights (those
     of step t), every rollout up to step t + k not sampled yet, then returns step t's: so the
     batch of step t was sampled at step max(0, t - k). With k = 0 it samples step t's and returns
-    it at once (on-policy)."""
+    it at once (on-policy). With `background`, step t + k's is sampled in a thread; `wait()`
+    (before the weights it samples from change) adds it to the queue."""
 
-    def __init__(self, steps_ahead: int):
+    def __init__(self, steps_ahead: int, background: bool = False):
         self.steps_ahead = steps_ahead
         self.pending: list[tuple[int, int, Rollout | None, dict]] = []  # (for step, sampled at, ...)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gppo-rollout") if background else None
+        self._in_flight: tuple[int, int, Future] | None = None
 
     def next(self, step: int, sample: Callable[[int], tuple[Rollout | None, dict]]) -> tuple[Rollout | None, dict]:
+        self.wait()
         first = self.pending[-1][0] + 1 if self.pending else step
-        for target in range(first, step + self.steps_ahead + 1):
-            self.pending.append((target, step, *sample(target)))
+        last = step + self.steps_ahead
+        for target in range(first, last + 1):
+            if self._executor is not None and target == last > step:
+                self._in_flight = (target, step, self._executor.submit(sample, target))
+            else:
+                self.pending.append((target, step, *sample(target)))
         target, sampled_at, rollout, stats = self.pending.pop(0)
         if target != step:
             raise RuntimeError(f"the rollout queue holds step {target}'s batch at step {step}: "
@@ -113,7 +133,15 @@ class OffPolicyQueue:
             stats = {**stats, "mismatch/policy_lag": step - sampled_at}
         return rollout, stats
 
+    def wait(self) -> None:
+        """Queue the rollout sampling in the background, if any (its errors are raised here)."""
+        if self._in_flight is not None:
+            target, sampled_at, future = self._in_flight
+            self._in_flight = None
+            self.pending.append((target, sampled_at, *future.result()))
+
     def state_dict(self) -> list:
+        self.wait()
         return [(target, sampled_at, None if r is None else {f.name: getattr(r, f.name) for f in fields(r)}, stats)
                 for target, sampled_at, r, stats in self.pending]
 

@@ -103,8 +103,8 @@ class Trainer:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
         self.rollout_policy = RolloutPolicy(self.model, _dtype(config.rollout_dtype or config.dtype),
-                                            config.rollout_quantization)
-        self.pending = OffPolicyQueue(config.off_policy_steps)
+                                            config.rollout_quantization, separate=config.rollout_overlap)
+        self.pending = OffPolicyQueue(config.off_policy_steps, background=config.rollout_overlap)
         self.engine = make_engine(config.engine, self.rollout_policy.model, self.tokenizer,
                                   model_path=checkpoint or self.base_model_path,
                                   device=self.device, batch_size=config.rollout_batch_size,
@@ -309,7 +309,6 @@ class Trainer:
                 self.scheduler.step()
                 per_update.add({"loss": total, "grad_norm": grad_norm.item(), "lr": self.scheduler.get_last_lr()[0]})
         self.model.eval()
-        self.rollout_policy.refresh(self.model)
         sync = getattr(self.engine, "update_weights", None)
         if sync is not None:
             sync(self.model)
@@ -327,6 +326,8 @@ class Trainer:
             metrics.update(self.update(rollout))
             trained = rollout.response_mask.sum().item() * self.config.epochs
             metrics["perf/train_tokens_per_s"] = trained / max(time.time() - update_start, 1e-9)
+        self.pending.wait()  # the background rollout, if any, is done with the rollout weights
+        self.rollout_policy.refresh(self.model)
         self.step += 1
         metrics["perf/step_seconds"] = time.time() - start
         return metrics
