@@ -187,6 +187,19 @@ def test_bf16_rollout_copy_is_refreshed_in_place_and_its_mismatch_is_measured(mi
     assert {"mismatch: KL(mu || pi_old)", "mismatch: |pi_old(a) - mu(a)|", "mismatch: pi_old(a) / mu(a)"} <= set(titles)
 
 
+def test_full_estimator_reads_mu_from_the_rollout_copy_and_pi_old_from_the_trained_weights(micro_model, tmp_path):
+    trainer = Trainer(micro_config(micro_model, tmp_path / "run", preset="dppo-binary-kl", estimator="full",
+                                   rollout_dtype="bfloat16"))
+    rollout, _ = trainer.rollout()
+    prepared = trainer.prepare(rollout)
+    with torch.no_grad():
+        copy = policy_outputs(trainer.rollout_policy.model, rollout, 1.0)
+        trained = policy_outputs(trainer.model, rollout, 1.0)
+    assert torch.equal(prepared.logp_behavior_full, copy.log_probs)
+    assert torch.equal(prepared.logp_old, trained.logp)
+    assert not torch.equal(copy.log_probs, trained.log_probs)
+
+
 def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(micro_model, tmp_path):
     k = 2
     trainer = Trainer(micro_config(micro_model, tmp_path / "run", steps=4, eval_every=0, save_every=1,
