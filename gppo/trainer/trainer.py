@@ -33,7 +33,8 @@ from gppo.trainer.checkpoint import (atomic_write_text, latest_checkpoint, load_
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set
 from gppo.trainer.logging import MetricsLog, plot_curves
-from gppo.trainer.rollout_policy import OffPolicyQueue, RolloutPolicy, check_rollout_options, mismatch_metrics
+from gppo.trainer.rollout_policy import (DTYPES, OffPolicyQueue, RolloutPolicy, check_rollout_options,
+                                         mismatch_metrics)
 
 _SEED_STRIDE = 1_000_003
 
@@ -52,10 +53,9 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ConfigError(f"dtype {name!r} is not one of {list(dtypes)}")
-    return dtypes[name]
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of {list(DTYPES)}")
+    return DTYPES[name]
 
 
 class MeanOf:
