@@ -237,6 +237,7 @@ def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(
     (dict(engine="vllm", rollout_quantization="int8"), "engine 'vllm' samples with its own weights"),
     (dict(preset="dppo-binary-kl", estimator="full", off_policy_steps=1), "estimator 'full' recomputes mu"),
     (dict(rollout_overlap=True), "needs off_policy_steps >= 1 \\(got 0\\)"),
+    (dict(rollout_overlap=True, off_policy_steps=1, engine="vllm"), "engine 'vllm' is not run during the update"),
 ])
 def test_bad_mismatch_knobs_are_refused_with_the_field_and_the_fix(micro_model, tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message):

@@ -50,10 +50,12 @@ def check_rollout_options(config, estimator: str | None) -> None:
     if copies and config.engine != "hf":
         raise ConfigError(f"rollout_dtype/rollout_quantization build a rollout copy for the hf engine; "
                           f"engine {config.engine!r} samples with its own weights and numerics: unset them")
-    if config.rollout_overlap and (config.off_policy_steps < 1 or config.engine != "hf"):
-        raise ConfigError(f"rollout_overlap samples step t+k's batch while step t trains, so it needs "
-                          f"off_policy_steps >= 1 (got {config.off_policy_steps}) and engine 'hf' "
-                          f"(got {config.engine!r}): set them, or rollout_overlap false")
+    if config.rollout_overlap and config.off_policy_steps < 1:
+        raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
+                          f"off_policy_steps >= 1 (got {config.off_policy_steps}): set it, or rollout_overlap false")
+    if config.rollout_overlap and config.engine != "hf":
+        raise ConfigError(f"rollout_overlap runs the hf engine on a copy of the weights in a thread; engine "
+                          f"{config.engine!r} is not run during the update: set rollout_overlap false")
     if config.off_policy_steps > 0 and estimator == "full":
         raise ConfigError("estimator 'full' recomputes mu's whole distribution with the weights that "
                           f"sampled, which off_policy_steps={config.off_policy_steps} no longer holds: "
