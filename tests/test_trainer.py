@@ -149,20 +149,27 @@ def test_options_run(micro_model, tmp_path, preset, changes):
         assert "loss/kl_ref" in records[1]
 
 
-def test_resume_reaches_the_same_parameters(micro_model, tmp_path):
-    full = Trainer(micro_config(micro_model, tmp_path / "full"))
+@pytest.mark.parametrize("changes", [{}, dict(off_policy_steps=1, rollout_dtype="bfloat16", rollout_quantization="int8")])
+def test_resume_reaches_the_same_parameters(micro_model, tmp_path, changes):
+    """Also off-policy: the rollout sampled ahead at step 1 is restored from the checkpoint."""
+    changes = dict(changes, reward_funcs=["tests.reward_fns:length_bonus"])  # rewards that vary: weights move
+    full = Trainer(micro_config(micro_model, tmp_path / "full", **changes))
+    initial = [p.detach().clone() for p in full.model.parameters()]
     full.train()
-    interrupted = Trainer(micro_config(micro_model, tmp_path / "resumed"))
+    assert any(not torch.equal(a, b) for a, b in zip(initial, full.model.parameters()))
+    interrupted = Trainer(micro_config(micro_model, tmp_path / "resumed", **changes))
     assert interrupted.train(stop_after=1) is None
     resumed = Trainer.resume(tmp_path / "resumed", {"progress": False})
     assert resumed.step == 1
+    assert len(resumed.pending.pending) == changes.get("off_policy_steps", 0)
     resumed.train()
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
 
     def rollout_metrics(path):
         rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-        return [(r["step"], r.get("rollout/reward_mean"), r.get("loss/ratio/max")) for r in rows]
+        return [(r["step"], r.get("rollout/reward_mean"), r.get("loss/ratio/max"), r.get("mismatch/kl_k3"))
+                for r in rows]
     assert rollout_metrics(tmp_path / "full") == rollout_metrics(tmp_path / "resumed")
 
 

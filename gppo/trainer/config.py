@@ -87,6 +87,16 @@ class TrainConfig:
     max_new_tokens: int = _opt(24, "maximum completion length", "rollout", ge=1)
     rollout_batch_size: int = _opt(256, "sequences generated together", "rollout", ge=1)
     vllm_gpu_memory: float = _opt(0.5, "vLLM gpu_memory_utilization (engine=vllm)", "rollout", gt=0, le=1)
+    rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(
+        None, "dtype of the weights the hf engine samples from (default: --dtype); a copy refreshed after every "
+        "update", "rollout")
+    rollout_quantization: Literal["none", "int8"] = _opt(
+        "none", "per-output-channel symmetric int8 fake-quantization of the rollout copy's Linear weights (not the "
+        "embeddings and LM head)", "rollout")
+    off_policy_steps: int = _opt(0, "k: train at step t on the batch sampled by the weights of step t-k "
+                                 "(the first k batches by the initial weights; 0: on-policy)", "rollout", ge=0)
+    rollout_overlap: bool = _opt(False, "with off_policy_steps >= 1: sample step t+k's batch in a background "
+                                 "thread while step t trains (same batches; only the wall time changes)", "rollout")
 
     # rewards and advantages
     reward_funcs: list[str] = _opt([], "extra reward functions as module:function, called like TRL's "

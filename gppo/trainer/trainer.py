@@ -36,6 +36,8 @@ from gppo.trainer.checkpoint import (RunError, RunLock, atomic_write_text, lates
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set
 from gppo.trainer.logging import MetricsLog, plot_curves
+from gppo.trainer.rollout_policy import (DTYPES, OffPolicyQueue, RolloutPolicy, check_rollout_options,
+                                         mismatch_metrics)
 
 _SEED_STRIDE = 1_000_003
 
@@ -48,10 +50,9 @@ def default_threads() -> int:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ConfigError(f"dtype {name!r} is not one of {list(dtypes)}")
-    return dtypes[name]
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of {list(DTYPES)}")
+    return DTYPES[name]
 
 
 class NonFiniteError(RunError):
@@ -108,6 +109,7 @@ class Trainer:
         cfg = config.gppo_config()
         self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
         self.top_k = self.loss_config.rollout_top_k
+        check_rollout_options(config, self.loss_config.estimator)
 
         self.base_model_path = self._base_model_path()
         self.model, self.tokenizer = load_model_and_tokenizer(checkpoint or self.base_model_path,
@@ -117,7 +119,11 @@ class Trainer:
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
-        self.engine = make_engine(config.engine, self.model, self.tokenizer, model_path=checkpoint or self.base_model_path,
+        self.rollout_policy = RolloutPolicy(self.model, _dtype(config.rollout_dtype or config.dtype),
+                                            config.rollout_quantization, separate=config.rollout_overlap)
+        self.pending = OffPolicyQueue(config.off_policy_steps, background=config.rollout_overlap)
+        self.engine = make_engine(config.engine, self.rollout_policy.model, self.tokenizer,
+                                  model_path=checkpoint or self.base_model_path,
                                   device=self.device, batch_size=config.rollout_batch_size,
                                   gpu_memory_utilization=config.vllm_gpu_memory, seed=config.seed)
         if self.top_k > self.engine.max_top_k_logprobs:
@@ -178,6 +184,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.problems.train.load_state_dict(state["data"])
+        self.pending.load_state_dict(state.get("pending", []))
         set_rng_state(state["rng"])
         self.step = state["step"]
         self.log.truncate_after(self.step)
@@ -185,7 +192,7 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "data": self.problems.train.state_dict()}
+                 "data": self.problems.train.state_dict(), "pending": self.pending.state_dict()}
         return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state, self.config.keep_checkpoints)
 
     def close(self) -> None:
@@ -204,16 +211,18 @@ class Trainer:
                                 top_k_logprobs=top_k, seed=seed)
         return self.engine.generate([self.prompts(p.prompt) for p in problems], params)
 
-    def rollout(self) -> tuple[Rollout | None, dict]:
-        """Sample, score and (with dynamic sampling) refill until prompts_per_step informative groups."""
+    def rollout(self, step: int | None = None) -> tuple[Rollout | None, dict]:
+        """Sample, score and (with dynamic sampling) refill until prompts_per_step informative groups
+        (the batch of `step`, default the current one: its seed depends on it)."""
         c = self.config
+        step = self.step if step is None else step
         kept_gens, kept_rewards, all_rewards, all_accuracy, all_gens = [], [], [], [], []
         warnings_count, rounds = 0, 0
         start = time.time()
         while True:
             need = c.prompts_per_step - len(kept_rewards)
             problems = self.problems.train.take(need)
-            seed = (c.seed * _SEED_STRIDE + self.step) * 64 + rounds
+            seed = (c.seed * _SEED_STRIDE + step) * 64 + rounds
             gens = self._sample(problems, c.group_size, c.temperature, seed, self.top_k)
             repeated = [problems[g.prompt_index] for g in gens]
             scored = self.rewards(repeated, [g.text for g in gens], [g.completion_ids for g in gens])
@@ -251,13 +260,14 @@ class Trainer:
     @torch.no_grad()
     def prepare(self, rollout: Rollout) -> Rollout:
         """The rollout on the training device, with what the objective needs beyond it: pi_old
-        (anchor='old'), mu's full distribution (estimator 'full', recomputed with the weights that
-        sampled), the reference model's log-probs (KL penalty)."""
+        (anchor='old', and for the mismatch metrics when the engine samples from other weights
+        than the trained ones), mu's full distribution (estimator 'full', recomputed with the
+        weights that sampled), the reference model's log-probs (KL penalty)."""
         rollout = dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(self.device)
                                                   for f in dataclasses.fields(rollout)
                                                   if isinstance(getattr(rollout, f.name), torch.Tensor)})
         cfg, temperature = self.loss_config, self.config.temperature
-        need_old = cfg.anchor == "old"
+        need_old = cfg.anchor == "old" or self.rollout_policy.is_copy or self.config.off_policy_steps > 0
         need_full = cfg.estimator is not None and "full" in gppo.ESTIMATORS[cfg.estimator].anchor
         need_ref = self.ref_model is not None
         if not (need_old or need_full or need_ref):
@@ -276,7 +286,9 @@ class Trainer:
                     if out.topk_logp is not None:
                         parts["topk_logp_old"].append(pad(out.topk_logp))
                 if need_full:
-                    parts["logp_behavior_full"].append(pad(out.log_probs))
+                    mu = out if not self.rollout_policy.is_copy else policy_outputs(self.rollout_policy.model, sub,
+                                                                                    temperature)
+                    parts["logp_behavior_full"].append(pad(mu.log_probs))
             if need_ref:
                 ref = policy_outputs(self.ref_model, sub, temperature)
                 parts["logp_ref"].append(pad(ref.logp))
@@ -335,15 +347,18 @@ class Trainer:
 
     def train_step(self) -> dict:
         start = time.time()
-        rollout, metrics = self.rollout()
+        rollout, metrics = self.pending.next(self.step, self.rollout)
         if rollout is None:
             self.console.print(f"step {self.step + 1}: every group had equal rewards; no update")
         else:
             rollout = self.prepare(rollout)
+            metrics.update(mismatch_metrics(rollout))
             update_start = time.time()
             metrics.update(self.update(rollout))
             trained = rollout.response_mask.sum().item() * self.config.epochs
             metrics["perf/train_tokens_per_s"] = trained / max(time.time() - update_start, 1e-9)
+        self.pending.wait()  # the background rollout, if any, is done with the rollout weights
+        self.rollout_policy.refresh(self.model)
         self.step += 1
         metrics["perf/step_seconds"] = time.time() - start
         return metrics

@@ -1,0 +1,164 @@
+"""Training-inference mismatch on purpose: the policy the engine samples from, the rollouts
+sampled ahead, and the measured gap between the behaviour policy mu and the trainer's pi_old.
+
+Real LLM RL samples with other numerics than it trains with (bf16/fp16 kernels, INT8/FP8
+weights) and trains on rollouts a few updates old (one-step-off-policy and asynchronous
+systems). Three `gppo train` knobs reproduce that (docs/design.md section 1, anchors):
+
+- `rollout_dtype`: the engine samples from a copy of the weights in that dtype; the copy is
+  allocated once and refreshed by `copy_` after every update.
+- `rollout_quantization='int8'`: the copy's `torch.nn.Linear` weights are fake-quantized
+  per output channel (`fake_quantize_int8`); the token embeddings and the output head keep the
+  rollout dtype, as weight-only INT8 recipes usually leave them (tied to the embeddings in
+  small models, they would also change the input side).
+- `off_policy_steps=k`: the batch trained at step t was sampled with the weights of step
+  t - k; the first k batches are sampled with the initial weights. Rollouts sampled ahead are
+  part of the checkpoint, so a resumed run is exact. With `rollout_overlap` the rollout of step
+  t + k is sampled in a background thread, from a copy of the step-t weights, while step t's
+  update trains: the same batches, only the wall time changes.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import fields
+from typing import Callable
+
+import torch
+
+from gppo.trainer.batch import Rollout
+from gppo.trainer.config import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RATIO_QUANTILES = (0.01, 0.5, 0.99)
+
+
+def check_rollout_options(config, estimator: str | None) -> None:
+    """ConfigError naming the fields, the values and the fix for mismatch knobs that do not fit
+    together or with the engine (each field's own type and range is TrainConfig's check)."""
+    copies = (config.rollout_dtype not in (None, config.dtype)) or config.rollout_quantization != "none"
+    if copies and config.engine != "hf":
+        raise ConfigError(f"rollout_dtype/rollout_quantization build a rollout copy for the hf engine; "
+                          f"engine {config.engine!r} samples with its own weights and numerics: unset them")
+    if config.rollout_overlap and config.off_policy_steps < 1:
+        raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
+                          f"off_policy_steps >= 1 (got {config.off_policy_steps}): set it, or rollout_overlap false")
+    if config.rollout_overlap and config.engine != "hf":
+        raise ConfigError(f"rollout_overlap runs the hf engine on a copy of the weights in a thread; engine "
+                          f"{config.engine!r} is not run during the update: set rollout_overlap false")
+    if config.off_policy_steps > 0 and estimator == "full":
+        raise ConfigError("estimator 'full' recomputes mu's whole distribution with the weights that "
+                          f"sampled, which off_policy_steps={config.off_policy_steps} no longer holds: "
+                          "use off_policy_steps 0 or another estimator (topk, binary)")
+
+
+def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel symmetric int8 round trip of a [out, in] weight, in float32:
+    s_i = max_j |w_ij| / 127, w_ij -> round(w_ij / s_i) * s_i (round half to even; a zero row
+    stays zero). The result has at most 255 distinct values per row."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale) * scale
+
+
+class RolloutPolicy:
+    """The model the rollout engine samples from: the training model itself when no knob asks
+    otherwise, else a copy in `dtype` (fake-quantized when `quantization='int8'`; `separate`
+    asks for a copy even in the training dtype, for sampling while the model trains)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, quantization: str = "none",
+                 separate: bool = False):
+        train_dtype = next(model.parameters()).dtype
+        self.is_copy = separate or dtype != train_dtype or quantization != "none"
+        self.model = model
+        self._quantized: set[str] = set()
+        if not self.is_copy:
+            return
+        # requires_grad stays as in `model` (never used: the engine samples under inference_mode):
+        # with it off, some CPU kernels round the last bit differently, and an overlap copy in the
+        # training dtype must sample exactly as the training model would.
+        self.model = copy.deepcopy(model).to(dtype).eval()
+        if quantization == "int8":
+            head = model.get_output_embeddings()
+            self._quantized = {f"{name}.weight" for name, module in model.named_modules()
+                               if isinstance(module, torch.nn.Linear) and module is not head}
+        self.refresh(model)
+
+    @torch.no_grad()
+    def refresh(self, model: torch.nn.Module) -> None:
+        """Copy `model`'s parameters into the rollout copy's own tensors (no allocation of the
+        copy; int8 weights go through `fake_quantize_int8`). A no-op without a copy."""
+        if not self.is_copy:
+            return
+        for (name, source), target in zip(model.named_parameters(), self.model.parameters()):
+            target.copy_(fake_quantize_int8(source) if name in self._quantized else source)
+
+
+class OffPolicyQueue:
+    """Rollouts sampled ahead. `next(t, sample)` first samples, with the current weights (those
+    of step t), every rollout up to step t + k not sampled yet, then returns step t's: so the
+    batch of step t was sampled at step max(0, t - k). With k = 0 it samples step t's and returns
+    it at once (on-policy). With `background`, step t + k's is sampled in a thread; `wait()`
+    (before the weights it samples from change) adds it to the queue."""
+
+    def __init__(self, steps_ahead: int, background: bool = False):
+        self.steps_ahead = steps_ahead
+        self.pending: list[tuple[int, int, Rollout | None, dict]] = []  # (for step, sampled at, ...)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gppo-rollout") if background else None
+        self._in_flight: tuple[int, int, Future] | None = None
+
+    def next(self, step: int, sample: Callable[[int], tuple[Rollout | None, dict]]) -> tuple[Rollout | None, dict]:
+        self.wait()
+        first = self.pending[-1][0] + 1 if self.pending else step
+        last = step + self.steps_ahead
+        for target in range(first, last + 1):
+            if self._executor is not None and target == last > step:
+                self._in_flight = (target, step, self._executor.submit(sample, target))
+            else:
+                self.pending.append((target, step, *sample(target)))
+        target, sampled_at, rollout, stats = self.pending.pop(0)
+        if target != step:
+            raise RuntimeError(f"the rollout queue holds step {target}'s batch at step {step}: "
+                               "the checkpoint's pending rollouts do not belong to this run")
+        if self.steps_ahead:
+            stats = {**stats, "mismatch/policy_lag": step - sampled_at}
+        return rollout, stats
+
+    def wait(self) -> None:
+        """Queue the rollout sampling in the background, if any (its errors are raised here)."""
+        if self._in_flight is not None:
+            target, sampled_at, future = self._in_flight
+            self._in_flight = None
+            self.pending.append((target, sampled_at, *future.result()))
+
+    def state_dict(self) -> list:
+        self.wait()
+        return [(target, sampled_at, None if r is None else {f.name: getattr(r, f.name) for f in fields(r)}, stats)
+                for target, sampled_at, r, stats in self.pending]
+
+    def load_state_dict(self, state: list) -> None:
+        self.pending = [(target, sampled_at, None if r is None else Rollout(**r), stats)
+                        for target, sampled_at, r, stats in state]
+
+
+def mismatch_metrics(rollout: Rollout) -> dict:
+    """The gap between pi_old (the trainer's recomputation) and mu (the engine) on the sampled
+    tokens a ~ mu, with d = log pi_old(a) - log mu(a), in float64 from the float32 inputs:
+    |pi_old(a) - mu(a)| (mean, max); KL(mu || pi_old) by the sample estimator mean(-d) (k1) and
+    by mean(e^d - 1 - d) (k3, Schulman 2020: unbiased, >= 0 per token); quantiles of the ratio
+    pi_old(a) / mu(a). Empty when pi_old was not recomputed."""
+    if rollout.logp_old is None:
+        return {}
+    valid = rollout.response_mask.bool()
+    old = rollout.logp_old[valid].cpu().double()
+    mu = rollout.logp_behavior[valid].cpu().double()
+    d = old - mu
+    gap = (old.exp() - mu.exp()).abs()
+    ratio = d.exp()
+    quantiles = torch.quantile(ratio, torch.tensor(RATIO_QUANTILES, dtype=torch.float64))
+    values = {"mismatch/prob_diff/mean": gap.mean(), "mismatch/prob_diff/max": gap.max(),
+              "mismatch/kl_sample": (-d).mean(), "mismatch/kl_k3": (torch.expm1(d) - d).mean(),
+              **{f"mismatch/ratio/q{q:g}": value for q, value in zip(RATIO_QUANTILES, quantiles)}}
+    return {key: value.item() for key, value in values.items()}
