@@ -1,4 +1,4 @@
-"""Theory of the design space (DESIGN.md section 7): improvement bounds and trust-region geometry.
+"""Theory of the design space (docs/design.md section 7): improvement bounds and trust-region geometry.
 
 - `improvement_bound`: the lower bound on J(pi) - J(mu) that a D_f trust region of radius delta
   guarantees, through TV <= phi_f^-1(delta) (each divergence's `tv_bound`), for the discounted

@@ -163,6 +163,14 @@ def validate(batch: TokenBatch) -> None:
             checks[f"TokenBatch.{name} has NaN or +inf"] = (
                 (torch.isnan(value) | (value == float("inf"))) & valid[..., None]
             ).any()
+    # [B,T,V] fields: one row sum each, no [B,T,V] temporary. A row sums to NaN or +inf iff it
+    # holds NaN or +inf (-inf is a masked vocabulary column), barring overflow of finite values.
+    for name in _FULL_FIELDS:
+        value = getattr(batch, name)
+        if value is not None:
+            row = value.detach().sum(-1)
+            checks[f"TokenBatch.{name} has NaN or +inf"] = (
+                (torch.isnan(row) | (row == float("inf"))) & valid).any()
     flags = torch.stack([c.reshape(()) for c in checks.values()]).tolist()
     failed = [msg for msg, bad in zip(checks, flags) if bad]
     if failed:
