@@ -167,7 +167,8 @@ class TotalVariation(Divergence):
     slope_at_inf: float = 0.5
 
     def _interior(self, p, q, log_p, log_q):
-        return 0.5 * (p - q).abs()
+        x = log_p - log_q  # p - q = q expm1(x), exact near p = q where p - q cancels
+        return 0.5 * torch.where(x.abs() <= 1, q * torch.expm1(x).abs(), (p - q).abs())
 
     def tv_bound(self, delta):
         return _clamp_tv(delta)
@@ -326,7 +327,7 @@ class JensenShannon(Divergence):
         # H(m) - (H(p) + H(q)) / 2 with m = (p + q) / 2
         p, q = log_p.exp(), log_q.exp()
         m = (p + q) / 2
-        own = _sum_terms(p * log_p + q * log_q) / 2
+        own = (_sum_terms(p * log_p) + _sum_terms(q * log_q)) / 2
         return (own - torch.special.xlogy(m, m).sum(-1)).clamp_(min=0.0)
 
 

@@ -141,8 +141,14 @@ def full_estimate(div: Divergence, logits, full_logq, mask, chunk_size: int) -> 
     dtype = work_dtype(logits, full_logq)
     out = torch.zeros(mask.numel(), dtype=dtype, device=logits.device)
     for chunk in positions.split(chunk_size):  # only one [chunk, V] slice exists at a time
-        log_pi = torch.log_softmax(flat_logits.index_select(0, chunk).to(dtype), dim=-1)
-        out[chunk] = div.full_divergence(log_pi, flat_logq.index_select(0, chunk).to(dtype))
+        # Both normalised as z - logsumexp(z): torch's float32 log_softmax on CPU is off by ~1e-5
+        # at V = 50k (its normaliser is summed less accurately), and the anchor's recorded
+        # log-probs sum to 1 only up to their rounding (0.5 % in bfloat16), while the closed
+        # forms use sum p = sum q = 1.
+        log_pi, log_mu = (x.index_select(0, chunk).to(dtype) for x in (flat_logits, flat_logq))
+        log_pi -= torch.logsumexp(log_pi, dim=-1, keepdim=True)
+        log_mu -= torch.logsumexp(log_mu, dim=-1, keepdim=True)
+        out[chunk] = div.full_divergence(log_pi, log_mu)
     return out.view(mask.shape)
 
 
