@@ -21,6 +21,7 @@ the floor contribute 0 rather than rounding noise against a floor.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -129,26 +130,78 @@ def nucleus_estimate(div: Divergence, logp, logq, token_ids, topk_ids, topk_logp
     return terms + div.cell_terms(rest_p, rest_q)
 
 
+def normalize_rows_(x: torch.Tensor) -> torch.Tensor:
+    """x - log sum exp(x) over the last axis, in place, as (x - max) - log sum exp(x - max).
+
+    Used instead of torch.log_softmax, whose float32 normaliser on CPU is off by ~1e-5 at
+    V = 50k (summed less accurately), and of torch.logsumexp, which is ~100x slower on CPU.
+    A row that is all -inf becomes NaN (no distribution)."""
+    x -= x.amax(-1, keepdim=True)
+    x -= x.exp().sum(-1, keepdim=True).log_()
+    return x
+
+
+def chunk_rows(chunk_size: int, vocab: int, device: torch.device) -> int:
+    """Rows per [rows, V] chunk of an eager vocabulary pass: `chunk_size`, and on CPU at most
+    FULL_CHUNK_ELEMENTS elements, so that the temporaries stay in cache."""
+    if device.type == "cpu":
+        return max(1, min(chunk_size, FULL_CHUNK_ELEMENTS // vocab))
+    return chunk_size
+
+
+# A fused (torch.compile'd) vocabulary pass costs ~15 s to build on CPU, once per process and
+# divergence; it pays off from this many masked-in token x vocabulary elements (a 2048 x 32768
+# batch: eager ~12 passes per cell, fused ~2). On CUDA it is always used.
+FUSE_MIN_ELEMENTS = 1 << 26
+_fused: dict = {}  # function -> its torch.compile'd version, or itself where compiling failed
+
+
+def vocabulary_pass(fn: Callable, flat: tuple, positions: torch.Tensor, chunk_size: int, *args):
+    """[fn(*flat rows of one chunk, *args) for each chunk of `positions`], each a [rows] tensor.
+
+    fn reads rows of [N, V] tensors and reduces each row to a number. Large passes (and every pass
+    on CUDA) run fn through torch.compile, one fused kernel per chunk with no [rows, V]
+    temporaries, `chunk_size` rows at a time; small ones run it eagerly in cache-sized chunks
+    (`chunk_rows`). If torch.compile fails on this platform (e.g. no C++ compiler or Triton),
+    the eager function is used from then on, after one warning."""
+    vocab, device = flat[0].shape[-1], flat[0].device
+    fuse = device.type == "cuda" or positions.numel() * vocab >= FUSE_MIN_ELEMENTS
+    if fuse and fn not in _fused:
+        _fused[fn] = torch.compile(fn, dynamic=True)
+    run = _fused[fn] if fuse else fn
+    out = []
+    for chunk in positions.split(chunk_size if run is not fn else chunk_rows(chunk_size, vocab, device)):
+        try:
+            out.append(run(*flat, chunk, *args))
+        except Exception as exc:  # torch.compile cannot build here: run eagerly for good
+            if run is fn:
+                raise
+            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); vocabulary passes "
+                          "run uncompiled", RuntimeWarning)
+            _fused[fn] = run = fn
+            out.append(fn(*flat, chunk, *args))
+    return out
+
+
+def _full_chunk(flat_logits, flat_logq, rows, div: Divergence, dtype: torch.dtype) -> torch.Tensor:
+    """D_f of the distributions at `rows`, both normalised (the closed forms use sum p = sum q =
+    1; recorded log-probs sum to 1 only up to their rounding, 0.5 % in bfloat16). index_select
+    copies the rows, so that the in-place normalisation leaves the inputs be."""
+    log_pi = normalize_rows_(flat_logits.index_select(0, rows).to(dtype))
+    log_mu = normalize_rows_(flat_logq.index_select(0, rows).to(dtype))
+    return div.full_divergence(log_pi, log_mu)
+
+
 def full_estimate(div: Divergence, logits, full_logq, mask, chunk_size: int) -> torch.Tensor:
     """Exact D_f over the vocabulary (`Divergence.full_divergence`: a closed form for the
-    built-ins), at most `chunk_size` masked-in tokens at a time; on CPU also at most
-    FULL_CHUNK_ELEMENTS per chunk, so that its temporaries stay in cache."""
+    built-ins) at the masked-in tokens, one chunk at a time (`vocabulary_pass`)."""
     vocab = logits.shape[-1]
-    if logits.device.type == "cpu":
-        chunk_size = max(1, min(chunk_size, FULL_CHUNK_ELEMENTS // vocab))
-    flat_logits, flat_logq = logits.reshape(-1, vocab), full_logq.reshape(-1, vocab)
+    flat = (logits.reshape(-1, vocab), full_logq.reshape(-1, vocab))
     positions = mask.reshape(-1).bool().nonzero().squeeze(-1)
     dtype = work_dtype(logits, full_logq)
     out = torch.zeros(mask.numel(), dtype=dtype, device=logits.device)
-    for chunk in positions.split(chunk_size):  # only one [chunk, V] slice exists at a time
-        # Both normalised as z - logsumexp(z): torch's float32 log_softmax on CPU is off by ~1e-5
-        # at V = 50k (its normaliser is summed less accurately), and the anchor's recorded
-        # log-probs sum to 1 only up to their rounding (0.5 % in bfloat16), while the closed
-        # forms use sum p = sum q = 1.
-        log_pi, log_mu = (x.index_select(0, chunk).to(dtype) for x in (flat_logits, flat_logq))
-        log_pi -= torch.logsumexp(log_pi, dim=-1, keepdim=True)
-        log_mu -= torch.logsumexp(log_mu, dim=-1, keepdim=True)
-        out[chunk] = div.full_divergence(log_pi, log_mu)
+    if positions.numel():
+        out[positions] = torch.cat(vocabulary_pass(_full_chunk, flat, positions, chunk_size, div, dtype))
     return out.view(mask.shape)
 
 

@@ -13,7 +13,7 @@ import torch
 from gppo.core.batch import GPPOInputError, TokenBatch, require, validate
 from gppo.core.config import GPPOConfig
 from gppo.core.divergences import upcast
-from gppo.core.estimators import FULL_CHUNK_ELEMENTS, LOG_RATIO_CLAMP, anchor_of, run_estimator
+from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, normalize_rows_, run_estimator, vocabulary_pass
 from gppo.core.rules import RULES, RuleContext
 
 # mu-probability buckets of the sampled token: the low-probability over-penalisation that
@@ -80,25 +80,20 @@ def reference_kl(batch: TokenBatch, estimator: str) -> torch.Tensor:
     return torch.expm1(-x) + x
 
 
+def _entropy_chunk(flat_logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """-sum pi log pi at `rows`; a logit of -inf (a masked vocabulary column) has pi = 0 and
+    contributes 0."""
+    log_pi = normalize_rows_(flat_logits.index_select(0, rows).float())
+    return -(log_pi.exp() * log_pi.clamp(min=torch.finfo(log_pi.dtype).min)).sum(-1)
+
+
 def entropy_from_logits(logits: torch.Tensor, valid: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Mean entropy of the current policy over valid tokens, chunked as the `full` estimator, no
-    gradient. Per token, with d = z - max z and S = sum e^d: H = log S - sum e^d d / S (a logit
-    of -inf, a masked vocabulary column, has e^d = 0 and contributes 0)."""
-    vocab = logits.shape[-1]
-    if logits.device.type == "cpu":
-        chunk_size = max(1, min(chunk_size, FULL_CHUNK_ELEMENTS // vocab))
+    """Mean entropy of the current policy over valid tokens, no gradient, in the chunked (and,
+    for large batches, fused) vocabulary pass of the `full` estimator."""
     with torch.no_grad():
-        flat = logits.reshape(-1, vocab)
         positions = valid.reshape(-1).nonzero().squeeze(-1)
-        total = torch.zeros((), device=logits.device)
-        for chunk in positions.split(chunk_size):
-            shifted = flat.index_select(0, chunk).float()
-            shifted -= shifted.max(-1, keepdim=True).values
-            weights = shifted.exp()
-            shifted.clamp_(min=torch.finfo(shifted.dtype).min)  # -inf -> finite, where e^d = 0
-            norm = weights.sum(-1)
-            total = total + (norm.log() - (weights * shifted).sum(-1) / norm).sum()
-        return total / positions.numel()
+        flat = (logits.reshape(-1, logits.shape[-1]),)
+        return torch.cat(vocabulary_pass(_entropy_chunk, flat, positions, chunk_size)).sum() / positions.numel()
 
 
 def estimate(config: GPPOConfig, batch: TokenBatch) -> torch.Tensor:
