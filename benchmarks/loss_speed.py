@@ -15,10 +15,11 @@ mean slower / more memory than the baseline.
     python benchmarks/loss_speed.py --tokens 32768 --vocab 32768 152064 --device cuda
     python benchmarks/loss_speed.py --tokens 2048 --cases ppo-baseline full --divergences tv kl chi2
 
-The estimator cases use the divergence `--divergences` names (TV by default); `full` runs once
-per divergence, its closed form (`Divergence.full_divergence`) being divergence-specific.
-Timings are medians over `--repeats` steps after a warm-up; on a shared machine compare the
-ratios of one run, not absolute times across runs.
+The estimator cases run once per divergence of `--divergences` (TV by default): the closed form
+of `full` (`Divergence.full_divergence`) is divergence-specific. "ms" is the median of
+`--repeats` steps after a warm-up; "time ratio" divides it by the median of PPO baseline steps
+timed in the same process, alternating with the case's, so that both see the same load on a
+shared machine (absolute times across runs are not comparable there).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
     adv = torch.randn(tokens // 256 + 1, generator=gen).to(device).repeat_interleave(256)[:tokens]
     mask = torch.ones(tokens, device=device)
 
-    def step():
+    def step(case=case):
         log_pi = torch.log_softmax(logits.float(), -1)
         logp, topk_logp = gppo.gather_logp(log_pi, ids, top_ids if case in ("topk", "topp") else None)
         if case == "ppo-baseline":
@@ -136,15 +137,23 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
     if linux:  # what stays after the first step (compiler state, caches) is not a per-step cost
         base = _status_kib("VmRSS") * 1024
     reset()  # without /proc (not Linux) the steady-state peak still holds the warm-up's
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
+    step()
+    sync()
     extra = peak() - base
+
+    def timed(which) -> float:
+        start = time.perf_counter()
+        step(which)
+        sync()
+        return time.perf_counter() - start
+
+    # Timing: the case alternates with the PPO baseline in this process, so that both see the
+    # same load; the time ratio is the ratio of their medians.
+    timed("ppo-baseline")
+    pairs = [(timed("ppo-baseline"), timed(case)) for _ in range(repeats)]
     name = case if case == "ppo-baseline" else f"{case}/{divergence}"
-    return {"case": name, "seconds": statistics.median(times), "extra_bytes": max(extra, 0),
+    return {"case": name, "seconds": statistics.median(t for _, t in pairs),
+            "baseline_seconds": statistics.median(b for b, _ in pairs), "extra_bytes": max(extra, 0),
             "warm_seconds": warm_seconds, "warm_extra_bytes": max(warm_extra, 0),
             "logits_bytes": tokens * vocab * 4}
 
@@ -187,7 +196,7 @@ def main():
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         base = rows[0]
         for row in rows:
-            print(f"{row['case']:<18}{row['seconds'] * 1e3:>10.1f}{row['seconds'] / base['seconds']:>12.3f}"
+            print(f"{row['case']:<18}{row['seconds'] * 1e3:>10.1f}{row['seconds'] / row['baseline_seconds']:>12.3f}"
                   f"{row['extra_bytes'] / 2**20:>12.0f}{row['extra_bytes'] / max(base['extra_bytes'], 1):>11.2f}"
                   f"{row['extra_bytes'] / row['logits_bytes']:>14.2f}{row['warm_seconds']:>11.1f}"
                   f"{row['warm_extra_bytes'] / 2**20:>13.0f}")

@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 
 from gppo.core.batch import TokenBatch, require
-from gppo.core.divergences import Divergence, work_dtype, log1mexp, upcast
+from gppo.core.divergences import Divergence, log1mexp, upcast, work_dtype
 
 LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (docs/design.md section 1)
-# Rows x V elements per chunk of the `full` estimator on CPU: its temporaries stay in cache.
+# Rows x V elements per chunk of an eager vocabulary pass on CPU: its temporaries stay in cache.
 FULL_CHUNK_ELEMENTS = 1 << 20
 
 
