@@ -4,10 +4,22 @@ Each case runs the part of a training step that the objective owns: from the pol
 [N, V] (a leaf, as the LM head would produce) to log-probs, the loss, and backward into the
 logits. The baseline is a five-line PPO clip loss measured in the same run. Every case runs in
 a fresh subprocess so that its peak memory can be read on its own (CUDA: max_memory_allocated;
-CPU: peak RSS). Ratios > 1 mean slower / more memory than the baseline.
+CPU: peak RSS, reset after the warm-up step on Linux). "extra MiB" is the peak of the timed
+steps above the memory held before them (steady state: what each training step adds);
+"warm-up MiB" is the first step's peak above the memory after set-up, which also holds one-time
+costs such as building the fused (torch.compile'd) vocabulary pass of `full` (about 150 MiB of
+compiler state on CPU that stays for the process; "warm-up s" is that step's time). Ratios > 1
+mean slower / more memory than the baseline.
 
     python benchmarks/loss_speed.py                      # CPU-sized default: N=8192, V=32768
     python benchmarks/loss_speed.py --tokens 32768 --vocab 32768 152064 --device cuda
+    python benchmarks/loss_speed.py --tokens 2048 --cases ppo-baseline full --divergences tv kl chi2
+
+The estimator cases run once per divergence of `--divergences` (TV by default): the closed form
+of `full` (`Divergence.full_divergence`) is divergence-specific. "ms" is the median of
+`--repeats` steps after a warm-up; "time ratio" divides it by the median of PPO baseline steps
+timed in the same process, alternating with the case's, so that both see the same load on a
+shared machine (absolute times across runs are not comparable there).
 """
 
 from __future__ import annotations
@@ -23,7 +35,30 @@ import time
 CASES = ["ppo-baseline", "sample", "cell", "binary", "topk", "topp", "full"]
 
 
-def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeats: int) -> dict:
+def _status_kib(field: str) -> int | None:
+    """VmRSS / VmHWM of this process in KiB (Linux), or None."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: /proc/self/clear_refs); False where impossible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeats: int,
+             divergence: str = "tv") -> dict:
     import torch
 
     import gppo
@@ -51,7 +86,7 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
     adv = torch.randn(tokens // 256 + 1, generator=gen).to(device).repeat_interleave(256)[:tokens]
     mask = torch.ones(tokens, device=device)
 
-    def step():
+    def step(case=case):
         log_pi = torch.log_softmax(logits.float(), -1)
         logp, topk_logp = gppo.gather_logp(log_pi, ids, top_ids if case in ("topk", "topp") else None)
         if case == "ppo-baseline":
@@ -66,7 +101,7 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
                 logits=logits[None] if case == "full" else None,
                 logp_behavior_full=full_behavior[None] if case == "full" else None,
             )
-            cfg = gppo.preset("dppo-topk-tv", estimator=case, top_k=top_k)
+            cfg = gppo.preset("dppo-topk-tv", divergence=divergence, estimator=case, top_k=top_k)
             loss, _ = gppo.policy_loss(batch, cfg)
         loss.backward()
         logits.grad = None
@@ -75,25 +110,51 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
+    cuda = device.startswith("cuda")
+    linux = not cuda and _reset_peak_rss() and _status_kib("VmRSS") is not None
+
+    def peak() -> int:  # bytes
+        if cuda:
+            return torch.cuda.max_memory_allocated()
+        if linux:
+            return _status_kib("VmHWM") * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def reset():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif linux:
+            _reset_peak_rss()
+
     sync()
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    step()  # warm-up (its peak counts)
+    base = torch.cuda.memory_allocated() if cuda else (
+        _status_kib("VmRSS") * 1024 if linux else peak())
+    reset()
+    start = time.perf_counter()
+    step()  # warm-up
     sync()
-    times = []
-    for _ in range(repeats):
+    warm_seconds, warm_extra = time.perf_counter() - start, peak() - base
+    if linux:  # what stays after the first step (compiler state, caches) is not a per-step cost
+        base = _status_kib("VmRSS") * 1024
+    reset()  # without /proc (not Linux) the steady-state peak still holds the warm-up's
+    step()
+    sync()
+    extra = peak() - base
+
+    def timed(which) -> float:
         start = time.perf_counter()
-        step()
+        step(which)
         sync()
-        times.append(time.perf_counter() - start)
-    if device.startswith("cuda"):
-        extra = torch.cuda.max_memory_allocated() - base
-    else:
-        extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"case": case, "seconds": statistics.median(times), "extra_bytes": max(extra, 0),
+        return time.perf_counter() - start
+
+    # Timing: the case alternates with the PPO baseline in this process, so that both see the
+    # same load; the time ratio is the ratio of their medians.
+    timed("ppo-baseline")
+    pairs = [(timed("ppo-baseline"), timed(case)) for _ in range(repeats)]
+    name = case if case == "ppo-baseline" else f"{case}/{divergence}"
+    return {"case": name, "seconds": statistics.median(t for _, t in pairs),
+            "baseline_seconds": statistics.median(b for b, _ in pairs), "extra_bytes": max(extra, 0),
+            "warm_seconds": warm_seconds, "warm_extra_bytes": max(warm_extra, 0),
             "logits_bytes": tokens * vocab * 4}
 
 
@@ -105,31 +166,40 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES,
+                        help="cases to run (ppo-baseline always runs first, as the reference)")
+    parser.add_argument("--divergences", nargs="+", default=["tv"])
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print JSON
+    parser.add_argument("--divergence", default="tv", help=argparse.SUPPRESS)
     parser.add_argument("--one-vocab", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         import torch
 
         torch.set_num_threads(args.threads)
-        print(json.dumps(run_case(args.case, args.tokens, args.one_vocab, args.top_k, args.device, args.repeats)))
+        print(json.dumps(run_case(args.case, args.tokens, args.one_vocab, args.top_k, args.device,
+                                  args.repeats, args.divergence)))
         return
+    cases = ["ppo-baseline"] + [c for c in args.cases if c != "ppo-baseline"]
     for vocab in args.vocab:
         print(f"\nN={args.tokens} tokens, V={vocab}, K={args.top_k}, device={args.device}")
-        print(f"{'case':<14}{'ms':>10}{'time ratio':>12}{'extra MiB':>12}{'mem ratio':>11}{'extra/logits':>14}")
+        print(f"{'case':<18}{'ms':>10}{'time ratio':>12}{'extra MiB':>12}{'mem ratio':>11}"
+              f"{'extra/logits':>14}{'warm-up s':>11}{'warm-up MiB':>13}")
         rows = []
-        for case in CASES:
-            out = subprocess.run(
-                [sys.executable, __file__, "--case", case, "--tokens", str(args.tokens), "--one-vocab",
-                 str(vocab), "--top-k", str(args.top_k), "--device", args.device, "--repeats",
-                 str(args.repeats), "--threads", str(args.threads)],
-                capture_output=True, text=True, check=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for case in cases:
+            for div in (["tv"] if case == "ppo-baseline" else args.divergences):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--case", case, "--divergence", div, "--tokens",
+                     str(args.tokens), "--one-vocab", str(vocab), "--top-k", str(args.top_k), "--device",
+                     args.device, "--repeats", str(args.repeats), "--threads", str(args.threads)],
+                    capture_output=True, text=True, check=True)
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         base = rows[0]
         for row in rows:
-            print(f"{row['case']:<14}{row['seconds'] * 1e3:>10.1f}{row['seconds'] / base['seconds']:>12.3f}"
+            print(f"{row['case']:<18}{row['seconds'] * 1e3:>10.1f}{row['seconds'] / row['baseline_seconds']:>12.3f}"
                   f"{row['extra_bytes'] / 2**20:>12.0f}{row['extra_bytes'] / max(base['extra_bytes'], 1):>11.2f}"
-                  f"{row['extra_bytes'] / row['logits_bytes']:>14.2f}")
+                  f"{row['extra_bytes'] / row['logits_bytes']:>14.2f}{row['warm_seconds']:>11.1f}"
+                  f"{row['warm_extra_bytes'] / 2**20:>13.0f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,17 @@
-"""Theory of the design space (DESIGN.md section 7): improvement bounds and trust-region geometry.
+"""Theory of the design space (docs/design.md section 7): improvement bounds and trust-region geometry.
 
 - `improvement_bound`: the lower bound on J(pi) - J(mu) that a D_f trust region of radius delta
-  guarantees, through TV <= phi_f^-1(delta) (each divergence's `tv_bound`), for the discounted
-  TRPO/Achiam bound or DPPO's finite-horizon bound (Thm 3.2 of 2602.04879).
+  guarantees, through TV <= phi_f^-1(delta) (each divergence's `tv_bound`). Three bounds, each
+  implemented exactly as its source states it, with its own advantage constant:
+    bound="dppo", gamma:   DPPO (2602.04879) Theorem 2.1, after Schulman et al. 2015 and Achiam
+                           et al. 2017:  L - 2 xi gamma / (1 - gamma)^2 * TV_max^2;
+    bound="dppo", horizon: DPPO Theorem 3.2 (finite horizon T, gamma = 1):
+                           L - min(2 xi T (T - 1) TV_max^2, 4 xi T TV_max)  (E TV_t <= TV_max);
+    bound="trpo", gamma:   TRPO (Schulman et al. 2015) Theorem 1:
+                           L - 4 eps gamma / (1 - gamma)^2 * alpha^2, alpha = TV_max, eps = max_{s,a} |A|.
+  xi is DPPO's advantage constant, the largest expected advantage max_s |E_{a~pi} A_mu(s, a)|;
+  eps (passed as `xi` with bound="trpo") is the largest absolute advantage. Since xi <= eps, the
+  DPPO form is the tighter of the two discounted bounds.
 - `ratio_interval` / `geometry`: the interval of r = pi/mu a token of probability q may reach
   within radius delta under the sample, cell and binary estimators ("distinct geometries").
 - `matched_radii`: the radii of any divergence x estimator that allow the same movement as a TV
@@ -27,30 +36,50 @@ def tv_radius(div: str | Divergence, delta: float) -> float:
     return _div(div).tv_bound(delta)
 
 
-def trpo_penalty(tv_max: float, xi: float, gamma: float) -> float:
-    """2 xi gamma / (1 - gamma)^2 * TV_max^2 (Schulman et al. 2015; Achiam et al. 2017)."""
+def _check_gamma(gamma: float) -> None:
     if not 0 <= gamma < 1:
         raise ValueError(f"the discounted bound needs 0 <= gamma < 1 (got {gamma})")
+
+
+def trpo_penalty(tv_max: float, eps: float, gamma: float) -> float:
+    """4 eps gamma / (1 - gamma)^2 * alpha^2, alpha = TV_max, eps = max_{s,a} |A| (TRPO Theorem 1)."""
+    _check_gamma(gamma)
+    return 4 * eps * gamma / (1 - gamma) ** 2 * tv_max**2
+
+
+def dppo_discounted_penalty(tv_max: float, xi: float, gamma: float) -> float:
+    """2 xi gamma / (1 - gamma)^2 * TV_max^2, xi = max_s |E_{a~pi} A_mu(s, a)| (DPPO Theorem 2.1)."""
+    _check_gamma(gamma)
     return 2 * xi * gamma / (1 - gamma) ** 2 * tv_max**2
 
 
 def dppo_penalty(tv_max: float, xi: float, horizon: int) -> float:
-    """min(2 xi T (T-1) TV_max^2, 4 xi sum_t E TV_t) with E TV_t <= TV_max (DPPO Thm 3.2, gamma=1)."""
+    """min(2 xi T (T-1) TV_max^2, 4 xi sum_t E TV_t) with E TV_t <= TV_max (DPPO Theorem 3.2, gamma = 1)."""
     if horizon < 1:
         raise ValueError(f"horizon must be >= 1 (got {horizon})")
     return min(2 * xi * horizon * (horizon - 1) * tv_max**2, 4 * xi * horizon * tv_max)
 
 
 def improvement_bound(div: str | Divergence, delta: float, xi: float, *, horizon: int | None = None,
-                      gamma: float | None = None, surrogate: float = 0.0) -> float:
-    """Lower bound on J(pi) - J(mu): surrogate - penalty(TV <= phi_f^-1(delta)).
+                      gamma: float | None = None, surrogate: float = 0.0, bound: str = "dppo") -> float:
+    """Lower bound on J(pi) - J(mu): surrogate - penalty(TV <= phi_f^-1(delta)) (module docstring).
 
-    Give `horizon` (finite horizon, gamma = 1: DPPO's bound) or `gamma` (TRPO's bound); xi = max|A|.
+    bound="dppo": give `horizon` (Theorem 3.2) or `gamma` (Theorem 2.1), xi = max_s |E_pi A|;
+    bound="trpo": give `gamma` (TRPO Theorem 1), xi = max_{s,a} |A|.
     """
     if (horizon is None) == (gamma is None):
         raise ValueError("give exactly one of horizon (finite-horizon bound) or gamma (discounted)")
+    if bound not in ("dppo", "trpo"):
+        raise ValueError(f"bound={bound!r}: choose 'dppo' (DPPO Theorems 2.1 / 3.2) or 'trpo' (TRPO Theorem 1)")
+    if bound == "trpo" and horizon is not None:
+        raise ValueError("bound='trpo' is TRPO's discounted Theorem 1: give gamma, not horizon")
     tv = tv_radius(div, delta)
-    penalty = dppo_penalty(tv, xi, horizon) if horizon is not None else trpo_penalty(tv, xi, gamma)
+    if horizon is not None:
+        penalty = dppo_penalty(tv, xi, horizon)
+    elif bound == "trpo":
+        penalty = trpo_penalty(tv, xi, gamma)
+    else:
+        penalty = dppo_discounted_penalty(tv, xi, gamma)
     return surrogate - penalty
 
 

@@ -136,10 +136,11 @@ def sapo_loss(logp, logq, adv, mask, tau_pos, tau_neg):
 
 def dcpo_loss(logp, logq, adv, mask, eps_low, eps_high):
     """DCPO (2509.02333): PPO clip with 0.5 + 0.5 sqrt(max(1 - 4 eps_low/q, 0)) <= r <=
-    0.5 + 0.5 sqrt(1 + 4 eps_high/q); token-mean."""
+    min(0.5 + 0.5 sqrt(1 + 4 eps_high/q), 10) (the authors' code caps the upper bound at 10);
+    token-mean."""
     q = logq.exp()
     lo = 0.5 + 0.5 * torch.sqrt(torch.clamp(1 - 4 * eps_low / q, min=0))
-    hi = 0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)
+    hi = torch.clamp(0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q), max=10.0)
     r = torch.exp(logp - logq)
     a = adv[:, None].expand_as(r)
     surrogate = torch.min(r * a, torch.max(torch.min(r, hi), lo) * a)

@@ -150,6 +150,25 @@ def test_tv_bound_holds(label, div, ref, alpha):
         assert tv.between(p, q).item() <= div.tv_bound(div.between(p, q).item()) + 1e-12
 
 
+@pytest.mark.parametrize("label,div,ref,alpha", [d for d in DIVS if d[3] is None or -1 <= d[3] <= 2],
+                         ids=[d[0] for d in DIVS if d[3] is None or -1 <= d[3] <= 2])
+def test_tv_bound_is_non_decreasing_and_at_most_one(label, div, ref, alpha):
+    """A looser region never gets a tighter TV bound (Hellinger's Le Cam bound fell after
+    delta = 2 and reached 0 at delta = 4)."""
+    deltas = [0.0, 1e-6, 0.01, 0.1, 0.5, 1.0, 1.9, 2.0, 2.1, 3.0, 4.0, 10.0, 1e6, math.inf]
+    bounds = [div.tv_bound(d) for d in deltas]
+    assert all(0.0 <= b <= 1.0 for b in bounds)
+    assert all(a <= b for a, b in zip(bounds, bounds[1:])), bounds
+    assert bounds[-1] == 1.0
+
+
+def test_hellinger_tv_bound_closed_form():
+    h = gppo.divergence("hellinger")
+    for h2 in (0.01, 0.5, 1.0, 1.5):  # TV <= H sqrt(1 - H^2 / 4), H^2 the squared Hellinger
+        assert h.tv_bound(h2) == pytest.approx(math.sqrt(h2) * math.sqrt(1 - h2 / 4))
+    assert h.tv_bound(2.0) == pytest.approx(1.0) and h.tv_bound(4.0) == 1.0
+
+
 def test_tv_bound_values():
     assert gppo.divergence("kl").tv_bound(0.08) == pytest.approx(0.2)  # Pinsker sqrt(0.08/2)
     assert gppo.divergence("chi2").tv_bound(0.16) == pytest.approx(0.2)

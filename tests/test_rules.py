@@ -2,6 +2,8 @@
 values and on gradients with respect to logp; the claimed equivalences; aggregation; KL penalty."""
 
 
+import math
+
 import pytest
 import torch
 
@@ -181,6 +183,19 @@ def test_dcpo(seed):
     expected = ref.dcpo_loss(batch.logp, batch.logp_behavior, batch.advantages, batch.mask, 0.16, 0.2)
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
+
+
+def test_dcpo_upper_bound_is_capped_at_ten():
+    """DCPO's code caps hi = 0.5 + 0.5 sqrt(1 + 4 eps / q) at 10: at q = 1e-4, eps = 0.2 the
+    formula gives 45.2, so r = 20 with A > 0 is clipped (zero gradient) and r = 9 is not."""
+    logq = torch.full((1, 2), math.log(1e-4), dtype=torch.float64)
+    logp = (logq + torch.log(torch.tensor([[20.0, 9.0]], dtype=torch.float64))).requires_grad_(True)
+    batch = gppo.TokenBatch(logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0], dtype=torch.float64),
+                            mask=torch.ones(1, 2))
+    loss, grad, metrics = loss_and_grad(batch, gppo.preset("dcpo"))
+    assert grad[0, 0] == 0 and grad[0, 1] == pytest.approx(-9.0 / 2)
+    assert loss.item() == pytest.approx(-(10.0 + 9.0) / 2)
+    assert metrics["masked_frac"] == 0.5
 
 
 @pytest.mark.parametrize("seed", SEEDS)

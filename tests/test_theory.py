@@ -79,7 +79,22 @@ def test_improvement_bounds():
     assert theory.tv_radius("kl", 0.02) == pytest.approx(0.1)
     assert theory.improvement_bound("kl", 0.02, xi=1.0, horizon=10, surrogate=5.0) == pytest.approx(5.0 - 1.8)
     assert theory.improvement_bound("kl", 0.02, xi=1.0, horizon=1000) == pytest.approx(-400.0)
-    assert theory.improvement_bound("tv", 0.1, xi=2.0, gamma=0.9) == pytest.approx(-2 * 2 * 0.9 / 0.01 * 0.01)
+    # discounted: DPPO Theorem 2.1, 2 xi gamma / (1 - gamma)^2 TV^2, and TRPO Theorem 1, 4 eps gamma /
+    # (1 - gamma)^2 alpha^2; TV radius 0.1, xi = eps = 2, gamma = 0.9: 2 * 2 * 0.9 / 0.01 * 0.01 = 3.6
+    assert theory.improvement_bound("tv", 0.1, xi=2.0, gamma=0.9) == pytest.approx(-3.6)
+    assert theory.improvement_bound("tv", 0.1, xi=2.0, gamma=0.9, bound="dppo") == pytest.approx(-3.6)
+    assert theory.improvement_bound("tv", 0.1, xi=2.0, gamma=0.9, bound="trpo") == pytest.approx(-7.2)
+    assert theory.improvement_bound("kl", 0.02, xi=1.0, gamma=0.5, surrogate=1.0, bound="trpo") == pytest.approx(
+        1.0 - 4 * 1.0 * 0.5 / 0.25 * 0.01)
+    with pytest.raises(ValueError, match="give gamma"):
+        theory.improvement_bound("tv", 0.1, xi=1.0, horizon=10, bound="trpo")
+    with pytest.raises(ValueError, match="choose 'dppo'"):
+        theory.improvement_bound("tv", 0.1, xi=1.0, gamma=0.9, bound="achiam")
+    # a looser region never gives a better guarantee, for every divergence, past delta = 2 too
+    for name in ("tv", "kl", "rkl", "chi2", "neyman", "hellinger", "js", "alpha"):
+        bounds = [theory.improvement_bound(name, d, xi=1.0, gamma=0.9) for d in (0.01, 1.0, 2.0, 3.0, 4.0, 9.0)]
+        assert all(a >= b for a, b in zip(bounds, bounds[1:])), (name, bounds)
+        assert bounds[-1] < 0
     # a larger radius never gives a better guarantee
     for name in ("tv", "kl", "chi2", "hellinger", "js"):
         bounds = [theory.improvement_bound(name, d, xi=1.0, horizon=100) for d in (0.001, 0.01, 0.1)]

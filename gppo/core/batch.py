@@ -169,8 +169,16 @@ def validate(batch: TokenBatch) -> None:
     for name in (*_LOGPROB_FIELDS, *_TOPK_FIELDS, *_FULL_FIELDS[1:]):
         value = getattr(batch, name)
         if value is not None:
-            inside = valid if value.dim() == 2 else valid[..., None]
-            checks[f"TokenBatch.{name} has log-probs > 0"] = ((value > LOGP_MAX) & inside).any()
+            largest = value.detach().amax(-1) if value.dim() == 3 else value  # [B,T]: no [B,T,V] temporary
+            checks[f"TokenBatch.{name} has log-probs > 0"] = ((largest > LOGP_MAX) & valid).any()
+    # [B,T,V] fields: one row sum each, no [B,T,V] temporary. A row sums to NaN or +inf iff it
+    # holds NaN or +inf (-inf is a masked vocabulary column), barring overflow of finite values.
+    for name in _FULL_FIELDS:
+        value = getattr(batch, name)
+        if value is not None:
+            row = value.detach().sum(-1)
+            checks[f"TokenBatch.{name} has NaN or +inf"] = (
+                (torch.isnan(row) | (row == float("inf"))) & valid).any()
     flags = torch.stack([c.reshape(()) for c in checks.values()]).tolist()
     failed = [msg for msg, bad in zip(checks, flags) if bad]
     if failed:

@@ -1,4 +1,4 @@
-"""The divergence axis: f-divergences D_f(pi || mu) = sum_a mu(a) f(pi(a) / mu(a)) (DESIGN.md section 2).
+"""The divergence axis: f-divergences D_f(pi || mu) = sum_a mu(a) f(pi(a) / mu(a)) (docs/design.md section 2).
 
 Every divergence is defined by its normalised generator f~(t) = f(t) - f'(1)(t - 1) >= 0, which has
 the same D_f between probability vectors and is the right single-sample estimate (for KL(mu||pi)
@@ -8,7 +8,10 @@ it is Schulman's k3 = r - 1 - log r). One method carries all the numerics:
 
 computed from log-probabilities with the limits of the convention 0 * f(0 / 0) = 0:
 q = 0 gives p * lim_{t->inf} f~(t) / t, p = 0 gives q * f~(0) (either may be +inf, never NaN).
-Everything else (f, f~, D_f between vectors, binary and top-K cells) is built on it.
+Everything else (f, f~, D_f between vectors, binary and top-K cells) is built on it. The interior
+formulas are free of cancellation near p = q in float32 (e.g. e^x - 1 - x by its series, not by
+subtraction). One exception for speed: `full_divergence`, D_f between two whole distributions,
+has a closed form per built-in divergence that needs fewer operations per vocabulary cell.
 Sources: Sason & Verdu, "f-Divergence Inequalities" (2016); Gilardoni (2010) for the alpha family.
 """
 
@@ -26,14 +29,14 @@ from gppo.core.registry import Registry, closest  # noqa: F401  (closest: import
 _LOG2 = math.log(2.0)
 
 
-def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+def work_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 stays float64; everything else (bf16, fp16, fp32) is computed in float32."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """x in its working dtype (float32, or float64 if it already is)."""
-    return x.to(_work_dtype(x))
+    return x.to(work_dtype(x))
 
 
 def log1mexp(log_x: torch.Tensor) -> torch.Tensor:
@@ -42,6 +45,16 @@ def log1mexp(log_x: torch.Tensor) -> torch.Tensor:
     return torch.where(
         log_x > -_LOG2, torch.log(-torch.expm1(log_x)), torch.log1p(-torch.exp(log_x))
     )
+
+
+def expm1_minus(y: torch.Tensor) -> torch.Tensor:
+    """e^y - 1 - y without cancellation: its Taylor series y^2/2! + y^3/3! + ... (Horner) for
+    |y| <= 1/2, where expm1(y) - y would lose log2(2/|y|) bits, and expm1(y) - y beyond."""
+    terms = 15 if y.dtype == torch.float64 else 9  # the series' tail is below the dtype's eps
+    series = torch.ones_like(y)
+    for n in range(terms + 1, 2, -1):
+        series = 1 + series * y / n
+    return torch.where(y.abs() <= 0.5, y * y / 2 * series, torch.expm1(y) - y)
 
 
 @dataclass(frozen=True)
@@ -72,13 +85,22 @@ class Divergence:
         raise NotImplementedError
 
     def tv_bound(self, delta: float) -> float:
-        """Largest total variation compatible with D_f <= delta (DESIGN.md section 2 table)."""
+        """Largest total variation compatible with D_f <= delta (docs/design.md section 2 table);
+        non-decreasing in delta and at most 1."""
         raise NotImplementedError
+
+    def full_divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        """D_f(p || q) over the last axis between two complete distributions (each sums to 1),
+        as the `full` estimator needs it. This generic version sums the cell terms; a subclass
+        may override it with a closed form that uses sum p = sum q = 1 to make fewer passes over
+        the vocabulary (docs/design.md section 8). Closed forms are accurate to a few float32 eps
+        in absolute terms, the cell sum to a few eps relative."""
+        return self.between_log(log_p, log_q)
 
     # --- shared numerics ------------------------------------------------------------------
     def cell_terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         """Elementwise q * f~(p / q) from log-probabilities; zero cells give their limits."""
-        dtype = _work_dtype(log_p, log_q)
+        dtype = work_dtype(log_p, log_q)
         log_p, log_q = torch.broadcast_tensors(log_p.to(dtype), log_q.to(dtype))
         p, q = log_p.exp(), log_q.exp()
         interior = (p > 0) & (q > 0)
@@ -95,13 +117,13 @@ class Divergence:
     def f_normalized(self, t: torch.Tensor) -> torch.Tensor:
         """f~(t) = f(t) - f'(1)(t - 1) >= 0, with f~(1) = 0."""
         t = torch.as_tensor(t)
-        t = t.to(_work_dtype(t)) if t.is_floating_point() else t.to(torch.float32)
+        t = t.to(work_dtype(t)) if t.is_floating_point() else t.to(torch.float32)
         return self.cell_terms(torch.log(t), torch.zeros_like(t))
 
     def f(self, t: torch.Tensor) -> torch.Tensor:
         """The generator f(t) (convex, f(1) = 0)."""
         t = torch.as_tensor(t)
-        t = t.to(_work_dtype(t)) if t.is_floating_point() else t.to(torch.float32)
+        t = t.to(work_dtype(t)) if t.is_floating_point() else t.to(torch.float32)
         return self.f_normalized(t) + self.f_prime_at_1 * (t - 1.0)
 
     def between_log(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -140,6 +162,12 @@ def _clamp_tv(x: float) -> float:
     return min(1.0, x)
 
 
+def _sum_terms(terms: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis of closed-form terms in which a cell with p = q = 0 gave NaN
+    (0 * -inf, or -inf - -inf): such a cell contributes 0 (0 f(0/0) = 0); +-inf stay."""
+    return torch.nan_to_num_(terms, nan=0.0, posinf=math.inf, neginf=-math.inf).sum(-1)
+
+
 @dataclass(frozen=True, repr=False)
 class TotalVariation(Divergence):
     """f(t) = |t - 1| / 2; D = (1/2) sum |p - q|."""
@@ -149,10 +177,15 @@ class TotalVariation(Divergence):
     slope_at_inf: float = 0.5
 
     def _interior(self, p, q, log_p, log_q):
-        return 0.5 * (p - q).abs()
+        x = log_p - log_q  # p - q = q expm1(x), exact near p = q where p - q cancels
+        return 0.5 * torch.where(x.abs() <= 1, q * torch.expm1(x).abs(), (p - q).abs())
 
     def tv_bound(self, delta):
         return _clamp_tv(delta)
+
+    def full_divergence(self, log_p, log_q):
+        # (1/2) sum |p - q| = 1 - sum min(p, q): one exponential per cell
+        return (1 - torch.minimum(log_p, log_q).exp_().sum(-1)).clamp_(min=0.0)
 
     def normalized_inverse(self, delta):
         delta = torch.as_tensor(delta, dtype=torch.float64)
@@ -171,10 +204,13 @@ class ForwardKL(Divergence):
 
     def _interior(self, p, q, log_p, log_q):
         x = log_p - log_q
-        return torch.where(x.abs() <= 1, q * (torch.expm1(x) - x), p - q - q * x)
+        return torch.where(x.abs() <= 1, q * expm1_minus(x), p - q - q * x)
 
     def tv_bound(self, delta):
         return _clamp_tv(math.sqrt(delta / 2))  # Pinsker
+
+    def full_divergence(self, log_p, log_q):
+        return _sum_terms(log_q.exp() * (log_q - log_p)).clamp_(min=0.0)  # sum q log(q / p)
 
 
 @dataclass(frozen=True, repr=False)
@@ -189,10 +225,13 @@ class ReverseKL(Divergence):
 
     def _interior(self, p, q, log_p, log_q):
         x = log_q - log_p
-        return torch.where(x.abs() <= 1, p * (torch.expm1(x) - x), q - p - p * x)
+        return torch.where(x.abs() <= 1, p * expm1_minus(x), q - p - p * x)
 
     def tv_bound(self, delta):
         return _clamp_tv(math.sqrt(delta / 2))  # Pinsker
+
+    def full_divergence(self, log_p, log_q):
+        return _sum_terms(log_p.exp() * (log_p - log_q)).clamp_(min=0.0)  # sum p log(p / q)
 
 
 @dataclass(frozen=True, repr=False)
@@ -210,6 +249,9 @@ class PearsonChi2(Divergence):
 
     def tv_bound(self, delta):
         return _clamp_tv(0.5 * math.sqrt(delta))
+
+    def full_divergence(self, log_p, log_q):
+        return (_sum_terms((2 * log_p - log_q).exp_()) - 1).clamp_(min=0.0)  # sum p^2 / q - 1
 
     def normalized_inverse(self, delta):
         root = torch.as_tensor(delta, dtype=torch.float64).sqrt()
@@ -231,6 +273,9 @@ class NeymanChi2(Divergence):
 
     def tv_bound(self, delta):
         return _clamp_tv(0.5 * math.sqrt(delta))
+
+    def full_divergence(self, log_p, log_q):
+        return (_sum_terms((2 * log_q - log_p).exp_()) - 1).clamp_(min=0.0)  # sum q^2 / p - 1
 
     def normalized_inverse(self, delta):
         delta = torch.as_tensor(delta, dtype=torch.float64)
@@ -254,8 +299,11 @@ class SquaredHellinger(Divergence):
         )
 
     def tv_bound(self, delta):
-        h = math.sqrt(delta)
-        return _clamp_tv(h * math.sqrt(max(0.0, 1 - h * h / 4)))  # Le Cam
+        h2 = min(delta, 2.0)  # squared Hellinger never exceeds 2, where the bound reaches 1
+        return _clamp_tv(math.sqrt(h2 * (1 - h2 / 4)))  # Le Cam: TV <= H sqrt(1 - H^2 / 4)
+
+    def full_divergence(self, log_p, log_q):
+        return (2 - 2 * ((log_p + log_q) / 2).exp_().sum(-1)).clamp_(min=0.0)  # 2 - 2 sum sqrt(p q)
 
     def normalized_inverse(self, delta):
         root = torch.as_tensor(delta, dtype=torch.float64).sqrt()
@@ -272,12 +320,25 @@ class JensenShannon(Divergence):
     slope_at_inf: float = 0.5 * _LOG2
 
     def _interior(self, p, q, log_p, log_q):
-        x = log_p - log_q  # log(p / (p + q)) = log sigmoid(x) = -softplus(-x)
-        softplus = torch.nn.functional.softplus
-        return 0.5 * (p * (_LOG2 - softplus(-x)) + q * (_LOG2 - softplus(x)))
+        # (1/2)[p log(2p / (p + q)) + q log(2q / (p + q))]. With u = tanh(x / 2) = (p - q)/(p + q)
+        # this is (p + q)/4 [(1 + u) log(1 + u) + (1 - u) log(1 - u)] = (p + q)/4 [x u + log(1 - u^2)]
+        # (atanh u = x / 2), free of the O(x) cancellation of the direct form near p = q.
+        x = log_p - log_q
+        u = torch.tanh(x / 2)
+        near = (p + q) / 4 * (x * u + torch.log1p(-u * u))
+        softplus = torch.nn.functional.softplus  # log(p / (p + q)) = log sigmoid(x) = -softplus(-x)
+        far = 0.5 * (p * (_LOG2 - softplus(-x)) + q * (_LOG2 - softplus(x)))
+        return torch.where(x.abs() <= 1, near, far)
 
     def tv_bound(self, delta):
         return _clamp_tv(math.sqrt(2 * delta))
+
+    def full_divergence(self, log_p, log_q):
+        # H(m) - (H(p) + H(q)) / 2 with m = (p + q) / 2
+        p, q = log_p.exp(), log_q.exp()
+        m = (p + q) / 2
+        own = (_sum_terms(p * log_p) + _sum_terms(q * log_q)) / 2
+        return (own - torch.special.xlogy(m, m).sum(-1)).clamp_(min=0.0)
 
 
 @dataclass(frozen=True, repr=False)
@@ -302,9 +363,29 @@ class AlphaDivergence(Divergence):
         object.__setattr__(self, "slope_at_inf", 1 / (1 - a) if a < 1 else math.inf)
 
     def _interior(self, p, q, log_p, log_q):
+        # q f~(t) = q [(t^a - 1) - a (t - 1)] / (a (a - 1)), t = e^x. Swapping p and q maps a to
+        # 1 - a (the same cell), so the exponent used is the one nearer 0, b <= 1/2. Near t = 1
+        # both brackets are O(x^2) after cancelling O(x) terms: q [(e^(bx) - 1 - bx) - b (e^x - 1 - x)]
+        # has none. Farther out, q (t^b - 1) is q expm1(bx) while |bx| <= 1 (so that b -> 0 tends
+        # to the KL(mu||pi) cell p - q - q x, not to rounding noise) and q^(1-b) p^b - q beyond.
+        b = self.alpha
+        if b > 0.5:
+            b, p, q, log_p, log_q = 1.0 - b, q, p, log_q, log_p
+        x = log_p - log_q
+        bx = b * x
+        near = q * (expm1_minus(bx) - b * expm1_minus(x))
+        q_tb_m1 = torch.where(bx.abs() <= 1, q * torch.expm1(bx), torch.exp(b * log_p + (1 - b) * log_q) - q)
+        far = q_tb_m1 - b * (p - q)
+        return torch.where(x.abs() <= 1, near, far) / (b * (b - 1))
+
+    def full_divergence(self, log_p, log_q):
+        # (sum p^a q^(1-a) - 1) / (a (a - 1)): the subtraction costs eps / |a (a - 1)| in absolute
+        # terms, so exponents near 0 or 1 keep the cancellation-free cell sum
         a = self.alpha
-        mixed = torch.exp(a * log_p + (1 - a) * log_q)  # q (p/q)^a
-        return (mixed - q - a * (p - q)) / (a * (a - 1))
+        if min(abs(a), abs(1 - a)) < 0.05:
+            return super().full_divergence(log_p, log_q)
+        mixed = _sum_terms((a * log_p + (1 - a) * log_q).exp_())
+        return ((mixed - 1) / (a * (a - 1))).clamp_(min=0.0)
 
     def tv_bound(self, delta):
         if not -1.0 <= self.alpha <= 2.0:

@@ -1,4 +1,4 @@
-"""The estimator axis: how D_f(pi || mu) is estimated at each position (DESIGN.md section 3).
+"""The estimator axis: how D_f(pi || mu) is estimated at each position (docs/design.md section 3).
 
 `sample` is the single-sample value f~(r) of the sampled token. Every other estimator
 coarse-grains the vocabulary into cells and returns the exact D_f between the cell masses of
@@ -9,24 +9,34 @@ pi and the anchor, so by the data-processing inequality
 All estimates are computed without gradient, in float32 (float64 if the inputs are float64).
 Each estimator is one `Estimator` in the registry `ESTIMATORS` (what it needs, its parameters, its
 ratio interval); `register_estimator` adds one.
+
+The rest cell (everything outside the explicit cells) has the mass 1 - sum of the cells, taken in
+log space (`rest_log_mass`). Below the resolution of the inputs (their dtype's eps: 1.2e-7 for
+float32, 7.8e-3 for bfloat16) a rest mass is not known, only that it is tiny, so both rests, pi's
+and the anchor's, are raised to that same floor (`rest_floor`). Raising both masses of one cell to
+a common floor moves them towards each other, and a cell term q f~(p/q) only shrinks when p and q
+approach each other (it is convex in each with its minimum 0 at p = q): the floored estimate stays
+below the exact one, so the data-processing order above holds in float32, and two rests below
+the floor contribute 0 rather than rounding noise against a floor.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
 from gppo.core.batch import TokenBatch, require
-from gppo.core.divergences import Divergence, log1mexp, upcast
+from gppo.core.divergences import Divergence, log1mexp, upcast, work_dtype
 from gppo.core.regions import bisect_interval, cell_interval, sample_interval
 from gppo.core.registry import Registry
 
-LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (DESIGN.md section 1)
-REST_FLOOR = 1e-12  # the rest cell's mass is clamped to at least this
-LOG_REST_FLOOR = math.log(REST_FLOOR)
+LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (docs/design.md section 1)
+# Rows x V elements per chunk of an eager vocabulary pass on CPU: its temporaries stay in cache.
+FULL_CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -62,52 +72,141 @@ def cell_estimate(div: Divergence, logp, logq) -> torch.Tensor:
     return div.cell_terms(logp, logq)
 
 
+def rest_floor(*inputs: torch.Tensor) -> float:
+    """log of the common floor of the rest masses: the eps of the least precise input dtype."""
+    return math.log(max(torch.finfo(x.dtype).eps for x in inputs))
+
+
+def rest_log_mass(log_masses: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum_j exp(l_j)) over the last axis (-inf entries are empty), accurate when the
+    rest is tiny: log sum_j exp(l_j) = m + log1p(sum_{j != argmax} exp(l_j - m)), then log1mexp.
+    (The plain 1 - sum in float32 is rounding noise below 6e-8.) -inf when the cells cover 1."""
+    top, where = log_masses.max(-1, keepdim=True)
+    top_safe = torch.where(torch.isfinite(top), top, 0.0)
+    others = (log_masses - top_safe).exp().scatter(-1, where, 0.0).sum(-1)
+    covered = top.squeeze(-1) + torch.log1p(others)
+    return log1mexp(covered.clamp(max=0.0))
+
+
 def binary_estimate(div: Divergence, logp, logq) -> torch.Tensor:
-    """Exact D_f on the partition {sampled token, rest}. A rest mass below REST_FLOOR (e.g. 0 when
-    a confident token's log-prob rounds to 0.0) counts as REST_FLOOR, as in the top-K estimator:
-    otherwise chi2, rkl or kl would be infinite for a token that merely rounded to probability 1."""
-    rest_p, rest_q = (log1mexp(upcast(x)).clamp(min=LOG_REST_FLOOR) for x in (logp, logq))
+    """Exact D_f on the partition {sampled token, rest}, the rests floored as in `rest_floor` (a
+    confident token whose log-prob rounds to 0.0 leaves a rest of 0, which would make chi2, rkl
+    or kl infinite)."""
+    floor = rest_floor(logp, logq)
+    rest_p, rest_q = (log1mexp(upcast(x)).clamp(min=floor) for x in (logp, logq))
     return div.cell_terms(logp, logq) + div.cell_terms(rest_p, rest_q)
 
 
 def nucleus_estimate(div: Divergence, logp, logq, token_ids, topk_ids, topk_logp, topk_logq,
-                     top_p: float) -> torch.Tensor:
+                     top_p: float, top_k: int | None = None) -> torch.Tensor:
     """Exact D_f on {mu's nucleus of mass >= top_p within its top-K} u {sampled} u {rest}.
 
-    top_p = 1 gives the top-K estimator. Membership of the sampled token is decided by id.
+    top_p = 1 gives the top-K estimator. Entries whose id repeats an earlier one (engines return
+    the top-K plus the sampled token, which may be one of them) are merged into it; at most
+    `top_k` distinct entries are used, those of largest anchor mass. Membership of the sampled
+    token is decided by id.
     """
+    floor = rest_floor(logp, logq, topk_logp, topk_logq)
+    duplicate = (topk_ids[..., :, None] == topk_ids[..., None, :]).tril(-1).any(-1)
+    topk_logp, topk_logq = upcast(topk_logp), upcast(topk_logq)
+    key = topk_logq.masked_fill(duplicate, -math.inf)
+    order = key.argsort(dim=-1, descending=True, stable=True)  # distinct entries first, by mass
+    topk_ids, topk_logp, topk_logq, duplicate = (
+        x.gather(-1, order) for x in (topk_ids, topk_logp, topk_logq, duplicate))
+    used = ~duplicate
+    if top_k is not None:
+        used = used & (torch.arange(used.shape[-1], device=used.device) < top_k)
     if top_p < 1:
-        order = topk_logq.argsort(dim=-1, descending=True)
-        topk_ids, topk_logp, topk_logq = (x.gather(-1, order) for x in (topk_ids, topk_logp, topk_logq))
-        mass = upcast(topk_logq).exp()
-        mass_before = torch.cumsum(mass, -1) - mass
-        in_nucleus = mass_before < top_p
-    else:
-        in_nucleus = torch.ones_like(topk_ids, dtype=torch.bool)
-    is_sampled = topk_ids == token_ids[..., None]
-    own_cell = in_nucleus | is_sampled
+        mass = torch.where(used, topk_logq.exp(), 0.0)
+        used = used & (torch.cumsum(mass, -1) - mass < top_p)
+    is_sampled = ~duplicate & (topk_ids == token_ids[..., None])
+    own_cell = used | is_sampled
     sampled_outside = ~is_sampled.any(-1)
 
     terms = torch.where(own_cell, div.cell_terms(topk_logp, topk_logq), 0.0).sum(-1)
     terms = terms + torch.where(sampled_outside, div.cell_terms(logp, logq), 0.0)
 
-    def rest_log_mass(top, token):
-        mass = torch.where(own_cell, upcast(top).exp(), 0.0).sum(-1)
-        mass = mass + torch.where(sampled_outside, upcast(token).exp(), 0.0)
-        return torch.log((1.0 - mass).clamp(min=REST_FLOOR))
+    def cell_log_masses(top, token):  # [..., K + 1]: the explicit cells, -inf where none
+        return torch.cat([torch.where(own_cell, top, -math.inf),
+                          torch.where(sampled_outside, upcast(token), -math.inf)[..., None]], -1)
 
-    return terms + div.cell_terms(rest_log_mass(topk_logp, logp), rest_log_mass(topk_logq, logq))
+    rest_p, rest_q = (rest_log_mass(cell_log_masses(top, token)).clamp(min=floor)
+                      for top, token in ((topk_logp, logp), (topk_logq, logq)))
+    return terms + div.cell_terms(rest_p, rest_q)
+
+
+def normalize_rows_(x: torch.Tensor) -> torch.Tensor:
+    """x - log sum exp(x) over the last axis, in place, as (x - max) - log sum exp(x - max).
+
+    Used instead of torch.log_softmax, whose float32 normaliser on CPU is off by ~1e-5 at
+    V = 50k (summed less accurately), and of torch.logsumexp, which is ~100x slower on CPU.
+    A row that is all -inf becomes NaN (no distribution)."""
+    x -= x.amax(-1, keepdim=True)
+    x -= x.exp().sum(-1, keepdim=True).log_()
+    return x
+
+
+def chunk_rows(chunk_size: int, vocab: int, device: torch.device) -> int:
+    """Rows per [rows, V] chunk of an eager vocabulary pass: `chunk_size`, and on CPU at most
+    FULL_CHUNK_ELEMENTS elements, so that the temporaries stay in cache."""
+    if device.type == "cpu":
+        return max(1, min(chunk_size, FULL_CHUNK_ELEMENTS // vocab))
+    return chunk_size
+
+
+# A fused (torch.compile'd) vocabulary pass costs ~15 s to build on CPU, once per process and
+# divergence; it pays off from this many masked-in token x vocabulary elements (a 2048 x 32768
+# batch: eager ~12 passes per cell, fused ~2). On CUDA it is always used.
+FUSE_MIN_ELEMENTS = 1 << 26
+_fused: dict = {}  # function -> its torch.compile'd version, or itself where compiling failed
+
+
+def vocabulary_pass(fn: Callable, flat: tuple, positions: torch.Tensor, chunk_size: int, *args):
+    """[fn(*flat rows of one chunk, *args) for each chunk of `positions`], each a [rows] tensor.
+
+    fn reads rows of [N, V] tensors and reduces each row to a number. Large passes (and every pass
+    on CUDA) run fn through torch.compile, one fused kernel per chunk with no [rows, V]
+    temporaries, `chunk_size` rows at a time; small ones run it eagerly in cache-sized chunks
+    (`chunk_rows`). If torch.compile fails on this platform (e.g. no C++ compiler or Triton),
+    the eager function is used from then on, after one warning."""
+    vocab, device = flat[0].shape[-1], flat[0].device
+    fuse = device.type == "cuda" or positions.numel() * vocab >= FUSE_MIN_ELEMENTS
+    if fuse and fn not in _fused:
+        _fused[fn] = torch.compile(fn, dynamic=True)
+    run = _fused[fn] if fuse else fn
+    out = []
+    for chunk in positions.split(chunk_size if run is not fn else chunk_rows(chunk_size, vocab, device)):
+        try:
+            out.append(run(*flat, chunk, *args))
+        except Exception as exc:  # torch.compile cannot build here: run eagerly for good
+            if run is fn:
+                raise
+            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); vocabulary passes "
+                          "run uncompiled", RuntimeWarning)
+            _fused[fn] = run = fn
+            out.append(fn(*flat, chunk, *args))
+    return out
+
+
+def _full_chunk(flat_logits, flat_logq, rows, div: Divergence, dtype: torch.dtype) -> torch.Tensor:
+    """D_f of the distributions at `rows`, both normalised (the closed forms use sum p = sum q =
+    1; recorded log-probs sum to 1 only up to their rounding, 0.5 % in bfloat16). index_select
+    copies the rows, so that the in-place normalisation leaves the inputs be."""
+    log_pi = normalize_rows_(flat_logits.index_select(0, rows).to(dtype))
+    log_mu = normalize_rows_(flat_logq.index_select(0, rows).to(dtype))
+    return div.full_divergence(log_pi, log_mu)
 
 
 def full_estimate(div: Divergence, logits, full_logq, mask, chunk_size: int) -> torch.Tensor:
-    """Exact D_f over the vocabulary, one chunk of `chunk_size` masked-in tokens at a time."""
+    """Exact D_f over the vocabulary (`Divergence.full_divergence`: a closed form for the
+    built-ins) at the masked-in tokens, one chunk at a time (`vocabulary_pass`)."""
     vocab = logits.shape[-1]
-    flat_logits, flat_logq = logits.reshape(-1, vocab), full_logq.reshape(-1, vocab)
+    flat = (logits.reshape(-1, vocab), full_logq.reshape(-1, vocab))
     positions = mask.reshape(-1).bool().nonzero().squeeze(-1)
-    out = torch.zeros(mask.numel(), dtype=upcast(logits[:0]).dtype, device=logits.device)
-    for chunk in positions.split(chunk_size):  # only one [chunk, V] slice exists at a time
-        log_pi = torch.log_softmax(upcast(flat_logits.index_select(0, chunk)), dim=-1)
-        out[chunk] = div.between_log(log_pi, flat_logq.index_select(0, chunk)).to(out.dtype)
+    dtype = work_dtype(logits, full_logq)
+    out = torch.zeros(mask.numel(), dtype=dtype, device=logits.device)
+    if positions.numel():
+        out[positions] = torch.cat(vocabulary_pass(_full_chunk, flat, positions, chunk_size, div, dtype))
     return out.view(mask.shape)
 
 
@@ -175,7 +274,7 @@ def _per_token(fn: Callable) -> Callable:
 def _topk(top_p_of: Callable):
     def compute(div, batch, anchor, config):
         return nucleus_estimate(div, batch.logp, anchor.logq, batch.token_ids, batch.topk_ids,
-                                batch.topk_logp, anchor.topk_logq, top_p_of(config))
+                                batch.topk_logp, anchor.topk_logq, top_p_of(config), config.top_k)
     return compute
 
 

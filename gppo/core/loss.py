@@ -13,7 +13,7 @@ import torch
 from gppo.core.batch import GPPOInputError, TokenBatch, require, validate
 from gppo.core.config import GPPOConfig
 from gppo.core.divergences import upcast
-from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, run_estimator
+from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, run_estimator, vocabulary_pass
 from gppo.core.rules import RULES, RuleContext
 
 # mu-probability buckets of the sampled token: the low-probability over-penalisation that
@@ -32,7 +32,7 @@ def q_buckets(q: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None,
               num_tokens: float | None = None, num_sequences: float | None = None) -> torch.Tensor:
-    """Reduce per-token values [B,T] to a scalar (DESIGN.md section 6).
+    """Reduce per-token values [B,T] to a scalar (docs/design.md section 6).
 
     token-mean: sum l m / sum m;  seq-mean-token-mean: mean_i (sum_t l m / sum_t m);
     seq-mean-token-sum: mean_i sum_t l m;  seq-mean-token-sum-norm (Dr. GRPO): sum l m / (N L).
@@ -65,7 +65,11 @@ def reference_kl(batch: TokenBatch, estimator: str) -> torch.Tensor:
         require(batch, ["logits", "logp_ref_full"], "kl_estimator='full'")
         log_pi = torch.log_softmax(torch.where(valid[..., None], upcast(batch.logits), 0.0), dim=-1)
         log_ref = torch.where(valid[..., None], upcast(batch.logp_ref_full), 0.0)
-        return (log_pi.exp() * (log_pi - log_ref)).sum(-1)
+        pi = log_pi.exp()
+        # A masked vocabulary column (logit -inf) has pi = 0 and contributes 0, in value and in
+        # gradient: the difference is replaced there before the product (0 * -inf would be NaN).
+        diff = torch.where(pi > 0, log_pi - log_ref, 0.0)
+        return (pi * diff).sum(-1)
     require(batch, ["logp_ref"], f"the KL penalty (kl_estimator={estimator!r})")
     x = torch.where(valid, upcast(batch.logp) - upcast(batch.logp_ref), 0.0)
     x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -76,16 +80,25 @@ def reference_kl(batch: TokenBatch, estimator: str) -> torch.Tensor:
     return torch.expm1(-x) + x
 
 
+def _entropy_chunk(flat_logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """-sum pi log pi at `rows` as log S - sum e^d d / S, d = z - max z, S = sum e^d (two
+    reductions of one read, fused by torch.compile); a logit of -inf (a masked vocabulary column)
+    has e^d = 0 and contributes 0."""
+    shifted = flat_logits.index_select(0, rows).float()
+    shifted = shifted - shifted.amax(-1, keepdim=True)
+    weights = shifted.exp()
+    norm = weights.sum(-1)
+    spread = (weights * shifted.clamp(min=torch.finfo(shifted.dtype).min)).sum(-1)
+    return norm.log() - spread / norm
+
+
 def entropy_from_logits(logits: torch.Tensor, valid: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Mean entropy of the current policy over valid tokens, chunked, no gradient."""
+    """Mean entropy of the current policy over valid tokens, no gradient, in the chunked (and,
+    for large batches, fused) vocabulary pass of the `full` estimator."""
     with torch.no_grad():
-        flat = logits.reshape(-1, logits.shape[-1])
         positions = valid.reshape(-1).nonzero().squeeze(-1)
-        total = torch.zeros((), device=logits.device)
-        for chunk in positions.split(chunk_size):
-            log_pi = torch.log_softmax(flat.index_select(0, chunk).float(), dim=-1)
-            total = total + -(log_pi.exp() * log_pi).sum()
-        return total / positions.numel()
+        flat = (logits.reshape(-1, logits.shape[-1]),)
+        return torch.cat(vocabulary_pass(_entropy_chunk, flat, positions, chunk_size)).sum() / positions.numel()
 
 
 def estimate(config: GPPOConfig, batch: TokenBatch) -> torch.Tensor:
@@ -119,14 +132,19 @@ def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | No
     # gradient ever reads it (torch.where passes no gradient to the unselected side).
     logp = torch.where(valid, upcast(batch.logp), 0.0)
     logq = torch.where(valid, anchor.logq.to(logp.dtype), 0.0)
+    log_ratio = logp - logq
+    # The clamp bounds the value of r (exp overflows float32 beyond log r = 88) but keeps the
+    # gradient of log r: a hard clamp would silently zero the gradient of every token beyond it.
+    clamped = log_ratio + (log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) - log_ratio).detach()
     ctx = RuleContext(
         config=config,
         batch=batch,
         adv=torch.where(valid, batch.token_advantages().to(logp.dtype), 0.0),
         valid=valid,
         logp=logp,
-        log_ratio=(logp - logq).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
+        log_ratio=clamped,
         logq=logq,
+        raw_log_ratio=log_ratio.detach(),
     )
     out = RULES.lookup(config.rule).loss(ctx)
     per_token = out.loss

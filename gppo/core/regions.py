@@ -57,10 +57,15 @@ def bisect_interval(token_estimate: Callable, q: torch.Tensor, delta_low, delta_
     return lo, hi
 
 
+DCPO_MAX_RATIO = 10.0  # DCPO's official code (lime-RL/DCPO, get_clip_low_high) caps hi at 10
+
+
 def dcpo_interval(q: torch.Tensor, eps_low: float, eps_high: float):
-    """DCPO's bounds 0.5 + 0.5 sqrt(max(1 - 4 eps_low / q, 0)) <= r <= 0.5 + 0.5 sqrt(1 + 4 eps_high / q)
-    (Yang et al. 2025, 2509.02333): |r - 1| r q <= eps on each side."""
+    """DCPO's bounds 0.5 + 0.5 sqrt(max(1 - 4 eps_low / q, 0)) <= r <= min(0.5 + 0.5 sqrt(1 +
+    4 eps_high / q), 10) (Yang et al. 2025, 2509.02333): |r - 1| r q <= eps on each side, the upper
+    bound capped at DCPO_MAX_RATIO as in the authors' code (without it a token of q = 1e-6 could
+    reach r = 447)."""
     q = torch.as_tensor(q, dtype=torch.float64)
     lo = 0.5 + 0.5 * torch.sqrt((1 - 4 * eps_low / q).clamp(min=0.0))
-    hi = 0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)
+    hi = (0.5 + 0.5 * torch.sqrt(1 + 4 * eps_high / q)).clamp(max=DCPO_MAX_RATIO)
     return lo, hi

@@ -1,4 +1,4 @@
-"""Trust-region rules: how the estimate (or the ratio) turns into the per-token loss (DESIGN.md s.4).
+"""Trust-region rules: how the estimate (or the ratio) turns into the per-token loss (docs/design.md section 4).
 
 Every rule returns the per-token loss l_t [B,T] (to be aggregated) and which tokens had their
 gradient blocked by the trust region (for metrics). Notation: r = pi/anchor of the sampled token,
@@ -34,8 +34,9 @@ class RuleContext:
     adv: torch.Tensor
     valid: torch.Tensor  # bool
     logp: torch.Tensor  # differentiable
-    log_ratio: torch.Tensor  # differentiable, clamped to +-20
+    log_ratio: torch.Tensor  # differentiable: value clamped to +-20, gradient that of log r
     logq: torch.Tensor  # anchor log-prob of the sampled token
+    raw_log_ratio: torch.Tensor  # log p - log q unclamped, detached: decides region membership
     _estimate: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -95,15 +96,27 @@ def _dual_clipped(ctx: RuleContext) -> torch.Tensor:
     c = ctx.config.dual_clip
     if c is None:
         return torch.zeros_like(ctx.valid)
-    return (ctx.adv < 0) & (ctx.ratio.detach() > c)
+    return (ctx.adv < 0) & (ctx.raw_log_ratio > math.log(c))
+
+
+def _clipped(x: torch.Tensor, raw_log_x: torch.Tensor, adv: torch.Tensor, lo, hi):
+    """PPO's min(x A, clip(x, lo, hi) A) and the tokens it blocks, (A>0, x>hi) or (A<0, x<lo).
+
+    Written as x A where free and the constant bound times A where blocked (the same value and
+    gradient), with membership decided on the unclamped log x: a ratio beyond the +-20 clamp is
+    still compared with its bound, however large the bound."""
+    blocked_hi = (adv > 0) & (raw_log_x > torch.log(torch.as_tensor(hi, dtype=raw_log_x.dtype)))
+    blocked_lo = (adv < 0) & (raw_log_x < torch.log(torch.as_tensor(lo, dtype=raw_log_x.dtype)))
+    objective = torch.where(blocked_hi, hi * adv, torch.where(blocked_lo, lo * adv, x * adv))
+    return objective, blocked_hi | blocked_lo
 
 
 def mask_rule(ctx: RuleContext) -> RuleOutput:
     """DPPO's directional mask: drop a token's gradient only when it is outside the region and the
     update pushes it further out: (A>0, r>1, D>delta_high) or (A<0, r<1, D>delta_low)."""
-    est, r, adv, cfg = ctx.estimate(), ctx.ratio.detach(), ctx.adv, ctx.config
-    blocked = ((adv > 0) & (r > 1) & (est > cfg.delta_high)) | (
-        (adv < 0) & (r < 1) & (est > cfg.delta_low)
+    est, lr, adv, cfg = ctx.estimate(), ctx.raw_log_ratio, ctx.adv, ctx.config
+    blocked = ((adv > 0) & (lr > 0) & (est > cfg.delta_high)) | (
+        (adv < 0) & (lr < 0) & (est > cfg.delta_low)
     )
     blocked = blocked | _dual_clipped(ctx)
     return RuleOutput(_policy_gradient(ctx, keep=(~blocked).float()), blocked)
@@ -119,9 +132,7 @@ def clip_rule(ctx: RuleContext) -> RuleOutput:
     dual clip for A<0: -max(., c A). Same gradient as the mask rule on the same region."""
     lo, hi = ctx.interval()
     r, adv = ctx.ratio, ctx.adv
-    objective = torch.minimum(r * adv, torch.clamp(r, lo, hi) * adv)
-    rd = r.detach()
-    blocked = ((adv > 0) & (rd > hi)) | ((adv < 0) & (rd < lo))
+    objective, blocked = _clipped(r, ctx.raw_log_ratio, adv, lo, hi)
     if ctx.config.dual_clip is not None:
         objective = torch.where(adv < 0, torch.maximum(objective, ctx.config.dual_clip * adv), objective)
         blocked = blocked | _dual_clipped(ctx)
@@ -147,10 +158,8 @@ def seq_clip_rule(ctx: RuleContext) -> RuleOutput:
     lo, hi = ctx.interval()
     seq_log_ratio = _sequence_mean(ctx.log_ratio.detach(), ctx.valid)
     s = torch.exp(seq_log_ratio[:, None] + ctx.logp - ctx.logp.detach())
-    adv = ctx.adv
-    objective = torch.minimum(s * adv, torch.clamp(s, lo, hi) * adv)
-    sd = s.detach()
-    blocked = ((adv > 0) & (sd > hi)) | ((adv < 0) & (sd < lo))
+    raw = _sequence_mean(ctx.raw_log_ratio, ctx.valid)[:, None].expand_as(s)
+    objective, blocked = _clipped(s, raw, ctx.adv, lo, hi)
     return RuleOutput(-objective * _truncation_weight(s, ctx.config.truncation), blocked)
 
 
@@ -160,11 +169,11 @@ def geo_mean_rule(ctx: RuleContext) -> RuleOutput:
     token of sequence i (use seq-mean-token-mean to get GMPO's mean_i)."""
     lo, hi = ctx.interval()
     log_lo, log_hi = torch.log(lo), torch.log(hi)
-    lr, adv = ctx.log_ratio, ctx.adv
-    clipped = torch.where(adv > 0, torch.minimum(lr, log_hi), torch.maximum(lr, log_lo))
+    lr, raw, adv = ctx.log_ratio, ctx.raw_log_ratio, ctx.adv
+    above, below = (adv > 0) & (raw > log_hi), (adv <= 0) & (raw < log_lo)  # decided unclamped
+    clipped = torch.where(above, log_hi, torch.where(below, log_lo, lr))
     rho = torch.exp(_sequence_mean(clipped, ctx.valid))
-    lrd = lr.detach()
-    blocked = ((adv > 0) & (lrd > log_hi)) | ((adv < 0) & (lrd < log_lo))
+    blocked = above | (below & (adv < 0))
     rho = rho[:, None] * _truncation_weight(rho[:, None], ctx.config.truncation)
     return RuleOutput(-adv * rho, blocked)
 
