@@ -167,11 +167,12 @@ def test_nan_in_full_distributions_is_refused(field):
 
 
 def test_log_ratio_clamp_neither_admits_nor_freezes_a_huge_ratio():
-    """q = 6.7e-10 gives the upper bound hi = 1/q = 1.5e9 (binary TV); r = 5e9 is beyond it, and
-    beyond the +-20 clamp of log r (r = 4.9e8): it is outside the region, its gradient blocked by
-    the rule, not zeroed by the clamp; a token inside at r = 5e8 keeps its gradient."""
+    """q = 6.7e-10 and delta 0.9 give the upper bound hi = 1 + 0.9/q = 1.34e9 (binary TV); p = 0.99
+    (r = 1.48e9) is beyond it, and beyond the +-20 clamp of log r (r = 4.9e8): it is outside the
+    region, its gradient blocked by the rule, not zeroed by the clamp; a token inside at r = 5e8
+    (p = 0.34) keeps its gradient. (Every p is a probability: log-probs above 0 are refused.)"""
     logq = torch.tensor([[math.log(6.7e-10)] * 2], dtype=torch.float64)
-    logp = (logq + torch.tensor([[math.log(5e9), math.log(5e8)]], dtype=torch.float64)).requires_grad_(True)
+    logp = (logq + torch.tensor([[math.log(0.99 / 6.7e-10), math.log(5e8)]], dtype=torch.float64)).requires_grad_(True)
     batch = gppo.TokenBatch(logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0]),
                             mask=torch.ones(1, 2))
     cfg = gppo.preset("ppo", divergence="tv", estimator="binary", delta_low=0.9, delta_high=0.9)
