@@ -1,4 +1,4 @@
-"""Group-relative advantages from rewards [G, n] (G prompts, n completions each); DESIGN.md s.6.
+"""Group-relative advantages from rewards [G, n] (G prompts, n completions each); docs/design.md section 6.
 
 grpo:        (R - mean_g) / (std_g + eps)                    (Shao et al. 2024)
 dr_grpo:     R - mean_g                                       (Liu et al. 2025, "Dr. GRPO")

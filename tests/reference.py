@@ -1,4 +1,4 @@
-"""Independent references for the core tests: the formulas of DESIGN.md and the method papers,
+"""Independent references for the core tests: the formulas of docs/design.md and the method papers,
 written directly (pure Python / plain torch ops), sharing no code with gppo.core."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 
 def generator(name: str, alpha: float = 0.5):
-    """The raw generator f(t) of DESIGN.md section 2 (not normalised), with f(0) as a limit."""
+    """The raw generator f(t) of docs/design.md section 2 (not normalised), with f(0) as a limit."""
     def f(t: float) -> float:
         if name == "tv":
             return 0.5 * abs(t - 1)
@@ -82,7 +82,7 @@ def binary_tv(p, q):
 
 
 def binary_kl(p, q):
-    """KL(mu || pi) on {a, rest}: q log(q/p) + (1-q) log((1-q)/(1-p)) (DESIGN.md section 3)."""
+    """KL(mu || pi) on {a, rest}: q log(q/p) + (1-q) log((1-q)/(1-p)) (docs/design.md section 3)."""
     return q * torch.log(q / p) + (1 - q) * torch.log((1 - q) / (1 - p))
 
 

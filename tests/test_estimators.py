@@ -108,7 +108,7 @@ def test_partitions_match_brute_force(name, params):
 
 @pytest.mark.parametrize("name,params", DIVERGENCE_POINTS, ids=DIV_IDS)
 def test_equality_cases(name, params):
-    """DESIGN.md s.3: topk = full when pi/mu is constant outside mu's top-K and the sampled token
+    """docs/design.md section 3: topk = full when pi/mu is constant outside mu's top-K and the sampled token
     (every divergence) ; binary = full on a two-token vocabulary; topk = full when K = V."""
     gen = torch.Generator().manual_seed(2)
     n, vocab, k = 16, 50, 5

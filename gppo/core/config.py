@@ -325,7 +325,7 @@ _GMPO_EPS = 0.4  # GMPO clips log r to [-0.4, 0.4]: as a TV x sample region, r i
 _NO_REGION = {"divergence": None, "estimator": None}
 
 # name: (summary, source, fields). PPO's epsilon is a TV radius delta = epsilon / 2 per side,
-# because 1/2 |r - 1| <= delta  <=>  r in [1 - 2 delta, 1 + 2 delta] (DESIGN.md section 4).
+# because 1/2 |r - 1| <= delta  <=>  r in [1 - 2 delta, 1 + 2 delta] (docs/design.md section 4).
 _TABLE = {
     "ppo": ("PPO clip, eps=0.2", "Schulman et al. 2017",
             dict(divergence="tv", estimator="sample", rule="clip", delta_low=0.1, delta_high=0.1)),

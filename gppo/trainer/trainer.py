@@ -44,7 +44,7 @@ _SEED_STRIDE = 1_000_003
 
 def default_threads() -> int:
     """CPU threads to use: the cores not already busy (a second thread on a loaded core makes
-    small-model steps several times slower, see shared/MEASURED.md)."""
+    small-model steps several times slower, measured on 2-core machines)."""
     cores = os.cpu_count() or 1
     return max(1, cores - round(os.getloadavg()[0]))
 
