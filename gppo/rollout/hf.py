@@ -32,7 +32,7 @@ class HFEngine:
         if tokenizer.eos_token_id is None:
             raise ValueError(
                 "the tokenizer has no EOS token, so generation could never stop: set "
-                "tokenizer.eos_token (gppo.models.embedded.load_tokenizer checks this on load)"
+                "tokenizer.eos_token (gppo.models.loading.load_tokenizer checks this on load)"
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

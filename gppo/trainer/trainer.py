@@ -24,7 +24,7 @@ from transformers import get_scheduler
 import gppo
 from gppo.advantages import group_advantages, informative_groups
 from gppo.evaluation import evaluate_problems
-from gppo.models.embedded import load_model_and_tokenizer
+from gppo.models.loading import load_model_and_tokenizer
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import SamplingParams, make_engine
 from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations, token_batch
