@@ -36,6 +36,10 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         from vllm import SamplingParams as VSamplingParams
 
+        if params.record_kept_ids and params.top_p < 1 and params.temperature > 0:
+            raise ValueError("vLLM does not report the top-p nucleus it sampled from, which the trainer needs "
+                             "to score pi on the same truncated distribution: train with rollout_top_p 1 on "
+                             "engine vllm, or use engine hf")
         if params.top_k_logprobs > self.max_top_k_logprobs:
             raise ValueError(f"top_k_logprobs={params.top_k_logprobs} exceeds vLLM's max_logprobs="
                              f"{self.max_top_k_logprobs}; lower the preset's top_k")

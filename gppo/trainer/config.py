@@ -61,6 +61,9 @@ class TrainConfig:
     temperature: float = _opt(1.0, "sampling temperature (applied identically in rollout and training)",
                               "rollout")
     max_new_tokens: int = _opt(24, "maximum completion length", "rollout")
+    rollout_top_p: float = _opt(1.0, "nucleus sampling of training rollouts (TRL's and verl's rollout top_p; "
+                                "1: off): pi is scored on the same truncated, renormalised distribution, so "
+                                "r = 1 before the first update. Not --top_p, the topp estimator's nucleus", "rollout")
     rollout_batch_size: int = _opt(256, "sequences generated together", "rollout")
     vllm_gpu_memory: float = _opt(0.5, "vLLM gpu_memory_utilization (engine=vllm)", "rollout")
 

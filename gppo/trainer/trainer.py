@@ -100,6 +100,9 @@ class Trainer:
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
+        if not 0 < config.rollout_top_p <= 1:
+            raise ConfigError(f"rollout_top_p must be in (0, 1] (got {config.rollout_top_p}); 1 samples from "
+                              "the whole distribution")
         self.engine = make_engine(config.engine, self.model, self.tokenizer, model_path=checkpoint or self.base_model_path,
                                   device=self.device, batch_size=config.rollout_batch_size,
                                   gpu_memory_utilization=config.vllm_gpu_memory, seed=config.seed)
@@ -187,7 +190,8 @@ class Trainer:
 
     def _sample(self, problems, n: int, temperature: float, seed: int, top_k: int = 0):
         params = SamplingParams(temperature=temperature, max_new_tokens=self.config.max_new_tokens, n=n,
-                                top_k_logprobs=top_k, seed=seed)
+                                top_k_logprobs=top_k, seed=seed, top_p=self.config.rollout_top_p,
+                                record_kept_ids=self.config.rollout_top_p < 1)
         return self.engine.generate([self._prompt(p.prompt) for p in problems], params)
 
     def rollout(self) -> tuple[Rollout | None, dict]:
