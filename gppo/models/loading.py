@@ -36,7 +36,11 @@ GGUF_HINT = " (is the .gguf file complete? download it again; transformers reads
 
 
 class ModelLoadError(ValueError):
-    """A model or tokenizer that cannot be loaded; the message says what is missing and the fix."""
+    """A model or tokenizer that cannot be loaded; the message says what is wrong and the fix."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The path, or a file the model needs (config, weights, tokenizer), does not exist."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ def resolve_model_path(path: str | Path) -> ModelSource:
                 "directory (the folder save_pretrained wrote), a .gguf file, or a folder holding one")
         return ModelSource(path.parent, path.name)
     if not path.is_dir():
-        raise ModelLoadError(
+        raise ModelNotFoundError(
             f"model path {str(path)!r} does not exist; pass a Hugging Face model directory, a .gguf "
             "file or a folder holding one, or run `gppo train` without --model to use the embedded default")
     if (path / "config.json").is_file():
@@ -75,7 +79,7 @@ def resolve_model_path(path: str | Path) -> ModelSource:
         raise ModelLoadError(
             f"{str(path)!r} holds several .gguf files ({', '.join(ggufs)}); pass the one to load, "
             f"e.g. --model {path / ggufs[0]}")
-    raise ModelLoadError(
+    raise ModelNotFoundError(
         f"{str(path)!r} has no config.json and no .gguf file, so it is not a model directory; point "
         "--model at the folder that save_pretrained wrote, or at a .gguf file")
 
@@ -97,7 +101,7 @@ def _check_hf_directory(path: Path) -> None:
         raise ModelLoadError(f"{path / 'config.json'} has no 'model_type', so transformers cannot tell "
                              "which architecture to build; re-save the model with save_pretrained")
     if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
-        raise ModelLoadError(f"{str(path)!r} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); "
+        raise ModelNotFoundError(f"{str(path)!r} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); "
                              "save the model with model.save_pretrained(DIR)")
 
 
@@ -118,7 +122,7 @@ def load_tokenizer(path: str | Path | ModelSource):
     config_file = source.directory / "tokenizer_config.json"
     ours = source.gguf_file is None and config_file.is_file() and json.loads(config_file.read_text()).get(MARKER, False)
     if source.gguf_file is None and not any((source.directory / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(f"{str(source)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+        raise ModelNotFoundError(f"{str(source)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
                              "save the tokenizer into the model folder with tokenizer.save_pretrained(DIR)")
     try:
         tokenizer = (PreTrainedTokenizerFast if ours else AutoTokenizer).from_pretrained(
