@@ -177,6 +177,8 @@ def nucleus64(logits, temperature, top_p):
     """float64 brute force: the ids of the top-p nucleus (mass strictly before a token < top_p)
     and log mu_S on the whole vocabulary (-inf outside S)."""
     p = torch.softmax(logits.double() / temperature, -1)
+    if top_p >= 1:
+        return [list(range(p.shape[-1]))] * len(p), p.log()
     kept = []
     for row in p:
         order = row.argsort(descending=True).tolist()
