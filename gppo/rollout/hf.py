@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from gppo.rollout.base import Generation, SamplingParams
 
@@ -101,6 +102,8 @@ class HFEngine:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
+        if all(type(layer) is DynamicLayer for layer in cache.layers):  # full attention everywhere
+            cache.layers = [InPlaceLayer(L + params.max_new_tokens) for _ in cache.layers]
         logits = self._forward(input_ids, mask, positions, cache)
         group_sizes = torch.tensor([b - a for a, b in zip(starts, [*starts[1:], B])], device=self.device)
         expand = torch.repeat_interleave(torch.arange(len(unique), device=self.device), group_sizes)
@@ -196,3 +199,32 @@ def top_p_truncate(logp: torch.Tensor, top_p: float):
     keep = keep_sorted.scatter(-1, order, keep_sorted)
     truncated = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
     return truncated, (order, keep_sorted.sum(-1))
+
+
+class InPlaceLayer(DynamicLayer):
+    """A full-attention KV-cache layer whose keys and values live in buffers of `capacity`
+    positions, written in place: `DynamicLayer` concatenates, which copies the whole cache at
+    every generated token (about a tenth of the rollout time on CPU)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            shape = (*key_states.shape[:2], self.capacity, key_states.shape[-1])
+            self.key_buffer, self.value_buffer = key_states.new_empty(shape), value_states.new_empty(shape)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
+        self.key_buffer[:, :, self.length:end] = key_states
+        self.value_buffer[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+            self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
