@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gppo.models.loading import ModelLoadError, ModelSource, load_model_and_tokenizer, resolve_model_path
+from gppo.trainer.checkpoint import save_checkpoint
 
 
 def _copy(src, dst, drop=()):
@@ -73,12 +74,15 @@ def test_unreadable_gguf(tmp_path):
             load_model_and_tokenizer(path)
 
 
-def test_gguf_file_loads_like_its_saved_copy(smollm2_gguf, smollm2_dir):
-    """The .gguf file (dequantized to float32) and the HF directory the fixture saved from the
-    folder holding it give the same tokens and the same logits; the GGUF model saves as a plain
-    model (no quantization_config), as a checkpoint of a GGUF-started run must."""
+def test_gguf_file_loads_like_its_saved_copy(smollm2_gguf, smollm2_dir, tmp_path):
+    """The .gguf file (dequantized to float32), the HF directory the fixture saved from the folder
+    holding it, and a trainer checkpoint of the GGUF-loaded model give the same tokens and logits;
+    the checkpoint is a plain HF directory (no quantization_config)."""
     gguf_model, gguf_tok = load_model_and_tokenizer(smollm2_gguf, dtype=torch.float32)
+    checkpoint = save_checkpoint(tmp_path, 1, gguf_model, gguf_tok, {}, keep=1)
+    assert json.loads((checkpoint / "config.json").read_text()).get("quantization_config") is None
     hf_model, hf_tok = load_model_and_tokenizer(smollm2_dir)
+    reloaded, _ = load_model_and_tokenizer(checkpoint)
     assert not hasattr(gguf_model.config, "quantization_config") and gguf_model.hf_quantizer is None
     assert json.loads((smollm2_dir / "config.json").read_text()).get("quantization_config") is None
     assert gguf_tok.eos_token_id == hf_tok.eos_token_id == 2 and gguf_tok.padding_side == "left"
@@ -88,4 +92,6 @@ def test_gguf_file_loads_like_its_saved_copy(smollm2_gguf, smollm2_dir):
     assert ids.tolist() == hf_tok(text, return_tensors="pt")["input_ids"].tolist()
     assert hf_model.dtype == gguf_model.dtype == torch.float32
     with torch.no_grad():
-        torch.testing.assert_close(hf_model(ids).logits, gguf_model(ids).logits, rtol=0, atol=1e-5)
+        expected = gguf_model(ids).logits
+        torch.testing.assert_close(hf_model(ids).logits, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-5)

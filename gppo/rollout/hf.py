@@ -225,6 +225,11 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep (or repeat) the rows `indices`, copying only the positions written so far."""
         if self.is_initialized:
-            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
-            self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
+            shape = (len(indices), *self.key_buffer.shape[1:])
+            keys, values = self.key_buffer.new_empty(shape), self.value_buffer.new_empty(shape)
+            keys[:, :, :self.length] = self.keys[indices]
+            values[:, :, :self.length] = self.values[indices]
+            self.key_buffer, self.value_buffer = keys, values
+            self.keys, self.values = keys[:, :, :self.length], values[:, :, :self.length]

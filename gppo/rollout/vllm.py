@@ -2,7 +2,9 @@
 
 vLLM returns log-probs of the *processed* distribution (temperature and top-p applied) only with
 `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2), which this engine sets: the recorded mu is
-then the distribution that was sampled, as the trainer assumes. vLLM caps the number of top-K
+then the distribution that was sampled, as the trainer assumes. vLLM does not return the top-p
+nucleus it sampled from, so training rollouts with top_p < 1 (which the trainer scores on that
+nucleus) are refused; evaluation may use any top_p. vLLM caps the number of top-K
 log-probs per token (`max_logprobs`, 20 by default), so presets with top_k > 20 need a larger
 `max_logprobs`. Weights are pushed from the training model after every update
 (`update_weights`), in the same process (colocated; single GPU).
