@@ -103,7 +103,7 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         if all(type(layer) is DynamicLayer for layer in cache.layers):  # full attention everywhere
-            cache.layers = [InPlaceLayer(L + params.max_new_tokens) for _ in cache.layers]
+            cache.layers = [InPlaceLayer(B, L + params.max_new_tokens) for _ in cache.layers]
         logits = self._forward(input_ids, mask, positions, cache)
         group_sizes = torch.tensor([b - a for a, b in zip(starts, [*starts[1:], B])], device=self.device)
         expand = torch.repeat_interleave(torch.arange(len(unique), device=self.device), group_sizes)
@@ -202,34 +202,42 @@ def top_p_truncate(logp: torch.Tensor, top_p: float):
 
 
 class InPlaceLayer(DynamicLayer):
-    """A full-attention KV-cache layer whose keys and values live in buffers of `capacity`
-    positions, written in place: `DynamicLayer` concatenates, which copies the whole cache at
-    every generated token (about a tenth of the rollout time on CPU)."""
+    """A full-attention KV-cache layer held in one buffer of `rows` x `capacity` positions,
+    allocated once and written in place. `DynamicLayer` concatenates, copying the whole cache at
+    every generated token (about a tenth of the rollout time on CPU); here a step writes one
+    position, and sharing a prompt's cache or dropping finished rows moves rows inside the buffer."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, rows: int, capacity: int):
         super().__init__()
-        self.capacity, self.length = capacity, 0
+        self.rows, self.capacity, self.active, self.length = rows, capacity, 0, 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            shape = (*key_states.shape[:2], self.capacity, key_states.shape[-1])
+            shape = (self.rows, key_states.shape[1], self.capacity, key_states.shape[-1])
             self.key_buffer, self.value_buffer = key_states.new_empty(shape), value_states.new_empty(shape)
+            self.active = key_states.shape[0]
         end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
-        self.key_buffer[:, :, self.length:end] = key_states
-        self.value_buffer[:, :, self.length:end] = value_states
+        if end > self.capacity or key_states.shape[0] != self.active:
+            raise RuntimeError(f"KV cache of {self.active} rows x {self.capacity} positions cannot take "
+                               f"{tuple(key_states.shape)} at position {self.length}")
+        self.key_buffer[:self.active, :, self.length:end] = key_states
+        self.value_buffer[:self.active, :, self.length:end] = value_states
         self.length = end
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self._views()
+
+    def _views(self):
+        self.keys = self.key_buffer[:self.active, :, :self.length]
+        self.values = self.value_buffer[:self.active, :, :self.length]
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep (or repeat) the rows `indices`, copying only the positions written so far."""
+        """Rows `indices` (kept, dropped or repeated) become rows 0..len(indices)-1."""
         if self.is_initialized:
-            shape = (len(indices), *self.key_buffer.shape[1:])
-            keys, values = self.key_buffer.new_empty(shape), self.value_buffer.new_empty(shape)
-            keys[:, :, :self.length] = self.keys[indices]
-            values[:, :, :self.length] = self.values[indices]
-            self.key_buffer, self.value_buffer = keys, values
-            self.keys, self.values = keys[:, :, :self.length], values[:, :, :self.length]
+            if len(indices) > self.rows:
+                raise RuntimeError(f"KV cache of {self.rows} rows cannot take {len(indices)}")
+            keys, values = self.keys[indices], self.values[indices]  # gathered before the buffer is overwritten
+            self.active = len(indices)
+            self.key_buffer[:self.active, :, :self.length] = keys
+            self.value_buffer[:self.active, :, :self.length] = values
+            self._views()
