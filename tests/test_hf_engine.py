@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -261,3 +262,18 @@ def test_top_p_training_forward_gives_ratio_one_and_exact_divergences(micro):
     small = valid & (rollout.kept_sizes <= K)
     assert small.any() and (tv[small] > 1e-3).any()
     torch.testing.assert_close(topk[small], full[small], atol=1e-5, rtol=0)
+
+
+def test_trainer_top_p_step_and_bad_value(micro_model, tmp_path):
+    """A trainer step with rollout_top_p < 1 records the nucleus and gives finite metrics (the
+    entropy of the truncated policy included); an out-of-range value is refused by name."""
+    from gppo.trainer import ConfigError, Trainer
+    from tests.test_trainer import micro_config
+
+    with pytest.raises(ConfigError, match=r"rollout_top_p must be in \(0, 1\] \(got 1.5\)"):
+        Trainer(micro_config(micro_model, tmp_path / "bad", rollout_top_p=1.5))
+    trainer = Trainer(micro_config(micro_model, tmp_path / "run", rollout_top_p=0.6, preset="dppo-topk-tv", top_k=40))
+    rollout, _ = trainer.rollout()
+    assert rollout.kept_sizes is not None and (rollout.kept_sizes[rollout.response_mask.bool()] < 55).all()
+    metrics = trainer.train_step()
+    assert all(math.isfinite(metrics[k]) for k in ("loss/entropy", "loss/masked_frac", "optim/grad_norm"))

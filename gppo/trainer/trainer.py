@@ -87,6 +87,9 @@ class Trainer:
             raise ConfigError(f"{self.run_dir} already holds a run (last checkpoint {checkpoint.name}): continue "
                               f"it with `gppo train --resume {self.run_dir}` or choose another --output_dir")
         self._check_counts()
+        if not 0 < config.rollout_top_p <= 1:
+            raise ConfigError(f"rollout_top_p must be in (0, 1] (got {config.rollout_top_p}); 1 samples from "
+                              "the whole distribution")
 
         cfg = config.gppo_config()
         self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
@@ -100,9 +103,6 @@ class Trainer:
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
-        if not 0 < config.rollout_top_p <= 1:
-            raise ConfigError(f"rollout_top_p must be in (0, 1] (got {config.rollout_top_p}); 1 samples from "
-                              "the whole distribution")
         self.engine = make_engine(config.engine, self.model, self.tokenizer, model_path=checkpoint or self.base_model_path,
                                   device=self.device, batch_size=config.rollout_batch_size,
                                   gpu_memory_utilization=config.vllm_gpu_memory, seed=config.seed)
