@@ -123,9 +123,12 @@ class HFEngine:
             if done.all():
                 break
             if done.any():
+                # Finished rows leave; the last live rows move into their slots (few rows copied).
                 keep = (~done).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                active, token, mask, step_pos = active[keep], token[keep], mask[keep], step_pos[keep]
+                order = torch.arange(len(keep), device=self.device)
+                order[done[:len(keep)]] = keep[keep >= len(keep)]
+                cache.batch_select_indices(order)
+                active, token, mask, step_pos = active[order], token[order], mask[order], step_pos[order]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
             step_pos = step_pos + 1
 
@@ -232,12 +235,24 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Rows `indices` (kept, dropped or repeated) become rows 0..len(indices)-1."""
-        if self.is_initialized:
-            if len(indices) > self.rows:
-                raise RuntimeError(f"KV cache of {self.rows} rows cannot take {len(indices)}")
-            keys, values = self.keys[indices], self.values[indices]  # gathered before the buffer is overwritten
-            self.active = len(indices)
-            self.key_buffer[:self.active, :, :self.length] = keys
-            self.value_buffer[:self.active, :, :self.length] = values
-            self._views()
+        """Row `indices[d]` becomes row d. Rows are copied one by one, in an order that reads each
+        source before it is overwritten, so no temporary copy of the cache is made: descending d
+        when every indices[d] <= d (a prompt's cache repeated over its group), ascending when every
+        moved row comes from beyond the new size (finished rows replaced by the last live ones)."""
+        if not self.is_initialized:
+            return
+        m, sources = len(indices), indices.tolist()
+        if m > self.rows:
+            raise RuntimeError(f"KV cache of {self.rows} rows cannot take {m}")
+        if all(src <= d for d, src in enumerate(sources)):
+            order = range(m - 1, -1, -1)
+        elif all(src == d or src >= m for d, src in enumerate(sources)):
+            order = range(m)
+        else:
+            raise ValueError("InPlaceLayer moves rows only to share a prompt or to fill the slots of finished rows")
+        for d in order:
+            if sources[d] != d:
+                self.key_buffer[d, :, :self.length] = self.key_buffer[sources[d], :, :self.length]
+                self.value_buffer[d, :, :self.length] = self.value_buffer[sources[d], :, :self.length]
+        self.active = m
+        self._views()
