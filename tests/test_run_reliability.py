@@ -177,7 +177,7 @@ def test_checkpoints_carry_a_manifest_and_final_is_replaced_whole(micro_model, t
 
 
 def test_every_file_and_folder_is_fsynced_before_latest_moves(micro_model, tmp_path, monkeypatch):
-    from gppo.models.embedded import load_model_and_tokenizer
+    from gppo.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(micro_model)
     events, fsync, replace = [], os.fsync, os.replace
@@ -221,7 +221,7 @@ def test_a_failed_rename_puts_the_previous_directory_back(tmp_path, monkeypatch)
 
 
 def test_pruning_keeps_the_new_checkpoint_and_drops_abandoned_newer_ones(micro_model, tmp_path):
-    from gppo.models.embedded import load_model_and_tokenizer
+    from gppo.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(micro_model)
     run = tmp_path / "run"

@@ -10,7 +10,7 @@ import yaml
 
 import gppo
 from gppo.advantages import group_advantages, informative_groups
-from gppo.models.embedded import load_model_and_tokenizer
+from gppo.models.loading import load_model_and_tokenizer
 from gppo.rewards.pipeline import RewardPipeline, load_function, overlong_penalty
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gppo.data.benchmarks import BENCHMARKS
 from gppo.evaluation import evaluate, evaluate_problems
-from gppo.models.embedded import load_model_and_tokenizer
+from gppo.models.loading import load_model_and_tokenizer
 from gppo.options import (CLI, ArgumentParser, ConfigError, Source, add_arguments, check, check_device, check_engine,
                           option, refuse_ignored, resolve_device)
 from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptBuilder, PromptConfig, check_prompt_template

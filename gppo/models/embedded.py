@@ -1,31 +1,22 @@
-"""The embedded default: a character tokenizer and a ~0.5M-parameter Qwen2 model, plus a loader
-for any Hugging Face causal-LM folder.
+"""The embedded default: a character tokenizer and a ~0.5M-parameter Qwen2 model.
 
-Pitfall handled here: `AutoTokenizer.from_pretrained` on a folder whose `config.json` says
-`model_type=qwen2` silently returns a Qwen2 BPE tokenizer for our character vocabulary (it drops
-spaces and changes ids). Our tokenizer folders carry `"gppo_char_tokenizer": true` in
-`tokenizer_config.json` and are reloaded as `PreTrainedTokenizerFast`; every other folder goes
-through `AutoTokenizer`.
+Its tokenizer folders carry the `MARKER` key so that `gppo.models.loading` reloads them as
+`PreTrainedTokenizerFast` (see the pitfall described there). Loading lives in
+`gppo.models.loading`.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from gppo.models.loading import MARKER
+
+__all__ = ["CHARS", "MARKER", "SPECIAL_TOKENS", "build_model", "build_tokenizer"]
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*/()=<>., :?!\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-MARKER = "gppo_char_tokenizer"  # key in tokenizer_config.json that marks our tokenizer folders
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -63,42 +54,3 @@ def build_model(tokenizer, seed: int = 0, hidden: int = 128, layers: int = 2, he
     with torch.random.fork_rng(devices=[]):  # seeded init without touching the global RNG
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)
-
-
-def load_tokenizer(path: str | Path):
-    """Load the tokenizer of a model folder, ready for batched generation.
-
-    Raises if it has no EOS token. Without a pad token, EOS doubles as pad (the usual TRL
-    practice; padded positions are masked out, so the choice does not change any result).
-    """
-    path = Path(path)
-    config_file = path / "tokenizer_config.json"
-    ours = config_file.exists() and json.loads(config_file.read_text()).get(MARKER, False)
-    tokenizer = (PreTrainedTokenizerFast if ours else AutoTokenizer).from_pretrained(str(path))
-    if tokenizer.eos_token_id is None:
-        raise ValueError(
-            f"the tokenizer in {path} has no EOS token, so generation could never stop: set "
-            "`eos_token` in its tokenizer_config.json (or special_tokens_map.json)"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
-def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype | str | None = None):
-    """Load any Hugging Face causal-LM folder (ours or not) as (model, tokenizer), model in eval mode."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model folder {str(path)!r} does not exist; pass a local folder saved with "
-            "save_pretrained, or run `gppo train` without --model to use the embedded default"
-        )
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"{str(path)!r} has no config.json, so it is not a Hugging Face model folder; "
-            "point --model at the folder that save_pretrained wrote"
-        )
-    tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto")
-    return model.eval(), tokenizer

@@ -13,11 +13,14 @@ from typing import Protocol, Sequence
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. `temperature=0` means greedy decoding.
+    """How to sample. `temperature=0` means greedy decoding (and ignores `top_p`).
 
-    `top_p < 1` truncates the sampling distribution; the recorded log-probs are then those of the
-    truncated distribution, which is not the one the trainer recomputes: keep `top_p=1` for
-    training rollouts (evaluation may use the field's protocol, e.g. 0.95).
+    `top_p < 1` samples from the nucleus S (the smallest set of most probable tokens whose mass
+    reaches top_p) renormalised: mu_S(a) = mu(a) / mu(S) on S, 0 elsewhere. Every recorded
+    log-prob is of mu_S (top-K entries outside S read -inf). `record_kept_ids` also returns S per
+    token, so that the trainer scores pi on the same truncated, renormalised distribution
+    (gppo.trainer.batch); without it a trainer that scores pi on the full vocabulary sees
+    r = pi(S) < 1 at the first update.
     """
 
     temperature: float = 1.0
@@ -26,13 +29,14 @@ class SamplingParams:
     n: int = 1  # completions per prompt
     top_k_logprobs: int = 0  # record mu's top-K ids and log-probs per generated token (0: none)
     seed: int | None = None
+    record_kept_ids: bool = False  # with top_p < 1: return the nucleus S of every generated token
 
 
 @dataclass
 class Generation:
     """One sampled completion of one prompt.
 
-    `logprobs[t]` is log mu(completion_ids[t] | prefix) under the sampling temperature;
+    `logprobs[t]` is log mu(completion_ids[t] | prefix) under the sampling temperature (and top_p);
     `topk_ids[t]` / `topk_logprobs[t]` are mu's K most probable tokens at step t (descending).
     """
 
@@ -44,6 +48,7 @@ class Generation:
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
     finish_reason: str = "stop"  # "stop" (EOS) or "length" (hit max_new_tokens)
+    kept_ids: list[list[int]] | None = None  # top-p nucleus S at step t, by descending mu (record_kept_ids)
 
 
 class RolloutEngine(Protocol):

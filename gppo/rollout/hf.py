@@ -1,13 +1,17 @@
 """`HFEngine`: sampling with any transformers causal LM through a hand-written KV-cache loop.
 
 The loop sees every step's logits, so the behaviour policy's log-probs (and top-K) are recorded
-from exactly the distribution that was sampled: log_softmax(logits / T), after top-p truncation
-when `top_p < 1` (top-K entries outside the kept set then read -inf). Greedy decoding
-(`temperature == 0`) records log-probs at T = 1 and ignores `top_p`.
+from exactly the distribution that was sampled: log_softmax(logits / T), truncated to the top-p
+nucleus S and renormalised when `top_p < 1` (top-K entries outside S then read -inf; with
+`record_kept_ids` the engine also returns S). Greedy decoding (`temperature == 0`) records
+log-probs at T = 1 and ignores `top_p`.
+
 Prompts are tokenized as the tokenizer does by default (with a BOS where it adds one) and
-left-padded with matching `attention_mask` and `position_ids`; a sequence leaves the batch (and
-the cache) as soon as it emits an EOS token. The EOS token is kept as the last entry of
-`completion_ids`/`logprobs` (the trainer must learn to stop) but not in `text`.
+left-padded with matching `attention_mask` and `position_ids`. Each distinct prompt of a batch is
+prefilled once and its KV cache copied to the rows of its group (`n` completions per prompt), so a
+group of 8 costs one prompt forward, not 8. A sequence leaves the batch (and the cache) as soon as
+it emits an EOS token. The EOS token is kept as the last entry of `completion_ids`/`logprobs`
+(the trainer must learn to stop) but not in `text`.
 """
 
 from __future__ import annotations
@@ -17,32 +21,37 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from gppo.rollout.base import Generation, SamplingParams
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The tokenizer's EOS and every EOS id of the model's generation_config (instruct models
+    often have several, e.g. <|im_end|> and <|endoftext|>)."""
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    extra = extra if isinstance(extra, (list, tuple)) else [extra]
+    return sorted({tokenizer.eos_token_id, *(e for e in extra if e is not None)})
 
 
 class HFEngine:
     """Sample `n` completions per prompt, `batch_size` sequences at a time.
 
-    `device=None` keeps the model where it is. A sequence stops at the tokenizer's EOS or at any
-    EOS id of the model's generation_config (instruct models often have several).
+    `device=None` keeps the model where it is. A sequence stops at any id of `eos_token_ids`.
     """
 
     def __init__(self, model, tokenizer, device: str | torch.device | None = None, batch_size: int = 256):
         if tokenizer.eos_token_id is None:
             raise ValueError(
                 "the tokenizer has no EOS token, so generation could never stop: set "
-                "tokenizer.eos_token (gppo.models.embedded.load_tokenizer checks this on load)"
+                "tokenizer.eos_token (gppo.models.loading.load_tokenizer checks this on load)"
             )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model, self.tokenizer, self.batch_size = model.to(self.device), tokenizer, batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        extra = extra if isinstance(extra, (list, tuple)) else [extra]
-        eos = {tokenizer.eos_token_id, *(e for e in extra if e is not None)}
-        self.eos_ids = torch.tensor(sorted(eos), device=self.device)
+        self.eos_ids = torch.tensor(eos_token_ids(model, tokenizer), device=self.device)
         self.max_top_k_logprobs = model.get_output_embeddings().weight.shape[0]
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
@@ -73,35 +82,55 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
+    def _forward(self, ids, mask, positions, cache):
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                          **{self._cache_kw: cache}, **self._keep_last).logits[:, -1].float()
+
     @torch.inference_mode()
     def _generate_batch(self, jobs, params: SamplingParams, gen: torch.Generator) -> list[Generation]:
-        B, L, K = len(jobs), max(len(ids) for _, ids in jobs), params.top_k_logprobs
-        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for row, (_, ids) in enumerate(jobs):
+        B, K = len(jobs), params.top_k_logprobs
+        record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
+        # Distinct prompts in job order (a prompt's n copies are consecutive): prefill each once.
+        starts = [row for row in range(B) if row == 0 or jobs[row][0] != jobs[row - 1][0]]
+        unique = [jobs[row][1] for row in starts]
+        L = max(len(ids) for ids in unique)
+        input_ids = torch.full((len(unique), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(unique), L), dtype=torch.long)
+        for row, ids in enumerate(unique):
             input_ids[row, L - len(ids):] = torch.tensor(ids, dtype=torch.long)
             mask[row, L - len(ids):] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        step_ids, step_pos = input_ids, (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
+        if all(type(layer) is DynamicLayer for layer in cache.layers):  # full attention everywhere
+            cache.layers = [InPlaceLayer(B, L + params.max_new_tokens) for _ in cache.layers]
+        logits = self._forward(input_ids, mask, positions, cache)
+        group_sizes = torch.tensor([b - a for a, b in zip(starts, [*starts[1:], B])], device=self.device)
+        expand = torch.repeat_interleave(torch.arange(len(unique), device=self.device), group_sizes)
+        cache.batch_select_indices(expand)  # every row of a group starts from its prompt's cache
+        logits, mask, step_pos = logits[expand], mask[expand], positions[expand][:, -1:]
+
         active = torch.arange(B, device=self.device)  # rows still generating
-        steps = []  # per step: (active rows, token, its log-prob, top-K ids, top-K log-probs)
+        steps = []  # per step: (active rows, token, its log-prob, top-K ids, top-K log-probs, kept sets)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
-        for _ in range(params.max_new_tokens):
-            logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                                use_cache=True, **{self._cache_kw: cache}, **self._keep_last).logits
-            token, lp_token, tk_ids, tk_lps = self._sample(logits[:, -1].float(), params, gen)
-            steps.append((active, token, lp_token, tk_ids, tk_lps))
+        for step in range(params.max_new_tokens):
+            if step:
+                logits = self._forward(token[:, None], mask, step_pos, cache)
+            token, lp_token, tk_ids, tk_lps, kept = self._sample(logits, params, gen, record_kept)
+            steps.append((active, token, lp_token, tk_ids, tk_lps, kept))
             done = torch.isin(token, self.eos_ids)
             finished[active[done]] = True
             if done.all():
                 break
             if done.any():
+                # Finished rows leave; the last live rows move into their slots (few rows copied).
                 keep = (~done).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                active, token, mask, step_pos = active[keep], token[keep], mask[keep], step_pos[keep]
+                order = torch.arange(len(keep), device=self.device)
+                order[done[:len(keep)]] = keep[keep >= len(keep)]
+                cache.batch_select_indices(order)
+                active, token, mask, step_pos = active[order], token[order], mask[order], step_pos[order]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
-            step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
+            step_pos = step_pos + 1
 
         T = len(steps)
         tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=self.device)
@@ -109,10 +138,15 @@ class HFEngine:
         topk_ids = torch.zeros((B, T, K), dtype=torch.long, device=self.device)
         topk_lps = torch.zeros((B, T, K), device=self.device)
         lengths = torch.zeros(B, dtype=torch.long, device=self.device)
-        for t, (rows, token, lp_token, tk_ids, tk_lps) in enumerate(steps):
+        kept_ids = [[] for _ in range(B)]
+        for t, (rows, token, lp_token, tk_ids, tk_lps, kept) in enumerate(steps):
             tokens[rows, t], logprobs[rows, t], lengths[rows] = token, lp_token, t + 1
             if K:
                 topk_ids[rows, t], topk_lps[rows, t] = tk_ids, tk_lps
+            if record_kept:
+                sizes, flat = kept
+                for row, ids in zip(rows.tolist(), flat.split(sizes.tolist())):
+                    kept_ids[row].append(ids.tolist())
         tokens, logprobs, lengths, finished = tokens.tolist(), logprobs.tolist(), lengths.tolist(), finished.tolist()
         topk_ids, topk_lps = (topk_ids.tolist(), topk_lps.tolist()) if K else (None, None)
         completions = [tokens[row][:n] for row, n in enumerate(lengths)]
@@ -127,33 +161,98 @@ class HFEngine:
                 topk_ids=topk_ids[row][:n] if K else None,
                 topk_logprobs=topk_lps[row][:n] if K else None,
                 finish_reason="stop" if finished[row] else "length",
+                kept_ids=kept_ids[row] if record_kept else None,
             )
             for row, ((i, ids), n) in enumerate(zip(jobs, lengths))
         ]
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
-        """Pick one token per row; return it with its log-prob and mu's top-K, all taken from
-        the distribution that was sampled."""
+    def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, record_kept: bool):
+        """Pick one token per row; return it with its log-prob, mu's top-K and (record_kept) the
+        nucleus as (sizes [rows], ids concatenated by row), all of the distribution that was sampled."""
+        kept = None
         if params.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             token = logp.argmax(dim=-1)
         else:
             logp = torch.log_softmax(logits / params.temperature, dim=-1)
             if params.top_p < 1:
-                logp = torch.log_softmax(_top_p_filter(logp, params.top_p), dim=-1)
+                logp, kept = top_p_truncate(logp, params.top_p)
+                if record_kept:
+                    order, sizes = kept
+                    width = int(sizes.max())
+                    columns = torch.arange(width, device=logp.device)
+                    kept = sizes, order[:, :width][columns < sizes[:, None]]
             token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
         lp_token = logp.gather(-1, token[:, None]).squeeze(-1)
         if params.top_k_logprobs:
             tk_lps, tk_ids = logp.topk(params.top_k_logprobs, dim=-1)
-            return token, lp_token, tk_ids, tk_lps
-        return token, lp_token, None, None
+            return token, lp_token, tk_ids, tk_lps, kept
+        return token, lp_token, None, None, kept
 
 
-def _top_p_filter(logp: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Set to -inf every token outside the smallest set whose probability reaches `top_p`."""
+def top_p_truncate(logp: torch.Tensor, top_p: float):
+    """(log mu_S, (order, |S|)): the nucleus S is the smallest set of most probable tokens whose
+    mass reaches `top_p` (a token is kept when the mass strictly before it is < top_p, as
+    transformers' TopPLogitsWarper); log mu_S = log mu - log mu(S) on S, -inf elsewhere. `order`
+    sorts the vocabulary by descending mu, so S = order[:, :|S|]."""
     sorted_lp, order = logp.sort(dim=-1, descending=True)
-    mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()
-    drop_sorted = mass_before >= top_p  # the most probable token always stays
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logp.masked_fill(drop, float("-inf"))
+    probs = sorted_lp.exp()
+    keep_sorted = probs.cumsum(-1) - probs < top_p  # the most probable token always stays
+    keep = keep_sorted.scatter(-1, order, keep_sorted)
+    truncated = torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+    return truncated, (order, keep_sorted.sum(-1))
+
+
+class InPlaceLayer(DynamicLayer):
+    """A full-attention KV-cache layer held in one buffer of `rows` x `capacity` positions,
+    allocated once and written in place. `DynamicLayer` concatenates, copying the whole cache at
+    every generated token (about a tenth of the rollout time on CPU); here a step writes one
+    position, and sharing a prompt's cache or dropping finished rows moves rows inside the buffer."""
+
+    def __init__(self, rows: int, capacity: int):
+        super().__init__()
+        self.rows, self.capacity, self.active, self.length = rows, capacity, 0, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            shape = (self.rows, key_states.shape[1], self.capacity, key_states.shape[-1])
+            self.key_buffer, self.value_buffer = key_states.new_empty(shape), value_states.new_empty(shape)
+            self.active = key_states.shape[0]
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity or key_states.shape[0] != self.active:
+            raise RuntimeError(f"KV cache of {self.active} rows x {self.capacity} positions cannot take "
+                               f"{tuple(key_states.shape)} at position {self.length}")
+        self.key_buffer[:self.active, :, self.length:end] = key_states
+        self.value_buffer[:self.active, :, self.length:end] = value_states
+        self.length = end
+        return self._views()
+
+    def _views(self):
+        self.keys = self.key_buffer[:self.active, :, :self.length]
+        self.values = self.value_buffer[:self.active, :, :self.length]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Row `indices[d]` becomes row d. Rows are copied one by one, in an order that reads each
+        source before it is overwritten, so no temporary copy of the cache is made: descending d
+        when every indices[d] <= d (a prompt's cache repeated over its group), ascending when every
+        moved row comes from beyond the new size (finished rows replaced by the last live ones)."""
+        if not self.is_initialized:
+            return
+        m, sources = len(indices), indices.tolist()
+        if m > self.rows:
+            raise RuntimeError(f"KV cache of {self.rows} rows cannot take {m}")
+        if all(src <= d for d, src in enumerate(sources)):
+            order = range(m - 1, -1, -1)
+        elif all(src == d or src >= m for d, src in enumerate(sources)):
+            order = range(m)
+        else:
+            raise ValueError("InPlaceLayer moves rows only to share a prompt or to fill the slots of finished rows")
+        for d in order:
+            if sources[d] != d:
+                self.key_buffer[d, :, :self.length] = self.key_buffer[sources[d], :, :self.length]
+                self.value_buffer[d, :, :self.length] = self.value_buffer[sources[d], :, :self.length]
+        self.active = m
+        self._views()

@@ -2,7 +2,9 @@
 
 vLLM returns log-probs of the *processed* distribution (temperature and top-p applied) only with
 `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2), which this engine sets: the recorded mu is
-then the distribution that was sampled, as the trainer assumes. vLLM caps the number of top-K
+then the distribution that was sampled, as the trainer assumes. vLLM does not return the top-p
+nucleus it sampled from, so training rollouts with top_p < 1 (which the trainer scores on that
+nucleus) are refused; evaluation may use any top_p. vLLM caps the number of top-K
 log-probs per token (`max_logprobs`, 20 by default), so presets with top_k > 20 need a larger
 `max_logprobs`. Weights are pushed from the training model after every update
 (`update_weights`), in the same process (colocated; single GPU).
@@ -36,6 +38,10 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         from vllm import SamplingParams as VSamplingParams
 
+        if params.record_kept_ids and params.top_p < 1 and params.temperature > 0:
+            raise ValueError("vLLM does not report the top-p nucleus it sampled from, which the trainer needs "
+                             "to score pi on the same truncated distribution: train with rollout_top_p 1 on "
+                             "engine vllm, or use engine hf")
         if params.top_k_logprobs > self.max_top_k_logprobs:
             raise ValueError(f"top_k_logprobs={params.top_k_logprobs} exceeds vLLM's max_logprobs="
                              f"{self.max_top_k_logprobs}; lower the preset's top_k")

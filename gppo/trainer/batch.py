@@ -3,6 +3,15 @@
 Layout of a rollout of N sequences: prompts left-padded to P tokens, completions right-padded to
 T tokens, so that `input_ids` is [N, P + T] and the logits that predict completion token t sit at
 position P - 1 + t. Log-probs are log_softmax(logits / temperature), exactly as in the rollout.
+
+Top-p rollouts (`kept_sizes`/`kept_ids`, the nucleus S_t mu sampled from at every token): every
+model scored on the rollout (pi, pi_old, the reference) is scored on the same truncated,
+renormalised distribution, pi_S(a) = pi(a) / pi(S_t) on S_t and 0 elsewhere, so that
+r = pi_S / mu_S is exactly 1 before the first update (scoring pi on the whole vocabulary would
+give r = pi(S_t) < 1: the bias of TRL issue 6789). Outside S_t both mu_S and pi_S are 0: such
+top-K entries are cells of mass 0 under both, which add nothing to any D_f (0 f(0/0) = 0), so with
+|S_t| <= K the top-K estimator is the exact D_f(pi_S || mu_S). S_t stays mu's set during the
+update: mass pi moves outside S_t is not seen by the trust region, as it is not sampled by mu.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ class Rollout:
     logp_behavior_full: torch.Tensor | None = None  # [N, T, V]
     logp_ref: torch.Tensor | None = None
     logp_ref_full: torch.Tensor | None = None
+    kept_sizes: torch.Tensor | None = None  # [N, T] |S_t| of top-p rollouts (0 at padding)
+    kept_ids: list[torch.Tensor] | None = None  # per sequence: its S_t ids concatenated over t
 
     @property
     def size(self) -> int:
@@ -41,6 +52,8 @@ class Rollout:
     def select(self, index: torch.Tensor) -> "Rollout":
         """The sequences at `index`, trimmed to the columns any of them uses."""
         def pick(x):
+            if isinstance(x, list):
+                return [x[i] for i in index.tolist()]
             return x[index] if isinstance(x, torch.Tensor) else x
         sub = replace(self, **{f.name: pick(getattr(self, f.name)) for f in fields(self)})
         used = sub.attention_mask.any(0).nonzero()
@@ -71,6 +84,9 @@ def rollout_from_generations(generations: list[Generation], advantages: torch.Te
     logp = torch.zeros((n, T))
     topk_ids = torch.zeros((n, T, top_k), dtype=torch.long) if top_k else None
     topk_logp = torch.zeros((n, T, top_k)) if top_k else None
+    top_p = any(g.kept_ids is not None for g in generations)
+    kept_sizes = torch.zeros((n, T), dtype=torch.long) if top_p else None
+    kept_ids = [] if top_p else None
     for i, g in enumerate(generations):
         p, t = len(g.prompt_ids), len(g.completion_ids)
         input_ids[i, P - p:P] = torch.tensor(g.prompt_ids)
@@ -83,16 +99,36 @@ def rollout_from_generations(generations: list[Generation], advantages: torch.Te
             if top_k:
                 topk_ids[i, :t] = torch.tensor(g.topk_ids)[:, :top_k]
                 topk_logp[i, :t] = torch.tensor(g.topk_logprobs)[:, :top_k]
+        if top_p:
+            if g.kept_ids is None or len(g.kept_ids) != t:
+                raise ValueError("every generation of a top-p rollout needs kept_ids, one set per token "
+                                 "(sample with SamplingParams(record_kept_ids=True))")
+            kept_sizes[i, :t] = torch.tensor([len(ids) for ids in g.kept_ids], dtype=torch.long)
+            kept_ids.append(torch.tensor([a for ids in g.kept_ids for a in ids], dtype=torch.long))
     return Rollout(input_ids, attention, P, response_mask, token_ids, logp, advantages.float(),
-                   topk_ids, topk_logp)
+                   topk_ids, topk_logp, kept_sizes=kept_sizes, kept_ids=kept_ids)
 
 
 def response_logits(model, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """Temperature-scaled logits [N, T, V] that predict each completion token."""
+    """Temperature-scaled logits [N, T, V] that predict each completion token, restricted to the
+    top-p nucleus S_t of the rollout when it has one (see `kept_mask`)."""
     position_ids = (rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, position_ids=position_ids)
     P, T = rollout.prompt_length, rollout.token_ids.shape[1]
-    return out.logits[:, P - 1:P - 1 + T].float() / (temperature if temperature > 0 else 1.0)
+    logits = out.logits[:, P - 1:P - 1 + T].float() / (temperature if temperature > 0 else 1.0)
+    if rollout.kept_sizes is None:
+        return logits
+    # A finite floor rather than -inf: softmax gives exactly 0 there and p log p stays 0, not NaN.
+    return logits.masked_fill(~kept_mask(rollout, logits.shape[-1]), torch.finfo(logits.dtype).min)
+
+
+def kept_mask(rollout: Rollout, vocab: int) -> torch.Tensor:
+    """[N, T, V] bool: True at the ids of S_t (padding positions hold no id)."""
+    sizes = rollout.kept_sizes
+    positions = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes.flatten())
+    mask = torch.zeros((sizes.numel(), vocab), dtype=torch.bool, device=sizes.device)
+    mask[positions, torch.cat(rollout.kept_ids).to(sizes.device)] = True
+    return mask.view(*sizes.shape, vocab)
 
 
 @dataclass

@@ -85,6 +85,10 @@ class TrainConfig:
     temperature: float = _opt(1.0, "sampling temperature (applied identically in rollout and training)",
                               "rollout", gt=0, why="RL samples from the policy (greedy decoding has no log-probs to train)")
     max_new_tokens: int = _opt(24, "maximum completion length", "rollout", ge=1)
+    rollout_top_p: float = _opt(1.0, "nucleus sampling of training rollouts (TRL's and verl's rollout top_p; "
+                                "1: off): pi is scored on the same truncated, renormalised distribution, so "
+                                "r = 1 before the first update. Not --top_p, the topp estimator's nucleus", "rollout",
+                                gt=0, le=1)
     rollout_batch_size: int = _opt(256, "sequences generated together", "rollout", ge=1)
     vllm_gpu_memory: float = _opt(0.5, "vLLM gpu_memory_utilization (engine=vllm)", "rollout", gt=0, le=1)
     rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(

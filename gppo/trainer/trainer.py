@@ -25,7 +25,7 @@ import gppo
 from gppo.advantages import group_advantages, informative_groups
 from gppo.evaluation import evaluate_problems
 from gppo.models.assets import embedded_checkpoint
-from gppo.models.embedded import load_model_and_tokenizer
+from gppo.models.loading import load_model_and_tokenizer
 from gppo.prompts import PromptBuilder
 from gppo.options import load_yaml, resolve_device
 from gppo.rewards.pipeline import RewardPipeline, load_function
@@ -208,7 +208,8 @@ class Trainer:
 
     def _sample(self, problems, n: int, temperature: float, seed: int, top_k: int = 0):
         params = SamplingParams(temperature=temperature, max_new_tokens=self.config.max_new_tokens, n=n,
-                                top_k_logprobs=top_k, seed=seed)
+                                top_k_logprobs=top_k, seed=seed, top_p=self.config.rollout_top_p,
+                                record_kept_ids=self.config.rollout_top_p < 1)
         return self.engine.generate([self.prompts(p.prompt) for p in problems], params)
 
     def rollout(self, step: int | None = None) -> tuple[Rollout | None, dict]:

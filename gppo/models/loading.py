@@ -1,0 +1,162 @@
+"""Load a causal LM and its tokenizer from a Hugging Face directory, a `.gguf` file, or a directory
+holding one `.gguf` file.
+
+GGUF weights go through transformers' GGUF loader (`from_pretrained(dir, gguf_file=name)`), which
+dequantizes them to `dtype` (float32 by default). The loaded model is then a plain model: its
+GGUF quantizer and `quantization_config` are dropped, so that checkpoints of a GGUF-started run
+save as ordinary Hugging Face directories (`save_pretrained` refuses a model that still carries
+them).
+
+Pitfall handled here: `AutoTokenizer.from_pretrained` on a folder whose `config.json` says
+`model_type=qwen2` silently returns a Qwen2 BPE tokenizer for gppo's character vocabulary (it
+drops spaces and changes ids). Those tokenizer folders carry `"gppo_char_tokenizer": true` in
+`tokenizer_config.json` and are reloaded as `PreTrainedTokenizerFast`; every other folder goes
+through `AutoTokenizer`.
+
+Every failure to load is a `ModelLoadError` naming what is missing or broken and how to fix it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+MARKER = "gppo_char_tokenizer"  # key in tokenizer_config.json that marks gppo's character tokenizers
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+GGUF_HINT = " (is the .gguf file complete? download it again; transformers reads llama, qwen2 and other GGUF architectures)"
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer that cannot be loaded; the message says what is wrong and the fix."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The path, or a file the model needs (config, weights, tokenizer), does not exist."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model lives: `directory`, and `gguf_file` (a name inside it) for GGUF weights."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+    def __str__(self) -> str:
+        return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
+
+    def kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def resolve_model_path(path: str | Path) -> ModelSource:
+    """An HF directory (has config.json), a `.gguf` file, or a directory holding exactly one."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"--model {str(path)!r} is a file but not a .gguf file; pass a Hugging Face model "
+                "directory (the folder save_pretrained wrote), a .gguf file, or a folder holding one")
+        return ModelSource(path.parent, path.name)
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"model path {str(path)!r} does not exist; pass a Hugging Face model directory, a .gguf "
+            "file or a folder holding one, or run `gppo train` without --model to use the embedded default")
+    if (path / "config.json").is_file():
+        return ModelSource(path)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(path, ggufs[0])
+    if ggufs:
+        raise ModelLoadError(
+            f"{str(path)!r} holds several .gguf files ({', '.join(ggufs)}); pass the one to load, "
+            f"e.g. --model {path / ggufs[0]}")
+    raise ModelNotFoundError(
+        f"{str(path)!r} has no config.json and no .gguf file, so it is not a model directory; point "
+        "--model at the folder that save_pretrained wrote, or at a .gguf file")
+
+
+def _check_gguf_reader(source: ModelSource) -> None:
+    if source.gguf_file is not None and importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"{str(source)!r} is a GGUF file, which transformers reads with the `gguf` "
+                             "package: pip install gguf")
+
+
+def _check_hf_directory(path: Path) -> None:
+    """Name a missing or broken config or weights file before transformers raises about it."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{path / 'config.json'} is not readable JSON ({err}); re-save the model "
+                             "with save_pretrained") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelLoadError(f"{path / 'config.json'} has no 'model_type', so transformers cannot tell "
+                             "which architecture to build; re-save the model with save_pretrained")
+    if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
+        raise ModelNotFoundError(f"{str(path)!r} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); "
+                             "save the model with model.save_pretrained(DIR)")
+
+
+def load_tokenizer(path: str | Path | ModelSource):
+    """The tokenizer of a model (any form `resolve_model_path` accepts, or a folder holding only a
+    tokenizer), ready for batched generation.
+
+    Raises if it has no EOS token. Without a pad token, EOS doubles as pad (the usual TRL
+    practice; padded positions are masked out, so the choice does not change any result).
+    """
+    if isinstance(path, ModelSource):
+        source = path
+    else:
+        path = Path(path)
+        tokenizer_only = path.is_dir() and not (path / "config.json").exists() and not any(path.glob("*.gguf"))
+        source = ModelSource(path) if tokenizer_only else resolve_model_path(path)
+    _check_gguf_reader(source)
+    config_file = source.directory / "tokenizer_config.json"
+    ours = source.gguf_file is None and config_file.is_file() and json.loads(config_file.read_text()).get(MARKER, False)
+    if source.gguf_file is None and not any((source.directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"{str(source)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                             "save the tokenizer into the model folder with tokenizer.save_pretrained(DIR)")
+    try:
+        tokenizer = (PreTrainedTokenizerFast if ours else AutoTokenizer).from_pretrained(
+            str(source.directory), **source.kwargs())
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError... depending on the file
+        raise ModelLoadError(f"cannot load the tokenizer of {str(source)!r}: {type(err).__name__}: {err}"
+                             f"{GGUF_HINT if source.gguf_file else ''}") from None
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(
+            f"the tokenizer of {str(source)!r} has no EOS token, so generation could never stop: set "
+            "`eos_token` in its tokenizer_config.json (or special_tokens_map.json)")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype | str | None = None):
+    """(model in eval mode, tokenizer) from an HF directory, a .gguf file or a folder holding one.
+
+    `dtype=None` keeps an HF directory's saved dtype and dequantizes GGUF weights to float32.
+    """
+    source = resolve_model_path(path)
+    if source.gguf_file is None:
+        _check_hf_directory(source.directory)
+    tokenizer = load_tokenizer(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.directory), dtype=dtype or (torch.float32 if source.gguf_file else "auto"), **source.kwargs())
+    except Exception as err:  # a truncated or foreign file surfaces as OSError, ValueError, KeyError, ...
+        raise ModelLoadError(f"cannot load the model weights of {str(source)!r}: {type(err).__name__}: {err}"
+                             f"{GGUF_HINT if source.gguf_file else ''}") from None
+    if source.gguf_file is not None:  # now a plain dequantized model: let save_pretrained write it
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    return model.eval(), tokenizer

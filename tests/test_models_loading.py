@@ -1,0 +1,97 @@
+"""Model loading: HF directory, .gguf file, folder holding one; every failure is a clear error."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from gppo.models.loading import ModelLoadError, ModelSource, load_model_and_tokenizer, resolve_model_path
+from gppo.trainer.checkpoint import save_checkpoint
+
+
+def _copy(src, dst, drop=()):
+    shutil.copytree(src, dst)
+    for name in drop:
+        (dst / name).unlink()
+    return dst
+
+
+def test_path_forms_resolve(tmp_path, micro_model):
+    assert resolve_model_path(micro_model) == ModelSource(micro_model)
+    (tmp_path / "m.gguf").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    assert resolve_model_path(tmp_path) == ModelSource(tmp_path, "m.gguf")
+    assert resolve_model_path(tmp_path / "m.gguf") == ModelSource(tmp_path, "m.gguf")
+    with pytest.raises(ModelLoadError, match="is a file but not a .gguf"):
+        resolve_model_path(tmp_path / "notes.txt")
+    (tmp_path / "n.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"several .gguf files \(m.gguf, n.gguf\).*--model"):
+        resolve_model_path(tmp_path)
+
+
+def test_missing_path_and_not_a_model_dir(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist.*embedded default"):
+        load_model_and_tokenizer(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="no config.json and no .gguf file"):
+        load_model_and_tokenizer(tmp_path)
+
+
+def test_broken_config(tmp_path, micro_model):
+    path = _copy(micro_model, tmp_path / "m")
+    (path / "config.json").write_text("{ not json")
+    with pytest.raises(ModelLoadError, match="config.json is not readable JSON"):
+        load_model_and_tokenizer(path)
+    (path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ModelLoadError, match="no 'model_type'"):
+        load_model_and_tokenizer(path)
+
+
+def test_missing_weights(tmp_path, micro_model):
+    path = _copy(micro_model, tmp_path / "m", drop=["model.safetensors"])
+    with pytest.raises(ModelLoadError, match="config.json but no weights.*save_pretrained"):
+        load_model_and_tokenizer(path)
+
+
+def test_missing_tokenizer_files(tmp_path, micro_model):
+    path = _copy(micro_model, tmp_path / "m", drop=["tokenizer.json"])
+    with pytest.raises(ModelLoadError, match="no tokenizer files.*tokenizer.save_pretrained"):
+        load_model_and_tokenizer(path)
+
+
+def test_truncated_weights(tmp_path, micro_model):
+    path = _copy(micro_model, tmp_path / "m")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="cannot load the model weights"):
+        load_model_and_tokenizer(path)
+
+
+def test_unreadable_gguf(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"definitely not GGUF")
+    for path in (tmp_path / "model.gguf", tmp_path):
+        with pytest.raises(ModelLoadError, match="model.gguf.*download it again"):
+            load_model_and_tokenizer(path)
+
+
+def test_gguf_file_loads_like_its_saved_copy(smollm2_gguf, smollm2_dir, tmp_path):
+    """The .gguf file (dequantized to float32), the HF directory the fixture saved from the folder
+    holding it, and a trainer checkpoint of the GGUF-loaded model give the same tokens and logits;
+    the checkpoint is a plain HF directory (no quantization_config)."""
+    gguf_model, gguf_tok = load_model_and_tokenizer(smollm2_gguf, dtype=torch.float32)
+    checkpoint = save_checkpoint(tmp_path, 1, gguf_model, gguf_tok, {}, keep=1)
+    assert json.loads((checkpoint / "config.json").read_text()).get("quantization_config") is None
+    hf_model, hf_tok = load_model_and_tokenizer(smollm2_dir)
+    reloaded, _ = load_model_and_tokenizer(checkpoint)
+    assert not hasattr(gguf_model.config, "quantization_config") and gguf_model.hf_quantizer is None
+    assert json.loads((smollm2_dir / "config.json").read_text()).get("quantization_config") is None
+    assert gguf_tok.eos_token_id == hf_tok.eos_token_id == 2 and gguf_tok.padding_side == "left"
+    text = gguf_tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tokenize=False,
+                                        add_generation_prompt=True)
+    ids = gguf_tok(text, return_tensors="pt")["input_ids"]
+    assert ids.tolist() == hf_tok(text, return_tensors="pt")["input_ids"].tolist()
+    assert hf_model.dtype == gguf_model.dtype == torch.float32
+    with torch.no_grad():
+        expected = gguf_model(ids).logits
+        torch.testing.assert_close(hf_model(ids).logits, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-5)
