@@ -270,7 +270,7 @@ def test_trainer_top_p_step_and_bad_value(micro_model, tmp_path):
     from gppo.trainer import ConfigError, Trainer
     from tests.test_trainer import micro_config
 
-    with pytest.raises(ConfigError, match=r"rollout_top_p must be in \(0, 1\] \(got 1.5\)"):
+    with pytest.raises(ConfigError, match=r"rollout_top_p must be <= 1 \(got 1.5\)"):
         Trainer(micro_config(micro_model, tmp_path / "bad", rollout_top_p=1.5))
     trainer = Trainer(micro_config(micro_model, tmp_path / "run", rollout_top_p=0.6, preset="dppo-topk-tv", top_k=40))
     rollout, _ = trainer.rollout()
