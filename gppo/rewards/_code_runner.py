@@ -121,7 +121,12 @@ def _program_process(config: dict, libc, namespaces: bool, status_fd: int) -> No
     drop_root = os.geteuid() == 0 and (namespaces or not _unreachable_dirs())
     if namespaces:
         _private_mounts(libc, cover_unreachable=drop_root)
-        os.chdir("/tmp")
+        # A fresh, empty directory of the private /tmp: /tmp itself also holds the interpreter's
+        # directories when they live under it (bind-mounted back, e.g. a venv in /tmp/...).
+        workdir = f"/tmp/program-{os.getpid()}"
+        os.mkdir(workdir)
+        os.chmod(workdir, 0o777)
+        os.chdir(workdir)
     workdir = os.getcwd()
     os.environ.update(HOME=workdir, TMPDIR=workdir)
     if drop_root:
