@@ -121,3 +121,28 @@ def test_one_rl_step(smollm2_dir, tmp_path, preset, changes):
         assert torch.isfinite(torch.tensor(metrics[key])), key
     assert metrics["loss/divergence/mean"] < 1e-4  # first mini-batch of the only epoch: pi = mu
     assert not torch.equal(before, weight)
+
+
+def test_eval_with_the_chat_template_gives_answers(smollm2_dir, tmp_path):
+    """`gppo eval`'s path on the instruct model: with its chat template (the default, auto) the
+    completions are not empty and answers are extracted from them; without it the model ends at
+    once (the bug this guards against: every completion empty)."""
+    import json
+    from pathlib import Path
+
+    from gppo.evaluation import evaluate
+    from gppo.prompts import PromptBuilder, PromptConfig
+
+    model, tokenizer = load_model_and_tokenizer(smollm2_dir)
+    engine = HFEngine(model, tokenizer, batch_size=8)
+    data = Path(__file__).parent / "fixtures" / "benchmarks" / "gsm8k.jsonl"
+    texts = {}
+    for choice in ("auto", "false"):
+        out = tmp_path / choice
+        evaluate(engine, ["gsm8k"], {"gsm8k": data}, n=1, out_dir=out, max_tokens=96, limit=2,
+                 prompts=PromptBuilder(tokenizer, PromptConfig(chat_template=choice)))
+        records = [json.loads(line) for line in (out / "gsm8k.jsonl").read_text().splitlines()]
+        texts[choice] = [(s["text"], s["extracted"]) for r in records for s in r["samples"]]
+    assert len(texts["auto"]) == 2 and all(text.strip() for text, _ in texts["auto"])
+    assert any(extracted is not None for _, extracted in texts["auto"]), texts["auto"]
+    assert all(not text.strip() for text, _ in texts["false"]), texts["false"]
