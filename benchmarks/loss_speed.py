@@ -101,7 +101,9 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
                 logits=logits[None] if case == "full" else None,
                 logp_behavior_full=full_behavior[None] if case == "full" else None,
             )
-            cfg = gppo.preset("dppo-topk-tv", divergence=divergence, estimator=case, top_k=top_k)
+            uses_k = "top_k" in gppo.ESTIMATORS[case].params
+            cfg = gppo.preset("dppo-topk-tv", divergence=divergence, estimator=case,
+                              **({"top_k": top_k} if uses_k else {}))
             loss, _ = gppo.policy_loss(batch, cfg)
         loss.backward()
         logits.grad = None
