@@ -175,7 +175,25 @@ class TrainConfig:
             raise ConfigError(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
                               f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
                               "lower --overlong_buffer or raise --max_new_tokens")
-        self.gppo_config()  # validates the objective early, with the preset's message
+        self._check_rollout_knobs(self.gppo_config().estimator)  # also validates the objective early
+
+    def _check_rollout_knobs(self, estimator: str | None) -> None:
+        """The mismatch knobs must fit together and with the engine (each field's own type and
+        range is checked above)."""
+        copies = (self.rollout_dtype not in (None, self.dtype)) or self.rollout_quantization != "none"
+        if copies and self.engine != "hf":
+            raise ConfigError(f"rollout_dtype/rollout_quantization build a rollout copy for the hf engine; "
+                              f"engine {self.engine!r} samples with its own weights and numerics: unset them")
+        if self.rollout_overlap and self.off_policy_steps < 1:
+            raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
+                              f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false")
+        if self.rollout_overlap and self.engine != "hf":
+            raise ConfigError(f"rollout_overlap runs the hf engine on a copy of the weights in a thread; engine "
+                              f"{self.engine!r} is not run during the update: set rollout_overlap false")
+        if self.off_policy_steps > 0 and estimator == "full":
+            raise ConfigError("estimator 'full' recomputes mu's whole distribution with the weights that "
+                              f"sampled, which off_policy_steps={self.off_policy_steps} no longer holds: "
+                              "use off_policy_steps 0 or another estimator (topk, binary)")
 
     def prompt_config(self) -> PromptConfig:
         try:

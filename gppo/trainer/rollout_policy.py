@@ -28,29 +28,9 @@ from typing import Callable
 import torch
 
 from gppo.trainer.batch import Rollout
-from gppo.trainer.config import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RATIO_QUANTILES = (0.01, 0.5, 0.99)
-
-
-def check_rollout_options(config, estimator: str | None) -> None:
-    """ConfigError naming the fields, the values and the fix for mismatch knobs that do not fit
-    together or with the engine (each field's own type and range is TrainConfig's check)."""
-    copies = (config.rollout_dtype not in (None, config.dtype)) or config.rollout_quantization != "none"
-    if copies and config.engine != "hf":
-        raise ConfigError(f"rollout_dtype/rollout_quantization build a rollout copy for the hf engine; "
-                          f"engine {config.engine!r} samples with its own weights and numerics: unset them")
-    if config.rollout_overlap and config.off_policy_steps < 1:
-        raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
-                          f"off_policy_steps >= 1 (got {config.off_policy_steps}): set it, or rollout_overlap false")
-    if config.rollout_overlap and config.engine != "hf":
-        raise ConfigError(f"rollout_overlap runs the hf engine on a copy of the weights in a thread; engine "
-                          f"{config.engine!r} is not run during the update: set rollout_overlap false")
-    if config.off_policy_steps > 0 and estimator == "full":
-        raise ConfigError("estimator 'full' recomputes mu's whole distribution with the weights that "
-                          f"sampled, which off_policy_steps={config.off_policy_steps} no longer holds: "
-                          "use off_policy_steps 0 or another estimator (topk, binary)")
 
 
 def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
