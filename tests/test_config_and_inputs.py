@@ -8,7 +8,8 @@ import torch
 import gppo
 
 EXPECTED_PRESETS = {"ppo", "grpo", "dapo", "dppo-binary-tv", "dppo-binary-kl", "dppo-topk-tv",
-                    "dppo-topk-kl", "ripo", "gspo", "gmpo", "cispo", "sapo", "dcpo", "trm", "gppo"}
+                    "dppo-topk-kl", "ripo", "gspo", "gmpo", "cispo", "pg-is", "minirl", "sapo", "dcpo", "trm",
+                    "gppo"}
 
 
 def small_batch(**changes):

@@ -22,6 +22,7 @@ def batches(draw):
     gen = torch.Generator().manual_seed(seed)
     log_mu = torch.log_softmax(draw(st.sampled_from([0.5, 3.0, 8.0])) * torch.randn(B, T, V, generator=gen), -1)
     log_pi = torch.log_softmax(log_mu + spread * torch.randn(B, T, V, generator=gen), -1)
+    log_old = torch.log_softmax(log_mu + spread / 2 * torch.randn(B, T, V, generator=gen), -1)  # anchor='old'
     ids = torch.multinomial(log_mu.exp().view(-1, V), 1, generator=gen).view(B, T)
     mask = (torch.rand(B, T, generator=gen) < 0.8).float()
     mask[0, 0] = 1.0
@@ -34,7 +35,7 @@ def batches(draw):
         logp=log_pi_graph.gather(-1, ids[..., None])[..., 0], logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0],
         advantages=adv, mask=mask, token_ids=ids, topk_ids=top_ids, topk_logp_behavior=top_logq,
         topk_logp=log_pi_graph.gather(-1, top_ids).detach(), logits=logits, logp_behavior_full=log_mu,
-        logp_ref=log_mu.gather(-1, ids[..., None])[..., 0],
+        logp_ref=log_mu.gather(-1, ids[..., None])[..., 0], logp_old=log_old.gather(-1, ids[..., None])[..., 0],
     ), logits
 
 

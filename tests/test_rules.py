@@ -168,6 +168,33 @@ def test_cispo(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_pg_is(seed):
+    """DPPO's PG-IS baseline: CISPO's form with the weight truncated at 10."""
+    batch, _, _ = random_batch(seed=seed, spread=3.0)
+    loss, grad, _ = loss_and_grad(batch, gppo.preset("pg-is"))
+    expected = ref.cispo_loss(batch.logp, batch.logp_behavior, batch.advantages, batch.mask, 10.0)
+    assert_same(loss, expected)
+    assert_same(grad, grad_of(expected, batch))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_minirl(seed):
+    """MiniRL: PPO's clip (eps 0.2) on pi / pi_old, times sg[min(pi_old / mu, 10)]."""
+    batch, _, _ = random_batch(seed=seed, spread=0.5)
+    noise = torch.randn(batch.logp.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    batch.logp_old = (batch.logp_behavior + 3.0 * noise).clamp(max=0.0)  # some pi_old / mu above the cap
+    loss, grad, _ = loss_and_grad(batch, gppo.preset("minirl"))
+    weight = torch.exp(batch.logp_old - batch.logp_behavior).clamp(max=10.0)
+    assert (torch.exp(batch.logp_old - batch.logp_behavior) > 10).any()
+    r = torch.exp(batch.logp - batch.logp_old)
+    adv = batch.advantages[:, None]
+    surrogate = torch.min(r * adv, torch.clamp(r, 0.8, 1.2) * adv) * weight
+    expected = -(surrogate * batch.mask).sum() / batch.mask.sum()
+    assert_same(loss, expected)
+    assert_same(grad, grad_of(expected, batch))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_sapo(seed):
     batch, _, _ = random_batch(seed=seed, spread=1.0)
     loss, grad, _ = loss_and_grad(batch, gppo.preset("sapo"))
@@ -270,6 +297,8 @@ def test_behavior_weight_cap_is_truncated_importance_sampling():
 def test_blocked_tokens_have_zero_gradient(preset_name):
     batch, _, _ = random_batch(seed=7, spread=1.0, token_advantages=True)
     cfg = gppo.preset(preset_name)
+    if cfg.anchor == "old":  # minirl: a recomputed pi_old near mu
+        batch.logp_old = (batch.logp_behavior + 0.05).clamp(max=0.0)
     loss, grad, metrics = loss_and_grad(batch, cfg)
     assert torch.isfinite(loss)
     assert (grad[batch.mask == 0] == 0).all()  # padding never receives gradient

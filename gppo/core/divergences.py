@@ -337,8 +337,8 @@ class JensenShannon(Divergence):
         # H(m) - (H(p) + H(q)) / 2 with m = (p + q) / 2
         p, q = log_p.exp(), log_q.exp()
         m = (p + q) / 2
-        own = (_sum_terms(p * log_p) + _sum_terms(q * log_q)) / 2
-        return (own - torch.special.xlogy(m, m).sum(-1)).clamp_(min=0.0)
+        own = torch.where(p > 0, p * log_p, 0.0) + torch.where(q > 0, q * log_q, 0.0)
+        return (own / 2 - torch.where(m > 0, m * m.log(), 0.0)).sum(-1).clamp_(min=0.0)
 
 
 @dataclass(frozen=True, repr=False)
