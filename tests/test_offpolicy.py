@@ -201,10 +201,12 @@ def test_full_estimator_reads_mu_from_the_rollout_copy_and_pi_old_from_the_train
     assert not torch.equal(copy.log_probs, trained.log_probs)
 
 
-def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(micro_model, tmp_path):
+@pytest.mark.parametrize("objective", [{}, dict(preset="dppo-binary-kl", estimator="full")], ids=["default", "full"])
+def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(micro_model, tmp_path, objective):
+    """... and with estimator 'full', mu's whole distribution is that of the weights of step t - k too."""
     k = 2
     trainer = Trainer(micro_config(micro_model, tmp_path / "run", steps=4, eval_every=0, save_every=1,
-                                   keep_checkpoints=10, off_policy_steps=k, **LEARNS))
+                                   keep_checkpoints=10, off_policy_steps=k, **objective, **LEARNS))
     trained = []
     update = trainer.update
     trainer.update = lambda rollout: trained.append((trainer.step, rollout)) or update(rollout)
@@ -220,9 +222,14 @@ def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(
         rollout = rollout.select(torch.arange(rollout.size))
         valid = rollout.response_mask.bool()
         with torch.no_grad():
-            sampler = policy_outputs(weights(max(0, t - k)), rollout, 1.0).logp
-            current = policy_outputs(weights(t), rollout, 1.0).logp
+            sampler_outputs = policy_outputs(weights(max(0, t - k)), rollout, 1.0)
+            sampler, current = sampler_outputs.logp, policy_outputs(weights(t), rollout, 1.0).logp
         torch.testing.assert_close(sampler[valid], rollout.logp_behavior[valid], atol=1e-5, rtol=0)
+        if objective:
+            torch.testing.assert_close(rollout.logp_behavior_full[valid], sampler_outputs.log_probs[valid],
+                                       atol=1e-5, rtol=0)
+        else:
+            assert rollout.logp_behavior_full is None
         torch.testing.assert_close(current[valid], rollout.logp_old[valid], atol=1e-5, rtol=0)
         if t >= 1:  # the weights moved since: the batch is off-policy
             assert (current - sampler)[valid].abs().max() > 1e-3
@@ -241,7 +248,6 @@ NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
     (dict(off_policy_steps=-1), "off_policy_steps must be >= 0 \\(got -1\\)"),
     pytest.param(dict(engine="vllm", rollout_quantization="int8"), "engine 'vllm' samples with its own weights",
                  marks=NEEDS_VLLM),
-    (dict(preset="dppo-binary-kl", estimator="full", off_policy_steps=1), "estimator 'full' recomputes mu"),
     (dict(rollout_overlap=True), "needs off_policy_steps >= 1 \\(got 0\\)"),
     pytest.param(dict(rollout_overlap=True, off_policy_steps=1, engine="vllm"),
                  "engine 'vllm' is not run during the update", marks=NEEDS_VLLM),

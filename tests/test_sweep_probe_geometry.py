@@ -19,7 +19,7 @@ from gppo import theory
 from gppo.cli import main
 from gppo.theory import matched_radii
 from gppo.commands.probe import average_ranks, faithfulness, spearman
-from gppo.commands.sweep import mean_ci, plan, run_stats, run_sweep, t_quantile_975
+from gppo.commands.sweep import contrast_table, contrasts, mean_ci, plan, run_stats, run_sweep, t_quantile_975
 from gppo.trainer import ConfigError, Trainer
 
 MICRO_RUN = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "6",
@@ -174,6 +174,11 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
     assert kl["target_reached"] == "0/2"  # the untrained micro model solves nothing
     assert "| tv-binary | mask | 0.15 / 0.15 | 2 |" in (out / "sweep.md").read_text()
     assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    paired = read_csv(out / "contrasts.csv")
+    assert {r["kind"] for r in paired} == {"cell", "divergence", "estimator"}
+    assert len([r for r in paired if r["kind"] == "cell"]) == 6 * 3 and {r["pairs"] for r in paired} == {"2"}
+    assert "## Paired contrasts against tv-binary" in (out / "sweep.md").read_text()
+    assert "| estimator topk − binary | 2 |" in (out / "sweep.md").read_text()
 
     summaries = sorted(out.glob("*/summary.json"))
     assert len(summaries) == 8
@@ -184,6 +189,47 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
 
     with pytest.raises(ConfigError, match="was run with other settings.*lr"):
         run_sweep({**base, "lr": 1e-4}, out, [0, 1], ["tv", "kl"], ["binary", "topk"], workers=1, progress=False)
+
+
+def _stats(values: dict[int, float]) -> dict[int, dict]:
+    return {seed: {"avg_at_k": v, "auc": v / 2, "greedy": 2 * v} for seed, v in values.items()}
+
+
+def test_paired_contrasts_are_per_seed_differences():
+    per_seed = {"A": _stats({0: 0.5, 1: 0.6, 2: 0.7, 3: 0.9}), "B": _stats({0: 0.4, 1: 0.48, 2: 0.6})}
+    rows = {r["metric"]: r for r in contrasts(per_seed, None, "A")}
+    assert set(rows) == {"avg_at_k", "auc", "greedy"}
+    r = rows["avg_at_k"]
+    # d = (0.1, 0.12, 0.1) over the 3 seeds both finished: mean 0.10667, sd 0.011547, t_{0.975,2} = 4.303
+    assert (r["kind"], r["a"], r["b"], r["pairs"]) == ("cell", "A", "B", 3)
+    assert r["diff"] == pytest.approx(0.32 / 3)
+    assert r["ci"] == pytest.approx(4.303 * math.sqrt(1 / 7500) / math.sqrt(3))
+    assert r["significant"]  # 0.107 > 0.029
+    assert rows["greedy"]["diff"] == pytest.approx(0.64 / 3) and rows["auc"]["ci"] == pytest.approx(r["ci"] / 2)
+    # the unpaired interval of A alone is wider than the paired one: common seed effects cancel
+    assert mean_ci([0.5, 0.6, 0.7])[1] > r["ci"]
+
+
+def test_grid_main_effects_average_over_the_other_axis():
+    points = {"tv-binary": ("tv", "binary"), "tv-topk": ("tv", "topk"), "kl-binary": ("kl", "binary"),
+              "kl-topk": ("kl", "topk")}
+    per_seed = {"tv-binary": _stats({0: 0.50, 1: 0.40}), "tv-topk": _stats({0: 0.60, 1: 0.45}),
+                "kl-binary": _stats({0: 0.30, 1: 0.20}), "kl-topk": _stats({0: 0.50, 1: 0.20})}
+    rows = contrasts(per_seed, points, "tv-binary")
+    assert len([r for r in rows if r["kind"] == "cell"]) == 6 * 3  # every pair, 3 metrics
+    est = next(r for r in rows if r["kind"] == "estimator" and r["metric"] == "avg_at_k")
+    # seed 0: ((0.6 - 0.5) + (0.5 - 0.3)) / 2 = 0.15; seed 1: ((0.45 - 0.4) + (0.2 - 0.2)) / 2 = 0.025
+    assert (est["a"], est["b"], est["pairs"]) == ("topk", "binary", 2)
+    assert est["diff"] == pytest.approx(0.0875)
+    assert est["ci"] == pytest.approx(12.706 * np.std([0.15, 0.025], ddof=1) / math.sqrt(2))
+    div = next(r for r in rows if r["kind"] == "divergence" and r["metric"] == "avg_at_k")
+    assert (div["a"], div["b"]) == ("kl", "tv")
+    assert div["diff"] == pytest.approx(np.mean([((0.3 - 0.5) + (0.5 - 0.6)) / 2, ((0.2 - 0.4) + (0.2 - 0.45)) / 2]))
+    header, body = contrast_table(contrasts(per_seed, points, "tv-topk"), "tv-topk")  # not the first cell: signs flip
+    labels = [line[0] for line in body]
+    assert labels[:3] == ["tv-binary − tv-topk", "kl-binary − tv-topk", "kl-topk − tv-topk"]
+    assert body[0][2].startswith("-0.075 ± ")  # mean of (0.5 - 0.6, 0.4 - 0.45)
+    assert "estimator binary − topk" in labels and "divergence kl − tv" in labels
 
 
 def test_sweep_plans_presets_and_refuses_what_it_sets(tmp_path):
@@ -202,6 +248,11 @@ def test_sweep_plans_presets_and_refuses_what_it_sets(tmp_path):
         plan({}, tmp_path, presets=["ppo"], delta=0.1)
     with pytest.raises(ConfigError, match="divergence"):
         plan({}, tmp_path, divergences=["kll"])
+
+
+def test_sweep_refuses_a_baseline_that_is_no_cell(tmp_path):
+    with pytest.raises(ConfigError, match="--baseline 'tv-binery' is not a cell of this sweep.*tv-binary"):
+        run_sweep({"steps": 1}, tmp_path, [0], ["tv"], ["binary"], baseline="tv-binery", progress=False)
 
 
 def test_sweep_cli_names_the_closest_flag(capsys):

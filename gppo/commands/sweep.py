@@ -22,6 +22,16 @@ Summary over seeds, per cell (OUT/sweep.csv, OUT/sweep.md, OUT/heatmap.png for a
   it (target_reached counts them).
 - masked_frac, entropy: loss/masked_frac and loss/entropy averaged over the last 10 steps.
 - train_seconds: sum of perf/step_seconds (rollout + update; evaluations and start-up excluded).
+
+Paired contrasts (OUT/contrasts.csv, and in sweep.md and on the console against `baseline`, the
+first cell unless given): the seeds of every cell share their rollout seeds and held-out set, so
+cell A and cell B are compared seed by seed. For each metric (avg_at_k, auc, greedy), d_s = A_s - B_s
+over the seeds both finished; reported: the mean of d, the half width t_{0.975, n-1} sd(d) / sqrt(n)
+of its 95% interval, and whether that interval excludes 0. Seed-to-seed variation common to both
+cells cancels in d, which is what makes the interval narrower than the unpaired ones. A grid also
+gets main effects: estimator E against the baseline's estimator with d_s averaged over the
+divergences that have both cells, and divergence D against the baseline's divergence averaged over
+estimators (contrasts.csv, kind 'estimator' / 'divergence').
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from gppo import ESTIMATORS
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
 from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.core.config import drop_unused
+from gppo.core.divergences import closest
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, TrainConfig, Trainer
@@ -219,14 +230,23 @@ def run_stats(run_dir: Path, target: float | None) -> dict:
             "train_seconds": float(sum(r.get("perf/step_seconds", 0.0) for r in records))}
 
 
-def summarize(jobs: list[Job], target: float | None) -> list[dict]:
+def seed_stats(jobs: list[Job], target: float | None) -> dict[str, dict[int, dict]]:
+    """cell -> seed -> `run_stats` of every finished run."""
+    out: dict[str, dict[int, dict]] = {job.cell: {} for job in jobs}
+    for job in jobs:
+        if (job.config.run_dir() / "summary.json").is_file():
+            out[job.cell][job.seed] = run_stats(job.config.run_dir(), target)
+    return out
+
+
+def summarize(jobs: list[Job], target: float | None, per_seed: dict[str, dict[int, dict]] | None = None) -> list[dict]:
     """One row per cell over its finished seeds, with the exact radii it used."""
+    per_seed = seed_stats(jobs, target) if per_seed is None else per_seed
     rows = []
     for cell in dict.fromkeys(job.cell for job in jobs):
         cell_jobs = [j for j in jobs if j.cell == cell]
         loss = cell_jobs[0].config.gppo_config()
-        stats = [run_stats(j.config.run_dir(), target) for j in cell_jobs
-                 if (j.config.run_dir() / "summary.json").is_file()]
+        stats = list(per_seed[cell].values())
         row = {"cell": cell, "preset": cell_jobs[0].config.preset, "divergence": loss.divergence,
                "estimator": loss.estimator, "rule": loss.rule,
                "delta_low": loss.delta_low if loss.uses_estimate else None,
@@ -241,6 +261,64 @@ def summarize(jobs: list[Job], target: float | None) -> list[dict]:
             row[key] = mean_ci([s[key] for s in stats])[0]
         rows.append(row)
     return rows
+
+
+CONTRAST_METRICS = ("avg_at_k", "auc", "greedy")
+
+
+def contrasts(per_seed: dict[str, dict[int, dict]], points: dict[str, tuple[str, str]] | None,
+              baseline: str) -> list[dict]:
+    """Paired contrasts (module docstring): kind 'cell' for every pair of cells (a before b in cell
+    order), and for a grid (`points`: cell -> (divergence, estimator)) kinds 'divergence' and
+    'estimator', each level against the baseline's, averaged over the other axis."""
+    rows = []
+
+    def add(kind: str, a: str, b: str, pairs: list[tuple[str, str]]) -> None:
+        seeds = sorted(set.intersection(*(set(per_seed[x]) & set(per_seed[y]) for x, y in pairs)))
+        for metric in CONTRAST_METRICS:
+            d = [float(np.mean([per_seed[x][s][metric] - per_seed[y][s][metric] for x, y in pairs])) for s in seeds]
+            d = [v for v in d if math.isfinite(v)]
+            diff, ci = mean_ci(d)
+            rows.append({"kind": kind, "a": a, "b": b, "metric": metric, "pairs": len(d), "diff": diff, "ci": ci,
+                         "significant": math.isfinite(ci) and abs(diff) > ci})
+
+    cells = list(per_seed)
+    for i, a in enumerate(cells):
+        for b in cells[i + 1:]:
+            add("cell", a, b, [(a, b)])
+    if points:
+        cell_at = {point: cell for cell, point in points.items()}
+        base = points[baseline]
+        for kind, axis in (("divergence", 0), ("estimator", 1)):
+            for level in dict.fromkeys(point[axis] for point in cell_at):
+                if level == base[axis]:
+                    continue
+                pairs = []
+                for point, cell in cell_at.items():
+                    reference = (base[0], point[1]) if axis == 0 else (point[0], base[1])
+                    if point[axis] == level and reference in cell_at:
+                        pairs.append((cell, cell_at[reference]))
+                if pairs:
+                    add(kind, level, base[axis], pairs)
+    return rows
+
+
+def contrast_table(rows: list[dict], baseline: str) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted cells: every cell minus the baseline, then the main effects, each
+    metric as difference ± 95% half width (* where the interval excludes 0)."""
+    header = ["contrast", "seeds"] + [f"Δ {m}" for m in CONTRAST_METRICS]
+    table: dict[str, dict] = {}
+    for r in rows:
+        if r["kind"] == "cell":
+            if baseline not in (r["a"], r["b"]):
+                continue
+            sign, label = (-1, f"{r['b']} − {baseline}") if r["a"] == baseline else (1, f"{r['a']} − {baseline}")
+        else:
+            sign, label = 1, f"{r['kind']} {r['a']} − {r['b']}"
+        entry = table.setdefault(label, {"seeds": str(r["pairs"])})
+        entry[r["metric"]] = (f"{sign * r['diff']:+.3f} ± {fmt(r['ci'], missing='?')}" + (" *" if r["significant"] else "")
+                              if r["pairs"] else "")
+    return header, [[label, e["seeds"]] + [e.get(m, "") for m in CONTRAST_METRICS] for label, e in table.items()]
 
 
 def _pm(row: dict, key: str) -> str:
@@ -284,10 +362,19 @@ def plot_heatmap(rows: list[dict], path: Path, title: str) -> Path:
     return save_figure(fig, path)
 
 
-def write_summary(rows: list[dict], out: Path, target: float | None, note: str, heatmap_title: str | None) -> None:
-    """sweep.csv (exact numbers), sweep.md (the formatted table) and, given a title, heatmap.png."""
+def write_summary(rows: list[dict], paired: list[dict], baseline: str, out: Path, target: float | None, note: str,
+                  heatmap_title: str | None) -> None:
+    """sweep.csv (exact numbers), contrasts.csv, sweep.md (the formatted tables) and, given a
+    title, heatmap.png."""
     write_csv(rows, out / "sweep.csv")
-    (out / "sweep.md").write_text(f"# gppo sweep: {out}\n\n{note}\n\n" + markdown_table(*display_rows(rows, target)))
+    if paired:
+        write_csv(paired, out / "contrasts.csv")
+    text = f"# gppo sweep: {out}\n\n{note}\n\n" + markdown_table(*display_rows(rows, target))
+    if paired:
+        text += (f"\n## Paired contrasts against {baseline}\n\nPer-seed differences (same seeds), mean ± 95% "
+                 "t half width; * where the interval excludes 0. All pairs: contrasts.csv.\n\n"
+                 + markdown_table(*contrast_table(paired, baseline)))
+    (out / "sweep.md").write_text(text)
     finished = [r for r in rows if r["seeds"]]
     if heatmap_title and finished:
         plot_heatmap(finished, out / "heatmap.png", heatmap_title)
@@ -296,9 +383,10 @@ def write_summary(rows: list[dict], out: Path, target: float | None, note: str, 
 # ------------------------------------------------------------------------------ entry point
 def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
               delta: float | None = None, workers: int | None = None, target: float | None = None,
-              progress: bool = True, console: Console | None = None) -> dict:
-    """Run (or finish) every run of the sweep, then write sweep.csv, sweep.md and, for a grid,
-    heatmap.png into `out`. Returns {"rows", "trained", "skipped", "failed"}.
+              baseline: str | None = None, progress: bool = True, console: Console | None = None) -> dict:
+    """Run (or finish) every run of the sweep, then write sweep.csv, contrasts.csv, sweep.md and,
+    for a grid, heatmap.png into `out`. `baseline` (a cell name; default the first cell) is what
+    the printed paired contrasts subtract. Returns {"rows", "contrasts", "trained", "skipped", "failed"}.
 
     workers > 1 starts worker processes with 'spawn' (fork is unsafe after torch has started its
     thread pools), which re-imports the calling script: guard it with `if __name__ == "__main__":`.
@@ -308,6 +396,11 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     if workers < 1:
         raise ConfigError(f"workers must be >= 1 (got {workers})")
     jobs = plan(base, out, seeds, divergences, estimators, presets, delta)
+    cells = list(dict.fromkeys(job.cell for job in jobs))
+    baseline = cells[0] if baseline is None else baseline
+    if baseline not in cells:
+        raise ConfigError(f"--baseline {baseline!r} is not a cell of this sweep{closest(baseline, cells)}; "
+                          f"cells: {', '.join(cells)}")
     for job in jobs:
         _check_rerun(job)
     todo = [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
@@ -324,15 +417,21 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
             bar.update(task, advance=1, info=f"last: {job.cell} seed {job.seed}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = summarize(jobs, target)
+    per_seed = seed_stats(jobs, target)
+    rows = summarize(jobs, target, per_seed)
+    points = None if presets else {r["cell"]: (r["divergence"], r["estimator"]) for r in rows}
+    paired = contrasts(per_seed, points, baseline)
     delta = DEFAULT_DELTA if delta is None else delta
     note = (f"{len(seeds)} seeds per cell; base settings {base or 'defaults'}; "
             + ("presets keep their radii" if presets else
                f"radii matched to TV delta={delta:g} at q=0.5 (interval [1-2δ, 1+2δ])"))
     title = None if presets else f"final held-out avg@k, mean ± 95% CI over seeds (δ: TV {delta:g} at q=0.5, matched)"
-    write_summary(rows, out, target, note, title)
+    write_summary(rows, paired, baseline, out, target, note, title)
     print_table(console, f"gppo sweep ({out})", *display_rows(rows, target))
-    return {"rows": rows, "trained": len(todo) - len(failed), "skipped": len(jobs) - len(todo), "failed": failed}
+    if paired:
+        print_table(console, f"paired contrasts against {baseline} (mean ± 95% CI over seeds; * excludes 0)",
+                    *contrast_table(paired, baseline))
+    return {"rows": rows, "contrasts": paired, "trained": len(todo) - len(failed), "skipped": len(jobs) - len(todo), "failed": failed}
 
 
 # ------------------------------------------------------------------------------ command
@@ -353,6 +452,8 @@ class SweepOptions:
                                  "default 1)", "sweep", ge=1)
     target: float | None = option(None, "report the first step whose sampled avg@k reaches this accuracy", "sweep",
                                   example=0.5)
+    baseline: str | None = option(None, "cell the printed paired contrasts subtract, seed by seed (default: the "
+                                  "first cell; every pair is in contrasts.csv)", "sweep", example="tv-binary")
     out: str = option("runs/sweep", "sweep directory; rerun the same command to resume", "sweep")
 
 
@@ -370,6 +471,6 @@ def parser() -> ArgumentParser:
 def run(args) -> int:
     o = SweepOptions(**check(SweepOptions, given(args, SweepOptions), CLI))
     result = run_sweep(config_values(args), o.out, o.seeds, o.divergences, o.estimators, o.presets, o.delta,
-                       o.workers, o.target)
+                       o.workers, o.target, o.baseline)
     return 1 if result["failed"] else 0
 

@@ -175,9 +175,10 @@ class TrainConfig:
             raise ConfigError(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
                               f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
                               "lower --overlong_buffer or raise --max_new_tokens")
-        self._check_rollout_knobs(self.gppo_config().estimator)  # also validates the objective early
+        self.gppo_config()  # validates the objective early
+        self._check_rollout_knobs()
 
-    def _check_rollout_knobs(self, estimator: str | None) -> None:
+    def _check_rollout_knobs(self) -> None:
         """The mismatch knobs must fit together and with the engine (each field's own type and
         range is checked above)."""
         copies = (self.rollout_dtype not in (None, self.dtype)) or self.rollout_quantization != "none"
@@ -190,10 +191,6 @@ class TrainConfig:
         if self.rollout_overlap and self.engine != "hf":
             raise ConfigError(f"rollout_overlap runs the hf engine on a copy of the weights in a thread; engine "
                               f"{self.engine!r} is not run during the update: set rollout_overlap false")
-        if self.off_policy_steps > 0 and estimator == "full":
-            raise ConfigError("estimator 'full' recomputes mu's whole distribution with the weights that "
-                              f"sampled, which off_policy_steps={self.off_policy_steps} no longer holds: "
-                              "use off_policy_steps 0 or another estimator (topk, binary)")
 
     def prompt_config(self) -> PromptConfig:
         try:

@@ -252,45 +252,50 @@ class Trainer:
             return None, stats
         advantages = group_advantages(torch.stack(kept_rewards), c.advantage).flatten()
         pad_id = self.tokenizer.pad_token_id
-        return rollout_from_generations(kept_gens, advantages, pad_id, self.top_k), stats
+        rollout = rollout_from_generations(kept_gens, advantages, pad_id, self.top_k)
+        if self.loss_config.estimator is not None and "full" in gppo.ESTIMATORS[self.loss_config.estimator].anchor:
+            rollout = dataclasses.replace(rollout, logp_behavior_full=self._behavior_distribution(rollout))
+        return rollout, stats
+
+    @torch.no_grad()
+    def _behavior_distribution(self, rollout: Rollout) -> torch.Tensor:
+        """mu's whole distribution [B,T,V] at every response position (estimator 'full'), from the
+        weights that sampled the rollout, i.e. the rollout policy now: kept with the rollout (on the
+        CPU, in the checkpoint with the batches sampled ahead), since with off_policy_steps > 0 those
+        weights are gone by the time the batch trains. Costs B*T*V values per batch in the queue."""
+        parts = []
+        for index in torch.arange(rollout.size).split(self.config.micro_batch_size):
+            sub = _on_device(rollout.select(index), self.device)
+            log_probs = policy_outputs(self.rollout_policy.model, sub, self.config.temperature).log_probs
+            parts.append(_pad_to(log_probs, rollout.token_ids.shape[1]).cpu())
+        return torch.cat(parts)
 
     @torch.no_grad()
     def prepare(self, rollout: Rollout) -> Rollout:
         """The rollout on the training device, with what the objective needs beyond it: pi_old
         (anchor='old', and for the mismatch metrics when the engine samples from other weights
-        than the trained ones), mu's full distribution (estimator 'full', recomputed with the
-        weights that sampled), the reference model's log-probs (KL penalty)."""
-        rollout = dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(self.device)
-                                                  for f in dataclasses.fields(rollout)
-                                                  if isinstance(getattr(rollout, f.name), torch.Tensor)})
+        than the trained ones) and the reference model's log-probs (KL penalty). mu's full
+        distribution (estimator 'full') came with the rollout (`_behavior_distribution`)."""
+        rollout = _on_device(rollout, self.device)
         cfg, temperature = self.loss_config, self.config.temperature
         need_old = cfg.anchor == "old" or self.rollout_policy.is_copy or self.config.off_policy_steps > 0
-        need_full = cfg.estimator is not None and "full" in gppo.ESTIMATORS[cfg.estimator].anchor
         need_ref = self.ref_model is not None
-        if not (need_old or need_full or need_ref):
+        if not (need_old or need_ref):
             return rollout
         width = rollout.token_ids.shape[1]
-
-        def pad(x):  # a trimmed micro-batch back to the rollout's width T
-            return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))
         parts = defaultdict(list)
         for index in torch.arange(rollout.size, device=self.device).split(self.config.micro_batch_size):
             sub = rollout.select(index)
-            if need_old or need_full:
+            if need_old:
                 out = policy_outputs(self.model, sub, temperature)
-                if need_old:
-                    parts["logp_old"].append(pad(out.logp))
-                    if out.topk_logp is not None:
-                        parts["topk_logp_old"].append(pad(out.topk_logp))
-                if need_full:
-                    mu = out if not self.rollout_policy.is_copy else policy_outputs(self.rollout_policy.model, sub,
-                                                                                    temperature)
-                    parts["logp_behavior_full"].append(pad(mu.log_probs))
+                parts["logp_old"].append(_pad_to(out.logp, width))
+                if out.topk_logp is not None:
+                    parts["topk_logp_old"].append(_pad_to(out.topk_logp, width))
             if need_ref:
                 ref = policy_outputs(self.ref_model, sub, temperature)
-                parts["logp_ref"].append(pad(ref.logp))
+                parts["logp_ref"].append(_pad_to(ref.logp, width))
                 if cfg.kl_estimator == "full":
-                    parts["logp_ref_full"].append(pad(ref.log_probs))
+                    parts["logp_ref_full"].append(_pad_to(ref.log_probs, width))
         return dataclasses.replace(rollout, **{k: torch.cat(v) for k, v in parts.items()})
 
     # ------------------------------------------------------------------------------ update
@@ -452,6 +457,17 @@ class Trainer:
         (console or self.console).print(
             f"step {step:>4} | held-out greedy {evaluation['eval/greedy']:.3f} | sampled avg@"
             f"{self.config.eval_samples} {evaluation['eval/avg@k']:.3f}")
+
+
+def _on_device(rollout: Rollout, device: torch.device) -> Rollout:
+    return dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(device)
+                                           for f in dataclasses.fields(rollout)
+                                           if isinstance(getattr(rollout, f.name), torch.Tensor)})
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """A micro-batch trimmed to its longest response, padded back to the rollout's width T (dim 1)."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))
 
 
 def _progress_info(m: dict) -> str:
