@@ -19,7 +19,7 @@ from gppo import theory
 from gppo.cli import main
 from gppo.theory import matched_radii
 from gppo.commands.probe import average_ranks, faithfulness, spearman
-from gppo.commands.sweep import contrast_table, contrasts, mean_ci, plan, run_stats, run_sweep, t_quantile_975
+from gppo.commands.sweep import cell_curve, contrast_table, contrasts, mean_ci, plan, run_stats, run_sweep, t_quantile_975
 from gppo.trainer import ConfigError, Trainer
 
 MICRO_RUN = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "6",
@@ -174,6 +174,7 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
     assert kl["target_reached"] == "0/2"  # the untrained micro model solves nothing
     assert "| tv-binary | mask | 0.15 / 0.15 | 2 |" in (out / "sweep.md").read_text()
     assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     paired = read_csv(out / "contrasts.csv")
     assert {r["kind"] for r in paired} == {"cell", "divergence", "estimator"}
     assert len([r for r in paired if r["kind"] == "cell"]) == 6 * 3 and {r["pairs"] for r in paired} == {"2"}
@@ -208,6 +209,15 @@ def test_paired_contrasts_are_per_seed_differences():
     assert rows["greedy"]["diff"] == pytest.approx(0.64 / 3) and rows["auc"]["ci"] == pytest.approx(r["ci"] / 2)
     # the unpaired interval of A alone is wider than the paired one: common seed effects cancel
     assert mean_ci([0.5, 0.6, 0.7])[1] > r["ci"]
+
+
+def test_cell_curve_is_the_mean_over_seeds_then_a_trailing_mean():
+    runs = [[{"step": 0, "x": 1.0}, {"step": 1, "x": 3.0}, {"step": 2, "x": 5.0}, {"step": 3, "x": 7.0}],
+            [{"step": 0, "x": 3.0}, {"step": 1, "x": 5.0}, {"step": 2, "x": 9.0}]]  # seed 2 stopped at step 2
+    steps, mean = cell_curve(runs, "x")
+    assert steps.tolist() == [0, 1, 2] and mean.tolist() == [2.0, 4.0, 7.0]
+    assert cell_curve(runs, "x", smooth=2)[1].tolist() == [2.0, 3.0, 5.5]
+    assert cell_curve(runs, "missing")[0].tolist() == []
 
 
 def test_grid_main_effects_average_over_the_other_axis():

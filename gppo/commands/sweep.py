@@ -22,6 +22,8 @@ Summary over seeds, per cell (OUT/sweep.csv, OUT/sweep.md, OUT/heatmap.png for a
   it (target_reached counts them).
 - masked_frac, entropy: loss/masked_frac and loss/entropy averaged over the last 10 steps.
 - train_seconds: sum of perf/step_seconds (rollout + update; evaluations and start-up excluded).
+OUT/curves.png draws, per cell, the mean over seeds of held-out avg@k, rollout reward, the
+mismatch metrics, the masked fraction and the entropy against the step.
 
 Paired contrasts (OUT/contrasts.csv, and in sweep.md and on the console against `baseline`, the
 first cell unless given): the seeds of every cell share their rollout seeds and held-out set, so
@@ -362,6 +364,59 @@ def plot_heatmap(rows: list[dict], path: Path, title: str) -> Path:
     return save_figure(fig, path)
 
 
+CURVE_PANELS = (("held-out avg@k", "eval/avg@k"), ("rollout reward", "rollout/reward_mean"),
+                ("mismatch KL(mu || pi_old), k3", "mismatch/kl_k3"),
+                ("mismatch |pi_old(a) - mu(a)|, mean", "mismatch/prob_diff/mean"),
+                ("masked / truncated fraction", "loss/masked_frac"), ("entropy", "loss/entropy"))
+SMOOTHING = 5  # steps of the trailing mean of per-step training curves (evaluations are not smoothed)
+
+
+def cell_curve(runs: list[list[dict]], key: str, smooth: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, mean over runs) of metric `key` at the steps every run logged it, then the trailing
+    mean over `smooth` steps (fewer at the start)."""
+    series = [{r["step"]: r[key] for r in records if key in r} for records in runs]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    mean = np.array([np.mean([s[step] for s in series]) for step in steps], dtype=np.float64)
+    if smooth > 1 and len(mean):
+        cumulative = np.concatenate([[0.0], np.cumsum(mean)])
+        index = np.arange(1, len(mean) + 1)
+        mean = (cumulative[index] - cumulative[np.maximum(index - smooth, 0)]) / np.minimum(index, smooth)
+    return np.array(steps, dtype=np.float64), mean
+
+
+def plot_cell_curves(records: dict[str, list[list[dict]]], path: Path, title: str) -> Path | None:
+    """One panel per metric of CURVE_PANELS that any run logged, one line per cell: the mean over its
+    seeds (per-step metrics smoothed over SMOOTHING steps; truncate rules log their truncated
+    fraction as loss/truncated_frac, drawn in the masked panel)."""
+    def values(runs, key):
+        if key == "loss/masked_frac" and not any(key in r for records_ in runs for r in records_):
+            key = "loss/truncated_frac"
+        return cell_curve(runs, key, 1 if key.startswith("eval/") else SMOOTHING)
+
+    panels = [(name, key) for name, key in CURVE_PANELS
+              if any(len(values(runs, key)[0]) for runs in records.values() if runs)]
+    if not panels:
+        return None
+    plt = pyplot()
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    styles = ["-", "--", ":", "-."]
+    for ax, (name, key) in zip(axes.flat, panels):
+        for i, (cell, runs) in enumerate(records.items()):
+            if runs:
+                steps, mean = values(runs, key)
+                ax.plot(steps, mean, styles[(i // 10) % len(styles)], color=f"C{i % 10}", label=cell, linewidth=1.2)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=6, ncol=2 if len(records) > 8 else 1)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
 def write_summary(rows: list[dict], paired: list[dict], baseline: str, out: Path, target: float | None, note: str,
                   heatmap_title: str | None) -> None:
     """sweep.csv (exact numbers), contrasts.csv, sweep.md (the formatted tables) and, given a
@@ -384,8 +439,8 @@ def write_summary(rows: list[dict], paired: list[dict], baseline: str, out: Path
 def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
               delta: float | None = None, workers: int | None = None, target: float | None = None,
               baseline: str | None = None, progress: bool = True, console: Console | None = None) -> dict:
-    """Run (or finish) every run of the sweep, then write sweep.csv, contrasts.csv, sweep.md and,
-    for a grid, heatmap.png into `out`. `baseline` (a cell name; default the first cell) is what
+    """Run (or finish) every run of the sweep, then write sweep.csv, contrasts.csv, sweep.md,
+    curves.png and, for a grid, heatmap.png into `out`. `baseline` (a cell name; default the first cell) is what
     the printed paired contrasts subtract. Returns {"rows", "contrasts", "trained", "skipped", "failed"}.
 
     workers > 1 starts worker processes with 'spawn' (fork is unsafe after torch has started its
@@ -427,6 +482,9 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
                f"radii matched to TV delta={delta:g} at q=0.5 (interval [1-2δ, 1+2δ])"))
     title = None if presets else f"final held-out avg@k, mean ± 95% CI over seeds (δ: TV {delta:g} at q=0.5, matched)"
     write_summary(rows, paired, baseline, out, target, note, title)
+    plot_cell_curves({cell: [MetricsLog(j.config.run_dir() / "metrics.jsonl", [], {}).read() for j in jobs
+                             if j.cell == cell and j.seed in per_seed[cell]] for cell in cells},
+                     out / "curves.png", f"{out.name}: mean over seeds per cell")
     print_table(console, f"gppo sweep ({out})", *display_rows(rows, target))
     if paired:
         print_table(console, f"paired contrasts against {baseline} (mean ± 95% CI over seeds; * excludes 0)",
@@ -461,8 +519,8 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="gppo sweep",
         description="Run a grid of GPPO runs (divergences x estimators x seeds with the directional mask, or "
-                    "presets x seeds) in parallel, resumably, and summarize it over seeds (sweep.csv, sweep.md, "
-                    "heatmap.png). Training flags below apply to every run, e.g. --steps 60 --task countdown.")
+                    "presets x seeds) in parallel, resumably, and summarize it over seeds (sweep.csv, sweep.md with "
+                    "paired contrasts by seed, contrasts.csv, curves.png, heatmap.png). Training flags below apply to every run, e.g. --steps 60 --task countdown.")
     add_arguments(p.add_argument_group("sweep"), SweepOptions)
     add_config_arguments(p)
     return p
