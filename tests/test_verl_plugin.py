@@ -176,6 +176,15 @@ def test_startup_refuses_topk_estimators():
         gppo_policy_loss("gppo", estimator="full")
 
 
+def test_startup_refuses_a_weight_between_two_anchors():
+    with pytest.raises(gppo.GPPOConfigError, match="rollout_is=token and rollout_is_threshold=10"):
+        GPPOPolicyLossConfig(loss_mode="gppo_minirl", bypass_mode=False)
+    equivalent = GPPOPolicyLossConfig(loss_mode="gppo_ppo", anchor="old", bypass_mode=False).gppo_config()
+    minirl = gppo.preset("minirl")
+    assert (equivalent.rule, equivalent.anchor, equivalent.delta_low, equivalent.delta_high) == (
+        minirl.rule, minirl.anchor, minirl.delta_low, minirl.delta_high)
+
+
 def test_startup_checks_the_anchor_against_bypass_mode():
     with pytest.raises(gppo.GPPOConfigError, match="bypass_mode is unset"):
         GPPOPolicyLossConfig(loss_mode="gppo")

@@ -107,7 +107,8 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
 
 
 def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> None:
-    """Refuse what verl cannot feed: top-K/full estimators, and an anchor that old_log_prob is not."""
+    """Refuse what verl cannot feed: top-K/full estimators, a weight pi_old/mu (verl passes one
+    anchor), and an anchor that old_log_prob is not."""
     mode = policy_loss.loss_mode
     missing = missing_fields(cfg.estimator, cfg.anchor)
     if missing:
@@ -119,6 +120,13 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
             f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs {what}; verl 0.9 "
             f"passes a policy loss only the sampled token's log-probs. Use an estimator among "
             f"{' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv instead of gppo_dppo_topk_tv")
+    if cfg.behavior_weight_cap is not None:
+        raise gppo.GPPOConfigError(
+            f"loss_mode={mode!r} weights each token by sg[min(pi_old/mu, {cfg.behavior_weight_cap:g})] "
+            "(behavior_weight_cap), but verl passes a policy loss one anchor, not both; verl applies that "
+            "weight itself: use loss_mode=gppo_ppo with actor_rollout_ref.actor.policy_loss.anchor=old, "
+            "algorithm.rollout_correction.bypass_mode=false, algorithm.rollout_correction.rollout_is=token "
+            f"and rollout_is_threshold={cfg.behavior_weight_cap:g}")
     if policy_loss.bypass_mode is None:
         raise gppo.GPPOConfigError(
             "policy_loss.bypass_mode is unset, so the plugin cannot tell whether verl's "
