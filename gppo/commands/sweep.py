@@ -318,8 +318,8 @@ def contrast_table(rows: list[dict], baseline: str) -> tuple[list[str], list[lis
         else:
             sign, label = 1, f"{r['kind']} {r['a']} − {r['b']}"
         entry = table.setdefault(label, {"seeds": str(r["pairs"])})
-        entry[r["metric"]] = (f"{sign * r['diff']:+.3f} ± {fmt(r['ci'], missing='?')}" + (" *" if r["significant"] else "")
-                              if r["pairs"] else "")
+        mark = " *" if r["significant"] else ""
+        entry[r["metric"]] = f"{sign * r['diff']:+.3f} ± {fmt(r['ci'], missing='?')}{mark}" if r["pairs"] else ""
     return header, [[label, e["seeds"]] + [e.get(m, "") for m in CONTRAST_METRICS] for label, e in table.items()]
 
 
@@ -438,10 +438,11 @@ def write_summary(rows: list[dict], paired: list[dict], baseline: str, out: Path
 # ------------------------------------------------------------------------------ entry point
 def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
               delta: float | None = None, workers: int | None = None, target: float | None = None,
-              baseline: str | None = None, progress: bool = True, console: Console | None = None) -> dict:
+              baseline: str | None = None, progress: bool = True,
+              console: Console | None = None) -> dict:
     """Run (or finish) every run of the sweep, then write sweep.csv, contrasts.csv, sweep.md,
-    curves.png and, for a grid, heatmap.png into `out`. `baseline` (a cell name; default the first cell) is what
-    the printed paired contrasts subtract. Returns {"rows", "contrasts", "trained", "skipped", "failed"}.
+    curves.png and, for a grid, heatmap.png into `out`. `baseline` (a cell name; default the
+    first cell) is what the printed paired contrasts subtract. Returns {"rows", "contrasts", "trained", "skipped", "failed"}.
 
     workers > 1 starts worker processes with 'spawn' (fork is unsafe after torch has started its
     thread pools), which re-imports the calling script: guard it with `if __name__ == "__main__":`.
@@ -489,7 +490,8 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     if paired:
         print_table(console, f"paired contrasts against {baseline} (mean ± 95% CI over seeds; * excludes 0)",
                     *contrast_table(paired, baseline))
-    return {"rows": rows, "contrasts": paired, "trained": len(todo) - len(failed), "skipped": len(jobs) - len(todo), "failed": failed}
+    return {"rows": rows, "contrasts": paired, "trained": len(todo) - len(failed), "skipped": len(jobs) - len(todo),
+            "failed": failed}
 
 
 # ------------------------------------------------------------------------------ command
@@ -520,7 +522,8 @@ def parser() -> ArgumentParser:
         prog="gppo sweep",
         description="Run a grid of GPPO runs (divergences x estimators x seeds with the directional mask, or "
                     "presets x seeds) in parallel, resumably, and summarize it over seeds (sweep.csv, sweep.md with "
-                    "paired contrasts by seed, contrasts.csv, curves.png, heatmap.png). Training flags below apply to every run, e.g. --steps 60 --task countdown.")
+                    "paired contrasts by seed, contrasts.csv, curves.png, heatmap.png). Training flags below apply "
+                    "to every run, e.g. --steps 60 --task countdown.")
     add_arguments(p.add_argument_group("sweep"), SweepOptions)
     add_config_arguments(p)
     return p
