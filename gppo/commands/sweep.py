@@ -442,7 +442,8 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
               console: Console | None = None) -> dict:
     """Run (or finish) every run of the sweep, then write sweep.csv, contrasts.csv, sweep.md,
     curves.png and, for a grid, heatmap.png into `out`. `baseline` (a cell name; default the
-    first cell) is what the printed paired contrasts subtract. Returns {"rows", "contrasts", "trained", "skipped", "failed"}.
+    first cell) is what the printed paired contrasts subtract. Returns {"rows", "contrasts",
+    "trained", "skipped", "failed"}.
 
     workers > 1 starts worker processes with 'spawn' (fork is unsafe after torch has started its
     thread pools), which re-imports the calling script: guard it with `if __name__ == "__main__":`.
