@@ -77,6 +77,15 @@ def ppo_clip_loss(logp, logq, adv, mask, eps_low, eps_high, dual_clip=None):
     return -(surrogate * mask).sum() / mask.sum()
 
 
+def decoupled_ppo_loss(logp, logp_old, logq, adv, mask, eps, cap):
+    """PPO's clip around a recomputed pi_old, times the truncated weight sg[min(pi_old / mu, C)]
+    (MiniRL, Zheng et al. 2025), token-mean."""
+    r = torch.exp(logp - logp_old)
+    weight = torch.exp(logp_old - logq).clamp(max=cap)
+    surrogate = torch.min(r * adv[:, None], torch.clamp(r, 1 - eps, 1 + eps) * adv[:, None]) * weight
+    return -(surrogate * mask).sum() / mask.sum()
+
+
 def binary_tv(p, q):
     return (p - q).abs()
 

@@ -158,23 +158,14 @@ def test_gmpo(seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_cispo(seed):
-    batch, _, _ = random_batch(seed=seed, spread=2.0)
-    loss, grad, metrics = loss_and_grad(batch, gppo.preset("cispo"))
-    expected = ref.cispo_loss(batch.logp, batch.logp_behavior, batch.advantages, batch.mask, 5.0)
-    assert_same(loss, expected)
-    assert_same(grad, grad_of(expected, batch))
-    assert "masked_frac" not in metrics and "truncated_frac" in metrics
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-def test_pg_is(seed):
-    """DPPO's PG-IS baseline: CISPO's form with the weight truncated at 10."""
+@pytest.mark.parametrize("name,cap", [("cispo", 5.0), ("pg-is", 10.0)])  # pg-is: DPPO's PG-IS baseline
+def test_truncated_importance_weight_presets(seed, name, cap):
     batch, _, _ = random_batch(seed=seed, spread=3.0)
-    loss, grad, _ = loss_and_grad(batch, gppo.preset("pg-is"))
-    expected = ref.cispo_loss(batch.logp, batch.logp_behavior, batch.advantages, batch.mask, 10.0)
+    loss, grad, metrics = loss_and_grad(batch, gppo.preset(name))
+    expected = ref.cispo_loss(batch.logp, batch.logp_behavior, batch.advantages, batch.mask, cap)
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
+    assert "masked_frac" not in metrics and 0 < metrics["truncated_frac"] < 1
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -183,13 +174,10 @@ def test_minirl(seed):
     batch, _, _ = random_batch(seed=seed, spread=0.5)
     noise = torch.randn(batch.logp.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     batch.logp_old = (batch.logp_behavior + 3.0 * noise).clamp(max=0.0)  # some pi_old / mu above the cap
-    loss, grad, _ = loss_and_grad(batch, gppo.preset("minirl"))
-    weight = torch.exp(batch.logp_old - batch.logp_behavior).clamp(max=10.0)
     assert (torch.exp(batch.logp_old - batch.logp_behavior) > 10).any()
-    r = torch.exp(batch.logp - batch.logp_old)
-    adv = batch.advantages[:, None]
-    surrogate = torch.min(r * adv, torch.clamp(r, 0.8, 1.2) * adv) * weight
-    expected = -(surrogate * batch.mask).sum() / batch.mask.sum()
+    loss, grad, _ = loss_and_grad(batch, gppo.preset("minirl"))
+    expected = ref.decoupled_ppo_loss(batch.logp, batch.logp_old, batch.logp_behavior, batch.advantages,
+                                      batch.mask, 0.2, 10.0)
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
 
@@ -282,11 +270,8 @@ def test_behavior_weight_cap_is_truncated_importance_sampling():
     batch, _, _ = random_batch(seed=6, spread=0.5)
     batch.logp_old = batch.logp_behavior + 0.3 * torch.randn(batch.logp.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     loss, grad, _ = loss_and_grad(batch, gppo.preset("ppo", anchor="old", behavior_weight_cap=1.1))
-    weight = torch.exp(batch.logp_old - batch.logp_behavior).clamp(max=1.1)
-    r = torch.exp(batch.logp - batch.logp_old)
-    adv = batch.advantages[:, None]
-    surrogate = torch.min(r * adv, torch.clamp(r, 0.8, 1.2) * adv) * weight
-    expected = -(surrogate * batch.mask).sum() / batch.mask.sum()
+    expected = ref.decoupled_ppo_loss(batch.logp, batch.logp_old, batch.logp_behavior, batch.advantages,
+                                      batch.mask, 0.2, 1.1)
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
     with pytest.raises(gppo.GPPOConfigError, match="anchor='old'"):
