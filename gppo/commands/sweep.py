@@ -241,9 +241,8 @@ def seed_stats(jobs: list[Job], target: float | None) -> dict[str, dict[int, dic
     return out
 
 
-def summarize(jobs: list[Job], target: float | None, per_seed: dict[str, dict[int, dict]] | None = None) -> list[dict]:
-    """One row per cell over its finished seeds, with the exact radii it used."""
-    per_seed = seed_stats(jobs, target) if per_seed is None else per_seed
+def summarize(jobs: list[Job], target: float | None, per_seed: dict[str, dict[int, dict]]) -> list[dict]:
+    """One row per cell over its finished seeds (`seed_stats`), with the exact radii it used."""
     rows = []
     for cell in dict.fromkeys(job.cell for job in jobs):
         cell_jobs = [j for j in jobs if j.cell == cell]
@@ -364,10 +363,13 @@ def plot_heatmap(rows: list[dict], path: Path, title: str) -> Path:
     return save_figure(fig, path)
 
 
-CURVE_PANELS = (("held-out avg@k", "eval/avg@k"), ("rollout reward", "rollout/reward_mean"),
-                ("mismatch KL(mu || pi_old), k3", "mismatch/kl_k3"),
-                ("mismatch |pi_old(a) - mu(a)|, mean", "mismatch/prob_diff/mean"),
-                ("masked / truncated fraction", "loss/masked_frac"), ("entropy", "loss/entropy"))
+# (title, metric keys): a cell draws the first key its runs logged (truncate rules log
+# loss/truncated_frac where masking rules log loss/masked_frac).
+CURVE_PANELS = (("held-out avg@k", ("eval/avg@k",)), ("rollout reward", ("rollout/reward_mean",)),
+                ("mismatch KL(mu || pi_old), k3", ("mismatch/kl_k3",)),
+                ("mismatch |pi_old(a) - mu(a)|, mean", ("mismatch/prob_diff/mean",)),
+                ("masked / truncated fraction", ("loss/masked_frac", "loss/truncated_frac")),
+                ("entropy", ("loss/entropy",)))
 SMOOTHING = 5  # steps of the trailing mean of per-step training curves (evaluations are not smoothed)
 
 
@@ -385,16 +387,15 @@ def cell_curve(runs: list[list[dict]], key: str, smooth: int = 1) -> tuple[np.nd
 
 
 def plot_cell_curves(records: dict[str, list[list[dict]]], path: Path, title: str) -> Path | None:
-    """One panel per metric of CURVE_PANELS that any run logged, one line per cell: the mean over its
-    seeds (per-step metrics smoothed over SMOOTHING steps; truncate rules log their truncated
-    fraction as loss/truncated_frac, drawn in the masked panel)."""
-    def values(runs, key):
-        if key == "loss/masked_frac" and not any(key in r for records_ in runs for r in records_):
-            key = "loss/truncated_frac"
+    """One panel per entry of CURVE_PANELS that any run logged, one line per cell: the mean over its
+    seeds (per-step metrics smoothed over SMOOTHING steps, evaluations not)."""
+    def curve(runs, keys):
+        key = next((k for k in keys if any(k in r for records_ in runs for r in records_)), keys[0])
         return cell_curve(runs, key, 1 if key.startswith("eval/") else SMOOTHING)
 
-    panels = [(name, key) for name, key in CURVE_PANELS
-              if any(len(values(runs, key)[0]) for runs in records.values() if runs)]
+    curves = {name: {cell: curve(runs, keys) for cell, runs in records.items() if runs}
+              for name, keys in CURVE_PANELS}
+    panels = [name for name, per_cell in curves.items() if any(len(steps) for steps, _ in per_cell.values())]
     if not panels:
         return None
     plt = pyplot()
@@ -404,11 +405,9 @@ def plot_cell_curves(records: dict[str, list[list[dict]]], path: Path, title: st
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     styles = ["-", "--", ":", "-."]
-    for ax, (name, key) in zip(axes.flat, panels):
-        for i, (cell, runs) in enumerate(records.items()):
-            if runs:
-                steps, mean = values(runs, key)
-                ax.plot(steps, mean, styles[(i // 10) % len(styles)], color=f"C{i % 10}", label=cell, linewidth=1.2)
+    for ax, name in zip(axes.flat, panels):
+        for i, (cell, (steps, mean)) in enumerate(curves[name].items()):
+            ax.plot(steps, mean, styles[(i // 10) % len(styles)], color=f"C{i % 10}", label=cell, linewidth=1.2)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
