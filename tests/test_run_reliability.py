@@ -1,6 +1,6 @@
 """Run directories that cannot be lost or mixed: the lock, resume overrides, restarts, atomic
 checkpoints and final/, pruning, fallback from a corrupt checkpoint, a full disk, stale temporary
-files, non-finite training, and SIGKILL at random points. "Bit-identical" means the parameters
+files, unstable training, and SIGKILL at random points. "Bit-identical" means the parameters
 equal those of an uninterrupted run of the same configuration."""
 
 import errno
@@ -24,7 +24,7 @@ from gppo.trainer.config import from_dict
 from gppo.trainer.checkpoint import (MANIFEST, NoSpaceError, RunLock, checkpoint_problem, is_no_space,
                                      latest_checkpoint, save_checkpoint, write_dir)
 from gppo.trainer.logging import MetricsLog
-from gppo.trainer.trainer import NonFiniteError
+from gppo.trainer.trainer import UnstableTrainingError
 from tests.test_trainer import micro_config
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -379,24 +379,76 @@ def test_stale_temporary_files_of_a_killed_run_are_removed_at_start(micro_model,
     assert_same_weights(run / "final", reference)
 
 
-# ------------------------------------------------------------------------------ non-finite training
-def test_a_diverging_run_stops_naming_the_step_the_metric_and_the_last_good_checkpoint(tmp_path):
-    """The embedded addition model with lr 1e6: the first update blows the weights up, and the
-    second gives a NaN gradient norm (the micro model's gradients vanish instead)."""
+# ------------------------------------------------------------------------------ unstable training
+def _poison_gradients(model, when, factor):
+    """Multiply every gradient by `factor` while `when()` holds: a divergence made on purpose, so
+    that the tests do not hinge on how one library version's numerics fail."""
+    for p in model.parameters():
+        p.register_hook(lambda g: g * factor if when() else g)
+
+
+def embedded_config(run, **changes):
+    """`micro_config`'s sizes on the embedded addition model, whose groups have varied rewards from
+    the first step on (the untrained micro model's rewards are mostly all 0: no update)."""
+    return from_dict({**micro_config("unused", run, **{"lr": 1e-4, **changes}).to_dict(), "model": None})
+
+
+def test_a_nan_gradient_stops_the_run_naming_the_step_the_metric_and_the_last_good_checkpoint(tmp_path):
     run = tmp_path / "run"
-    values = micro_config("unused", run, lr=1e6, epochs=1, mini_batch_size=16, steps=4).to_dict()
-    trainer = Trainer(from_dict({**values, "model": None}))  # the embedded addition model
-    with pytest.raises(NonFiniteError, match=f"step 2: optim/grad_norm is nan, so training stopped .*last good "
-                                             f"checkpoint is {run / 'checkpoints' / 'step_000001'}: resume from it "
-                                             f"with a lower learning rate, e.g. `gppo train --resume {run} "
-                                             f"--lr 100000`"):
+    trainer = Trainer(embedded_config(run, steps=4))
+    _poison_gradients(trainer.model, when=lambda: trainer.step == 1, factor=math.nan)  # in step 2's update
+    with pytest.raises(UnstableTrainingError, match=f"step 2: optim/grad_norm is nan, so training stopped before "
+                                                    f"applying that update .*last good checkpoint is "
+                                                    f"{run / 'checkpoints' / 'step_000001'}: resume from it with a "
+                                                    f"lower learning rate, e.g. `gppo train --resume {run} --lr "
+                                                    f"1e-05`"):
         trainer.train()
     assert all(p.isfinite().all() for p in trainer.model.parameters())  # the NaN update was not applied
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == 2 and json.loads(lines[-1])["optim/grad_norm"] == "nan"
     assert math.isnan(MetricsLog(run / "metrics.jsonl", [], {}).read()[-1]["optim/grad_norm"])
     assert (run / "checkpoints" / "latest").read_text() == "step_000001" and not (run / "final").exists()
-    Trainer.resume(run, {"lr": 1e-3}).close()  # and the run continues from there
+    Trainer.resume(run, {"lr": 1e-5}).close()  # and the run continues from there
+
+
+def test_an_exploding_update_stops_the_run_before_it_is_saved(tmp_path):
+    """lr 1e6: AdamW's first step moves every weight by about 1e6, whatever the gradients' size, so the
+    weight norm grows by orders of magnitude while loss and gradients may stay finite."""
+    run = tmp_path / "run"
+    trainer = Trainer(embedded_config(run, lr=1e6, epochs=1, mini_batch_size=16, steps=3))
+    before = trainer.weight_norm
+    with pytest.raises(UnstableTrainingError, match=r"step 1: optim/weight_norm went from \S+ to \S+ in one update "
+                                                    r"\(more than 10x: the update exploded\), so training stopped "
+                                                    r"without saving it .*no checkpoint was written yet: start the "
+                                                    r"run again with a lower learning rate \(e.g. --lr 100000\)"):
+        trainer.train()
+    assert not trainer.weight_norm <= 10 * before
+    assert not (run / "checkpoints" / "latest").exists() and not (run / "final").exists()
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+
+
+def test_gradients_stuck_at_zero_stop_the_run_after_three_steps(tmp_path):
+    """Saturated log-probs give a gradient of exactly 0 with non-zero advantages (what lr 1e6 gave
+    with transformers 5.24): reported after three such steps in a row, the checkpoints kept."""
+    run = tmp_path / "run"
+    trainer = Trainer(embedded_config(run, steps=6, eval_every=0))
+    _poison_gradients(trainer.model, when=lambda: trainer.step >= 1, factor=0.0)
+    with pytest.raises(UnstableTrainingError, match=f"step 4: optim/grad_norm was exactly 0 in every update of the "
+                                                    f"last 3 steps although the advantages were not 0.*last good "
+                                                    f"checkpoint is {run / 'checkpoints' / 'step_000003'}"):
+        trainer.train()
+    grad_norms = [r.get("optim/grad_norm") for r in MetricsLog(run / "metrics.jsonl", [], {}).read()]
+    assert grad_norms[1] > 0 and grad_norms[2:] == [0.0, 0.0, 0.0]
+
+
+def test_zero_gradient_steps_between_healthy_ones_are_not_an_error(tmp_path):
+    run = tmp_path / "run"
+    trainer = Trainer(embedded_config(run, steps=5, eval_every=0))
+    _poison_gradients(trainer.model, when=lambda: trainer.step in (0, 1, 3), factor=0.0)
+    trainer.train()
+    grad_norms = [r.get("optim/grad_norm") for r in MetricsLog(run / "metrics.jsonl", [], {}).read()]
+    assert grad_norms[1:] == [0.0, 0.0, grad_norms[3], 0.0, grad_norms[5]] and grad_norms[3] > 0 < grad_norms[5]
+    assert trainer.step == 5 and trainer.zero_gradient_steps == 0
 
 
 def test_metrics_record_non_finite_values_as_strings_and_read_them_back(tmp_path):

@@ -52,9 +52,19 @@ def _dtype(name: str) -> torch.dtype:
     return DTYPES[name]  # the name is one of TrainConfig's dtype choices
 
 
-class NonFiniteError(RunError):
-    """Training produced a non-finite loss, gradient norm or log-prob; the message names the step,
-    the metric and the last good checkpoint."""
+# An update that multiplies the weight norm by more than this has exploded: AdamW moves each weight
+# by about lr per step, so a healthy update changes ||theta|| by a small fraction (lr 1e-4 on weights
+# of scale 0.02: < 1 %), while lr 1e6 multiplies it by ~1e7 at the first step.
+WEIGHT_GROWTH_LIMIT = 10.0
+# RL steps in a row whose every update had an exactly zero gradient although the advantages were
+# not: the log-probs are saturated (blown-up weights) or every token is outside the trust region.
+ZERO_GRADIENT_STEPS_LIMIT = 3
+
+
+class UnstableTrainingError(RunError):
+    """Training diverged: a non-finite loss, gradient norm or log-prob, an update that blew up the
+    weights, or gradients stuck at exactly 0; the message names the step, the metric and the last
+    good checkpoint."""
 
 
 class MeanOf:
@@ -144,7 +154,9 @@ class Trainer:
         self.scheduler = get_scheduler(config.lr_schedule, self.optimizer, num_warmup_steps=config.warmup_steps,
                                        num_training_steps=updates)
         self.step = 0
-        self.diverged: str | None = None
+        self.diverged: str | None = None  # what went wrong, set by the update that saw it
+        self.weight_norm = _total_norm(self.model.parameters())
+        self.zero_gradient_steps = 0
         if checkpoint is None:
             aside = set_aside(self.run_dir)
             if aside is not None:
@@ -181,6 +193,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.problems.train.load_state_dict(state["data"])
         self.pending.load_state_dict(state.get("pending", []))
+        self.zero_gradient_steps = state.get("zero_gradient_steps", 0)
         set_rng_state(state["rng"])
         self.step = state["step"]
         self.log.truncate_after(self.step)
@@ -188,7 +201,8 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "data": self.problems.train.state_dict(), "pending": self.pending.state_dict()}
+                 "data": self.problems.train.state_dict(), "pending": self.pending.state_dict(),
+                 "zero_gradient_steps": self.zero_gradient_steps}
         return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state, self.config.keep_checkpoints)
 
     def close(self) -> None:
@@ -306,10 +320,14 @@ class Trainer:
         self.model.train()
         minibatches = (minibatch for _ in range(c.epochs)
                        for minibatch in torch.randperm(rollout.size, generator=shuffle).split(c.mini_batch_size))
+        all_zero = True
         for minibatch in minibatches:
-            per_update.add(self._optimizer_step(rollout, minibatch.to(self.device), averages))
+            stats = self._optimizer_step(rollout, minibatch.to(self.device), averages)
+            per_update.add(stats)
             if self.diverged:
                 break
+            all_zero = all_zero and stats["grad_norm"] == 0
+        self._check_zero_gradients(all_zero and bool(rollout.advantages.ne(0).any()))
         self.model.eval()
         sync = getattr(self.engine, "update_weights", None)
         if sync is not None:
@@ -318,7 +336,9 @@ class Trainer:
 
     def _optimizer_step(self, rollout: Rollout, minibatch: torch.Tensor, averages: MeanOf) -> dict:
         """One optimizer step on `minibatch` (gradients accumulated over micro-batches). A non-finite
-        policy log-prob, loss or gradient norm sets `self.diverged` instead, and the weights stay."""
+        policy log-prob, loss or gradient norm sets `self.diverged` instead, and the weights stay; an
+        update that multiplies the weight norm by more than WEIGHT_GROWTH_LIMIT (or makes it
+        non-finite) sets it after the step."""
         c = self.config
         self.optimizer.zero_grad(set_to_none=True)
         tokens = rollout.response_mask[minibatch].sum()
@@ -329,7 +349,8 @@ class Trainer:
             for name, logp in (("the policy's", outputs.logp), ("the rollout's", sub.logp_behavior)):
                 bad = int((~logp.isfinite() & sub.response_mask.bool()).sum())
                 if bad:
-                    self.diverged = f"optim/loss is nan ({name} log-probs of {bad} response tokens are not finite)"
+                    self.diverged = (f"optim/loss is nan ({name} log-probs of {bad} response tokens are not "
+                                     f"finite), so training stopped before applying that update")
                     return {"loss": math.nan}
             loss, metrics = gppo.policy_loss(token_batch(sub, outputs), self.loss_config,
                                              num_tokens=tokens, num_sequences=len(minibatch))
@@ -341,11 +362,27 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
         for name, value in (("optim/loss", total), ("optim/grad_norm", grad_norm)):
             if not math.isfinite(value):
-                self.diverged = f"{name} is {value}"
+                self.diverged = f"{name} is {value}, so training stopped before applying that update"
                 return {"loss": total, "grad_norm": grad_norm}
         self.optimizer.step()
         self.scheduler.step()
-        return {"loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+        before, self.weight_norm = self.weight_norm, _total_norm(self.model.parameters())
+        if not self.weight_norm <= WEIGHT_GROWTH_LIMIT * before:  # also catches nan and inf
+            self.diverged = (f"optim/weight_norm went from {before:.4g} to {self.weight_norm:.4g} in one update "
+                             f"(more than {WEIGHT_GROWTH_LIMIT:g}x: the update exploded), so training stopped "
+                             f"without saving it")
+        return {"loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                "weight_norm": self.weight_norm}
+
+    def _check_zero_gradients(self, stuck: bool) -> None:
+        """Count RL steps whose every update had a gradient of exactly 0 although some advantage was
+        not 0; ZERO_GRADIENT_STEPS_LIMIT of them in a row set `self.diverged`."""
+        self.zero_gradient_steps = self.zero_gradient_steps + 1 if stuck else 0
+        if self.zero_gradient_steps >= ZERO_GRADIENT_STEPS_LIMIT and not self.diverged:
+            self.diverged = (f"optim/grad_norm was exactly 0 in every update of the last {self.zero_gradient_steps} "
+                             f"steps although the advantages were not 0: the policy's log-probs are saturated "
+                             f"(weights blown up by an earlier update) or every token is outside the trust region, "
+                             f"so training stopped")
 
     def train_step(self) -> dict:
         start = time.time()
@@ -382,7 +419,7 @@ class Trainer:
     # ------------------------------------------------------------------------------ main loop
     def train(self, stop_after: int | None = None) -> dict | None:
         """Run to `config.steps`, then release the run directory. `stop_after=k` returns after step k
-        as if interrupted (tests). A non-finite loss or gradient norm raises NonFiniteError."""
+        as if interrupted (tests). Unstable training raises UnstableTrainingError."""
         if not self.lock.held:
             raise RunError(f"this Trainer has released {self.run_dir}; continue the run with "
                            f"Trainer.resume({str(self.run_dir)!r})")
@@ -405,7 +442,7 @@ class Trainer:
                 metrics = self.train_step()
                 if self.diverged:
                     self.log.write(self.step, metrics)
-                    raise self._non_finite_error()
+                    raise self._unstable_error()
                 last = self.step == c.steps
                 if last or (c.eval_every and self.step % c.eval_every == 0):
                     evaluation = self.evaluate()
@@ -419,7 +456,7 @@ class Trainer:
                     return None
         return self.finish()
 
-    def _non_finite_error(self) -> "NonFiniteError":
+    def _unstable_error(self) -> UnstableTrainingError:
         lower = f"--lr {self.config.lr / 10:g}"
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is None:
@@ -428,9 +465,8 @@ class Trainer:
         else:
             then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower learning rate, "
                     f"e.g. `gppo train --resume {self.run_dir} {lower}`")
-        return NonFiniteError(f"step {self.step}: {self.diverged}, so training stopped before applying that update "
-                              f"(metrics.jsonl records the step; the learning rate may be too high, or the rewards "
-                              f"not finite); {then}")
+        return UnstableTrainingError(f"step {self.step}: {self.diverged} (metrics.jsonl records the step; the "
+                                     f"learning rate may be too high, or the rewards not finite); {then}")
 
     def finish(self) -> dict:
         """Final model, curves and summary (accuracy before and after RL)."""
@@ -457,6 +493,12 @@ class Trainer:
         (console or self.console).print(
             f"step {step:>4} | held-out greedy {evaluation['eval/greedy']:.3f} | sampled avg@"
             f"{self.config.eval_samples} {evaluation['eval/avg@k']:.3f}")
+
+
+@torch.no_grad()
+def _total_norm(parameters) -> float:
+    """||theta||_2 over all parameters."""
+    return torch.linalg.vector_norm(torch.stack([p.detach().float().norm() for p in parameters])).item()
 
 
 def _on_device(rollout: Rollout, device: torch.device) -> Rollout:
