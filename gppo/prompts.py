@@ -126,7 +126,14 @@ class PromptBuilder:
     def __call__(self, prompt: Prompt) -> str:
         messages = self.messages(prompt)
         if self.uses_chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as err:  # jinja2's TemplateError, or what the template's own raise_exception gives
+                roles = [m["role"] for m in messages]
+                raise ValueError(f"the tokenizer's chat template failed on a prompt with roles {roles} "
+                                 f"({type(err).__name__}: {err}): use --chat_template false, leave out "
+                                 f"--system_prompt if the template refuses a system role, or fix the template "
+                                 f"in the model's tokenizer_config.json") from None
             if self._added_bos and text.startswith(self._added_bos):
                 text = text[len(self._added_bos):]  # the tokenizer adds it again
             return text

@@ -95,3 +95,39 @@ def test_gguf_file_loads_like_its_saved_copy(smollm2_gguf, smollm2_dir, tmp_path
         expected = gguf_model(ids).logits
         torch.testing.assert_close(hf_model(ids).logits, expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_an_encoder_is_refused_as_not_causal(tmp_path, micro_model):
+    """A BERT checkpoint (saved as BertForMaskedLM) loads with AutoModelForCausalLM as
+    BertLMHeadModel, with a warning only: gppo names it before loading any weight."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from gppo.models.embedded import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    with pytest.raises(ModelLoadError, match=r"was saved as BertForMaskedLM, not as a causal language model.*"
+                                             r"ForCausalLM"):
+        load_model_and_tokenizer(tmp_path / "bert")
+    model, _ = load_model_and_tokenizer(micro_model)  # saved as Qwen2ForCausalLM: passes
+    assert model.config.architectures == ["Qwen2ForCausalLM"]
+
+
+def test_prompts_running_past_the_models_positions_are_refused_at_load(tmp_path, micro_model):
+    from gppo.trainer import Trainer
+    from gppo.trainer.config import from_dict
+
+    model_dir = _copy(micro_model, tmp_path / "short")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 20}))
+    values = dict(model=str(model_dir), steps=1, eval_size=2, progress=False, threads=1, max_new_tokens=16,
+                  output_dir=str(tmp_path / "run"))
+    with pytest.raises(ModelLoadError, match=r"--max_new_tokens 16: the longest prompt \(held-out problem #\d+, "
+                                             r"(\d+) tokens\) plus 16 new tokens is \d+ positions, beyond the "
+                                             r"model's 20 \(max_position_embeddings\): lower --max_new_tokens to "
+                                             r"at most \d+"):
+        Trainer(from_dict(values))
+    Trainer(from_dict({**values, "max_new_tokens": 4})).close()  # addition prompts are 8 characters

@@ -156,3 +156,31 @@ def test_gppo_eval_prompt_flags(micro_model, tmp_path, capsys):
     assert main(base + ["--chat_template", "true"]) == 2
     assert "the tokenizer has no chat template" in capsys.readouterr().err
     assert main(base + ["--prompt_template", "{prompt}", "--chat_template", "auto"]) == 0
+
+
+def test_a_chat_template_that_raises_is_an_error_naming_the_fix_before_training(micro_model, toy_chat_tokenizer,
+                                                                                 tmp_path, capsys):
+    """A template that refuses system messages (as Gemma's does) raises from jinja when rendered:
+    the builder says which roles it failed on and what to change; `gppo train` stops at load."""
+    from gppo.cli import main
+
+    refusing = copy.deepcopy(toy_chat_tokenizer)
+    refusing.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                              "supported') }}{% endif %}" + TOY_TEMPLATE)
+    builder = PromptBuilder(refusing, PromptConfig(system_prompt="S"))
+    with pytest.raises(ValueError, match=r"chat template failed on a prompt with roles \['system', 'user'\] "
+                                         r"\(TemplateError: System role not supported\): use --chat_template "
+                                         r"false, leave out --system_prompt"):
+        builder("1+2=")
+    assert PromptBuilder(refusing, PromptConfig())("1+2=") == "<user>1+2=|<assistant>"
+
+    model_dir = tmp_path / "model"
+    import shutil
+    shutil.copytree(micro_model, model_dir)
+    refusing.save_pretrained(model_dir)
+    args = ["train", "--model", str(model_dir), "--system_prompt", "S", "--output_dir", str(tmp_path / "run"),
+            "--steps", "1", "--eval_size", "2", "--progress", "false", "--threads", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "gppo train: error: the tokenizer's chat template failed" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused at load, before the first evaluation

@@ -100,9 +100,23 @@ def _check_hf_directory(path: Path) -> None:
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelLoadError(f"{path / 'config.json'} has no 'model_type', so transformers cannot tell "
                              "which architecture to build; re-save the model with save_pretrained")
+    _check_causal_architecture(config.get("architectures") or [], path)
     if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"{str(path)!r} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); "
                              "save the model with model.save_pretrained(DIR)")
+
+
+def _check_causal_architecture(architectures: list, path: Path) -> None:
+    """Refuse a checkpoint saved as something other than a causal LM (BERT's `BertForMaskedLM`,
+    a classifier): transformers would build a causal-LM head on it without saying that the model
+    never learned to predict the next token. The known classes are transformers' causal-LM
+    registry; a config that names no architecture passes."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if architectures and not set(architectures) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        raise ModelLoadError(f"--model {str(path)!r} was saved as {', '.join(architectures)}, not as a causal "
+                             "language model: gppo trains decoder-only models that generate left to right; pick "
+                             "a ...ForCausalLM checkpoint such as Qwen2, Llama or SmolLM2")
 
 
 def load_tokenizer(path: str | Path | ModelSource):
@@ -160,3 +174,26 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype | str | None =
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     return model.eval(), tokenizer
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence the model's position encoding covers (None when its config does not say)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_positions(config, prompt_lengths, max_new_tokens: int, where: str) -> None:
+    """Refuse prompts that, with `max_new_tokens`, would run past the model's positions (the model
+    would silently degrade or fail mid-run); `prompt_lengths` are token counts of the prompts."""
+    limit, longest = max_positions(config), max(prompt_lengths, default=0)
+    if limit is not None and longest + max_new_tokens > limit:
+        index = list(prompt_lengths).index(longest)
+        room = limit - longest
+        fix = (f"lower --max_new_tokens to at most {room}" if room > 0 else "shorten the prompts")
+        raise ModelLoadError(f"--max_new_tokens {max_new_tokens}: the longest prompt ({where} #{index}, {longest} "
+                             f"tokens) plus {max_new_tokens} new tokens is {longest + max_new_tokens} positions, "
+                             f"beyond the model's {limit} (max_position_embeddings): {fix}, or drop the longest "
+                             f"prompts from the data")

@@ -25,7 +25,7 @@ import gppo
 from gppo.advantages import group_advantages, informative_groups
 from gppo.evaluation import evaluate_problems
 from gppo.models.assets import embedded_checkpoint
-from gppo.models.loading import load_model_and_tokenizer
+from gppo.models.loading import check_positions, load_model_and_tokenizer
 from gppo.prompts import PromptBuilder
 from gppo.options import load_yaml, resolve_device
 from gppo.rewards.pipeline import RewardPipeline, load_function
@@ -141,6 +141,7 @@ class Trainer:
         self.prompts = self._prompt_builder()
         self.problems = build_problem_set(config.task, config.data, config.eval_data, config.eval_size, config.seed,
                                           config.data_options(), need_answer=not config.reward_funcs)
+        self._check_prompts()
         self.rewards = RewardPipeline(
             verifier=self.problems.verifier,
             user_functions=[(path, load_function(path)) for path in config.reward_funcs],
@@ -215,6 +216,17 @@ class Trainer:
             return PromptBuilder(self.tokenizer, self.config.prompt_config())
         except ValueError as err:
             raise ConfigError(f"{err} (model {self.base_model_path})") from None
+
+    def _check_prompts(self) -> None:
+        """Render and tokenize every prompt of the data (the held-out ones and a built-in task's
+        sample) before anything trains: a chat template that fails, or a prompt that with
+        max_new_tokens would run past the model's positions, is an error now, not mid-run."""
+        train = getattr(self.problems.train, "problems", [])  # a built-in task's are short and alike
+        for where, problems in (("--data problem" if train else "training problem", train),
+                                ("held-out problem", self.problems.heldout)):
+            texts = [self.prompts(p.prompt) for p in problems]
+            lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]] if texts else []
+            check_positions(self.model.config, lengths, self.config.max_new_tokens, where)
 
     def _sample(self, problems, n: int, temperature: float, seed: int, top_k: int = 0):
         params = SamplingParams(temperature=temperature, max_new_tokens=self.config.max_new_tokens, n=n,
