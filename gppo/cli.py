@@ -1,11 +1,16 @@
 """The `gppo` command: dispatches to the modules of `gppo.commands` and answers every expected
 error (a bad setting, a missing file, an invalid point of the design space) with one line
-`gppo <command>: error: ...` and exit status 2. GPPO_DEBUG=1 shows the traceback instead."""
+`gppo <command>: error: ...` and exit status 2. GPPO_DEBUG=1 shows the traceback instead.
+
+SIGTERM (what SLURM and Kubernetes send before preemption) stops a command as Ctrl-C does: the
+step in flight is dropped, the last checkpoint stays whole, the command says how to continue, and
+the exit status is 143 (128 + SIGTERM; 130 for Ctrl-C)."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 
 from gppo.commands import COMMANDS
@@ -23,21 +28,33 @@ def describe(err: BaseException) -> str:
     return str(err) or type(err).__name__
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C's KeyboardInterrupt."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def run_command(name: str, argv: list[str]) -> int:
     """Parse `argv` with the command's parser and run it; every expected error is one line on stderr."""
     module = importlib.import_module(f"gppo.commands.{name}")
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return module.run(module.parser().parse(argv))
     except SystemExit as done:  # --help
         return done.code if isinstance(done.code, int) else 0
-    except KeyboardInterrupt:
-        print(f"gppo {name}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        how = "stopped by SIGTERM" if isinstance(stop, Terminated) else "interrupted"
+        print(f"gppo {name}: {how}{getattr(module, 'CONTINUE_HINT', '')}", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
     except EXPECTED_ERRORS as err:
         if os.environ.get("GPPO_DEBUG"):
             raise
         print(f"gppo {name}: error: {describe(err)}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import time
 
 import pytest
@@ -460,6 +461,57 @@ def test_metrics_record_non_finite_values_as_strings_and_read_them_back(tmp_path
     (record,) = log.read()
     assert math.isnan(record["nan"]) and record["inf"] == math.inf and record["-inf"] == -math.inf
     assert record["step"] == 3 and record["x"] == 0.5
+
+
+# ------------------------------------------------------------------------------ SIGTERM
+def _cli_in_child(argv, log):
+    """`gppo ARGV` in a forked child, its stdout and stderr in the file `log`."""
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+        sys.exit(main(argv))
+
+
+def _terminate_after_first_checkpoint(argv, run_glob, tmp_path):
+    """Start `gppo ARGV`, SIGTERM it once a checkpoint matching `run_glob` exists; (exit code, log)."""
+    log = tmp_path / "log"
+    child = multiprocessing.get_context("fork").Process(target=_cli_in_child, args=(argv, log))
+    child.start()
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(run_glob)) and child.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert child.is_alive(), log.read_text()
+    os.kill(child.pid, signal.SIGTERM)
+    child.join(120)
+    return child.exitcode, log.read_text()
+
+
+def test_sigterm_stops_train_like_ctrl_c_with_exit_143_and_a_resumable_checkpoint(micro_model, tmp_path):
+    run = tmp_path / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(micro_config(micro_model, run, steps=200).to_dict()))
+    code, log = _terminate_after_first_checkpoint(["train", "--config", str(config)], "run/checkpoints/latest",
+                                                  tmp_path)
+    assert code == 143, log
+    log = " ".join(log.split())  # rich wraps long lines when not writing to a terminal
+    latest = latest_checkpoint(run)
+    assert latest is not None and checkpoint_problem(latest) is None  # whole, and named in the message
+    assert f"continue from {latest.name} with `gppo train --resume {run}`" in log, log
+    assert "gppo train: stopped by SIGTERM" in log and "Traceback" not in log
+    step = int(latest.name.split("_")[1])
+    Trainer.resume(run, {"steps": step + 1}).train()  # and it continues from there
+    assert steps_logged(run)[-1] == step + 1
+
+
+def test_sigterm_stops_a_sweep_saying_how_to_continue(micro_model, tmp_path):
+    argv = ["sweep", "--model", str(micro_model), "--out", str(tmp_path / "sweep"), "--workers", "1",
+            "--presets", "grpo", "--seeds", "0", "--steps", "200", "--prompts_per_step", "4", "--group_size", "4",
+            "--max_new_tokens", "6", "--eval_size", "8", "--eval_samples", "2", "--save_every", "1",
+            "--mini_batch_size", "16", "--micro_batch_size", "16", "--threads", "1"]
+    code, log = _terminate_after_first_checkpoint(argv, "sweep/*/checkpoints/latest", tmp_path)
+    assert code == 143, log
+    assert "gppo sweep: stopped by SIGTERM; run the same command again to continue" in log
 
 
 # ------------------------------------------------------------------------------ SIGKILL

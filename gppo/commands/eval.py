@@ -81,6 +81,9 @@ def parser() -> ArgumentParser:
     return p
 
 
+CONTINUE_HINT = "; run the same command again to continue: the problems already scored are kept"
+
+
 def run(args) -> int:
     c = EvalConfig(**check(EvalConfig, vars(args), CLI))
     prompt_config = c.prompt_config()

@@ -205,8 +205,13 @@ def _execute(jobs: list[Job], workers: int):
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(run_job, job.config): job for job in jobs}
-        for future in as_completed(futures):
-            yield futures[future], future.exception()
+        try:
+            for future in as_completed(futures):
+                yield futures[future], future.exception()
+        except KeyboardInterrupt:  # SIGTERM reaches this process alone: stop the workers' runs too
+            for worker in multiprocessing.active_children():
+                worker.terminate()
+            raise
 
 
 # ------------------------------------------------------------------------------ summary
@@ -527,6 +532,10 @@ def parser() -> ArgumentParser:
     add_arguments(p.add_argument_group("sweep"), SweepOptions)
     add_config_arguments(p)
     return p
+
+
+CONTINUE_HINT = ("; run the same command again to continue: finished runs are kept and stopped ones resume from "
+                 "their last checkpoints")
 
 
 def run(args) -> int:

@@ -437,8 +437,18 @@ class Trainer:
                            f"Trainer.resume({str(self.run_dir)!r})")
         try:
             return self._train(stop_after)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through gppo.cli: the step in flight is dropped
+            self.console.print(f"stopped during step {self.step + 1}; {self._continue_hint()}")
+            raise
         finally:
             self.lock.release()
+
+    def _continue_hint(self) -> str:
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is None:
+            return (f"no checkpoint was written yet: run the same command again (this attempt's files are then "
+                    f"moved to {self.run_dir}/aborted/)")
+        return f"continue from {checkpoint.name} with `gppo train --resume {self.run_dir}`"
 
     def _train(self, stop_after: int | None) -> dict | None:
         c = self.config
