@@ -92,6 +92,8 @@ def test_loading_errors_name_the_file_or_module_the_function_and_what_exists(tmp
         load_function("tests.reward_fns:raise")
     with pytest.raises(ValueError, match="must be given as path/to/file.py:function or module:function"):
         load_function("reward")
+    with pytest.raises(ValueError, match=r"'reward.py' names a file but no function: give reward.py:FUNCTION"):
+        load_function("reward.py")
     import sys
 
     sys.modules.pop("broken", None)

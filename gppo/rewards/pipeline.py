@@ -74,6 +74,8 @@ def load_function(spec: str) -> Callable:
     path, as `python -m` would have it). Errors name the file or module and the function, and list
     what exists."""
     where, sep, attr = spec.rpartition(":")
+    if not sep and spec.endswith(".py"):
+        raise ValueError(f"reward function {spec!r} names a file but no function: give {spec}:FUNCTION")
     if not sep:
         where, _, attr = spec.rpartition(".")
     if not where or not attr:
