@@ -22,3 +22,24 @@ def wrong_length(prompts, completions, **kwargs):
 def matches_target(prompts, completions, target, **kwargs):
     """1 when the completion starts with the data's `target` column."""
     return [float(c.strip().startswith(t)) for c, t in zip(completions, target)]
+
+
+def sleeps(prompts, completions, **kwargs):
+    """Returns after 5 s: too late for the tests' timeouts of under a second."""
+    import time
+
+    time.sleep(5)
+    return [0.0] * len(completions)
+
+
+class Flaky:
+    """Raises on the calls whose index (from 0) is in `failing`, else gives 1 per completion."""
+
+    def __init__(self, failing):
+        self.failing, self.calls = set(failing), 0
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.calls += 1
+        if self.calls - 1 in self.failing:
+            raise ConnectionError(f"call {self.calls - 1}: the grading service is down")
+        return [1.0] * len(completions)

@@ -226,3 +226,63 @@ def test_train_on_data_without_answers_end_to_end(micro_model, tmp_path):
     assert 0.0 <= summary["after"]["eval/greedy"] <= 1.0
     log = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("rollout/reward_mean" in r for r in log)
+
+
+# ------------------------------------------------------------------------------ gold answers checked at load
+@pytest.mark.parametrize("golds, expected", [
+    # a struct (dict) answer column: never one answer
+    ([{"value": 5}, {"value": 3}], r"the answer column 'answer' holds values that are not one answer \(text or a "
+                                   r"number\) in rows 0, 1 \(row 0: \{'value': 5\}\): .*--answer_field"),
+    # a list of structs
+    (["3", [{"v": 1}]], r"in row 1 \(row 1: \[\{'v': 1\}\]\)"),
+    # a number that is not finite (what a missing cell of a numeric column becomes)
+    ([1.0, float("nan"), 2.0], r"not one answer .* in row 1 \(row 1: nan\)"),
+    # mixed kinds across rows: numbers and booleans, text and lists
+    ([5, True, 7], r"mixes kinds of values across rows \(text or numbers in rows 0, 2 \(row 0: 5\); booleans in "
+                   r"row 1 \(row 1: True\)\): give every row's answer as text or a number .*--answer_field"),
+    (["3", ["5"]], r"mixes kinds .*text or numbers in row 0 .*lists in row 1 \(row 1: \['5'\]\)"),
+    # golds math-verify cannot read: never matched
+    (["3", "\\text{}", "4"], r"has gold answers math-verify cannot read in row 1 \(row 1: '\\\\text\{\}'\) "
+                            r"\(math-verify cannot parse .*correct or remove these rows, or map .*--answer_field"),
+])
+def test_bad_gold_answers_refuse_the_file_naming_the_rows(tmp_path, golds, expected):
+    rows = [{"prompt": f"Toy {i}?", "answer": g} for i, g in enumerate(golds)]
+    path = tmp_path / "golds.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if any(isinstance(g, float) for g in golds):  # JSON has no NaN in every reader: use parquet
+        path = write(rows, tmp_path / "golds.parquet")
+    with pytest.raises(ValueError, match=expected) as err:
+        load_training_data(path)
+    assert str(err.value).startswith(f"{path}: the answer column 'answer' ")
+
+
+def test_gold_errors_show_the_first_rows_and_count_the_rest(tmp_path):
+    rows = [{"prompt": f"Toy {i}?", "answer": {"v": i}} for i in range(8)]
+    with pytest.raises(ValueError, match=r"in rows 0, 1, 2, 3, 4 and 3 more \(row 0: \{'v': 0\}\)"):
+        load_training_data(write(rows, tmp_path / "structs.jsonl"))
+
+
+def test_good_golds_of_every_kind_still_load(tmp_path):
+    rows = [{"prompt": "a", "answer": "\\frac{1}{2}"}, {"prompt": "b", "answer": 3},
+            {"prompt": "c", "answer": "(1, 2)"}, {"prompt": "d", "answer": "#### 2,400"}]
+    assert [r.answer for r in load_training_data(write(rows, tmp_path / "ok.jsonl")).records] == [
+        "\\frac{1}{2}", "3", "(1, 2)", "2,400"]
+    lists = [{"prompt": "a", "answer": ["3", "-3"]}, {"prompt": "b", "answer": ["1"]}]
+    assert [r.answer for r in load_training_data(write(lists, tmp_path / "lists.jsonl")).records] == ["3, -3", "1"]
+
+
+def test_verl_ground_truth_is_checked_too(tmp_path):
+    row = json.loads((FIXTURES / "dapo_math.jsonl").read_text().splitlines()[0])
+    row["reward_model"]["ground_truth"] = {"answer": "11"}
+    path = tmp_path / "verl.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"the answer column 'reward_model.ground_truth' holds values that are not "
+                                         r"one answer .* fix reward_model.ground_truth"):
+        load_training_data(path)
+
+
+def test_eval_data_golds_are_checked_before_training(tmp_path):
+    train = write(GSM8K * 3, tmp_path / "train.jsonl")
+    held = write([{"question": "Toy?", "answer": {"value": 1}}], tmp_path / "held.jsonl")
+    with pytest.raises(ValueError, match=f"{held}: the answer column 'answer' holds values that are not one"):
+        build_problem_set("addition", str(train), str(held), 4, seed=0)

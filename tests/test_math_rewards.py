@@ -5,9 +5,10 @@ import time
 
 import pytest
 
-from gppo.rewards.math import MathVerdict, check_golds, extract_answer, normalize_gold, score_math
+from gppo.rewards.math import (MathVerdict, check_golds, equation_sides, extract_answer, hedge_form, normalize_gold,
+                               score_math)
 
-C, W = MathVerdict.CORRECT, MathVerdict.WRONG
+C, W, H = MathVerdict.CORRECT, MathVerdict.WRONG, MathVerdict.HEDGED
 
 # (gold, predicted answer, verdict): the prediction is scored as "\boxed{<predicted>}".
 PAIRS = [
@@ -114,6 +115,123 @@ def test_equivalence(gold, predicted, verdict):
 )
 def test_extract_answer(completion, expected):
     assert extract_answer(completion) == expected
+
+
+# Hedges: an answer offering two values (or a relation) where the gold is one value. Each scores 0
+# against either of its options; math-verify alone gives 1 against one of them (it keeps one side).
+HEDGES = [
+    # (options the hedge names, boxed answer, the form reported)
+    (["3", "4"], "4 = 3", "an equation with a side ("),
+    (["3", "4"], "3 = 4", "an equation with a side ("),
+    (["1", "3"], "x = 1 = 3", "an equation with a side"),
+    (["3"], "x \\approx 3", "a relation (\\approx)"),
+    (["3", "2.9"], "x \\approx 2.9 \\approx 3", "a relation (\\approx)"),
+    (["3", "4"], "3 \\approx 4", "a relation (\\approx)"),
+    (["3"], "x < 3", "a relation (<)"),
+    (["3", "4"], "3 \\le 4", "a relation (\\le)"),
+    (["3", "4"], "3 \\leq x \\leq 4", "a relation (\\leq)"),
+    (["3", "4"], "3 \\neq 4", "a relation (\\neq)"),
+    (["3"], "x \\sim 3", "a relation (\\sim)"),
+    (["3", "4"], "3 \\lor 4", "a disjunction (\\lor)"),
+    (["3", "4"], "3 \\vee 4", "a disjunction (\\vee)"),
+    (["3", "4"], "3 \\text{ or } 4", "a disjunction (or)"),
+    (["3", "4"], "3 (or 4)", "a disjunction (or)"),
+    (["3", "-3"], "\\pm 3", "a disjunction (\\pm)"),
+    (["3", "4"], "\\begin{cases} 3 & n \\text{ even} \\\\ 4 & \\text{otherwise} \\end{cases}", "a case split (\\begin{cases})"),
+    (["3", "4"], "3 \\text{ if } n \\text{ is even}, 4 \\text{ otherwise}", "a case split (if)"),
+    (["3", "4"], "3 if n even, 4 otherwise", "a case split (if)"),
+    (["3", "4"], "3 \\\\ 4", "several lines (\\\\)"),
+    (["3", "4"], "3 \\newline 4", "several lines (\\newline)"),
+    (["3", "4"], "3, 4", "a set or interval of values"),
+    (["3", "4"], "\\{3, 4\\}", "a set or interval of values"),
+    (["3", "4"], "x = 3, y = 4", "a set or interval of values"),
+    (["3", "4"], "3 \\text{ and } 4", "a set or interval of values"),
+    (["3", "4"], "[3, 4]", "a set or interval of values"),
+    (["1", "2"], "\\begin{pmatrix}1\\\\2\\end{pmatrix}", "several lines"),
+]
+
+
+@pytest.mark.parametrize("options, answer, form", HEDGES, ids=[a for _, a, _ in HEDGES])
+def test_a_hedge_scores_zero_against_each_of_its_options(options, answer, form):
+    results = score_math([f"So \\boxed{{{answer}}}."] * len(options), options)
+    for gold, result in zip(options, results):
+        assert result.verdict is H and result.reward == 0.0, (gold, result)
+        assert result.error.startswith("hedge where one value is expected: " + form), result.error
+
+
+def test_hedges_that_math_verify_alone_would_accept():
+    """The rules are needed: math-verify keeps one side of these (run without them, in-process)."""
+    from math_verify import parse, verify
+
+    for gold, answer in [("3", "4 = 3"), ("4", "3 \\lor 4"), ("3", "x \\approx 3"), ("4", "3 \\\\ 4"),
+                         ("4", "3 (or 4)")]:
+        assert verify(parse(f"${gold}$", parsing_timeout=None), parse(f"${answer}$", parsing_timeout=None),
+                      timeout_seconds=None), (gold, answer)
+
+
+# Honest answers that keep scoring 1: named values, true equations, and golds that are themselves
+# sets, tuples, intervals, lists, relations or text with a hedge word.
+HONEST = [
+    ("3", "x = 3"),
+    ("3", "n=3"),
+    ("3", "3 = 3"),
+    ("5", "f(2) = 5"),
+    ("7", "a_{10} = 7"),
+    ("6", "2 \\cdot 3 = 6"),
+    ("2", "x = 1 + 1"),
+    ("3", "\\{3\\}"),
+    ("3", "3 \\\\"),  # a trailing line break is layout
+    ("\\infty", "\\infty"),  # \in is not \infty
+    ("\\frac{1}{2}", "\\left(\\frac{1}{2}\\right)"),  # \le is not \left
+    ("x=3", "3"),
+    ("y = 2x+1", "y = 2x + 1"),
+    ("(1, 2)", "(1,2)"),
+    ("(1,2)", "(1, 2)"),
+    ("\\{1,2\\}", "\\{2,1\\}"),
+    ("[0, 1)", "[0,1)"),
+    ("1, 2", "2, 1"),
+    ("x \\le 3", "x \\leq 3"),
+    ("x \\in [1,2]", "[1,2]"),
+    ("3 \\pm \\sqrt{2}", "3 \\pm \\sqrt{2}"),
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),
+    ("\\text{black or white}", "\\text{black or white}"),
+    ("\\text{Gordon}", "\\text{Gordon}"),  # "or" only as a word
+]
+
+
+@pytest.mark.parametrize("gold, answer", HONEST, ids=[f"{g} vs {a}" for g, a in HONEST])
+def test_honest_answers_still_score_one(gold, answer):
+    [result] = score_math([f"\\boxed{{{answer}}}"], [gold])
+    assert result.verdict is C, (gold, answer, result)
+
+
+def test_anchored_answers_are_checked_too():
+    hedged, honest = score_math(["The answer is 3 or 4.", "The answer is $x = 4$."], ["4", "4"])
+    assert (hedged.verdict, hedged.answer, honest.verdict) == (H, "3 or 4", C)
+
+
+@pytest.mark.parametrize("answer, gold, form", [
+    ("3 \\lor 4", "", "a disjunction (\\lor)"),
+    ("\\left(3\\right)", "", None),
+    ("3 \\in S", "", "a relation (\\in)"),
+    ("\\infty", "", None),
+    ("\\inf S", "", None),
+    ("\\neg p", "", None),
+    ("3 \\ne 4", "", "a relation (\\ne)"),
+    ("\\text{north or south}", "\\text{east or west}", None),  # the gold has the same form
+    ("3 OR 4", "", "a disjunction (OR)"),
+    ("\\text{Gordon}", "", None),
+    ("3 \\\\ ", "", None),
+])
+def test_hedge_form_reads_commands_whole(answer, gold, form):
+    assert hedge_form(answer, gold) == form
+
+
+def test_equation_sides_split_only_at_the_top_level():
+    assert equation_sides("x = 3") == ["x", "3"]
+    assert equation_sides("x = 1 = 3") == ["x", "1", "3"]
+    assert equation_sides("f(a=1) = \\frac{a=b}{2}") == ["f(a=1)", "\\frac{a=b}{2}"]
+    assert equation_sides("3") == ["3"]
 
 
 def test_unparsable_answers():

@@ -26,12 +26,19 @@ Columns (`load_training_data`):
 Every column but the prompt's is kept in `DataRecord.columns` and reaches reward functions as a
 keyword argument (TRL's convention); `answer` is always the reference answer. Rows that do not fit
 are reported as `RowError`s; the other rows still load.
+
+Math gold answers are checked before anything trains on them (`check_gold_answers`), and a data
+set with a bad one is refused as a whole (an error naming the file, the column, the first rows,
+their values and the fix), since such a gold can never be matched: a struct (dict) or a list of
+structs, a number that is not finite (a missing CSV cell), one column mixing kinds (text or
+numbers, booleans, lists), or a gold math-verify cannot read.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -39,7 +46,7 @@ from typing import Callable
 
 from gppo.prompts import Prompt, check_messages
 from gppo.rewards.code import AssertTest, CodeTest, io_tests
-from gppo.rewards.math import extract_answer
+from gppo.rewards.math import check_golds, extract_answer
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PROMPT_COLUMNS = ("prompt", "question", "problem", "instruction")
@@ -305,13 +312,79 @@ def load_training_data(source: str | Path, *, prompt_field: str | None = None, a
                        need_answer: bool = True, from_hub: bool = False, split: str = "train",
                        config: str | None = None) -> LoadResult:
     """Load training data (see the module docstring for sources and columns). `need_answer=False`
-    allows data without an answer column (scored by reward functions only)."""
+    allows data without an answer column (scored by reward functions only). Bad math gold answers
+    raise a ValueError (`check_gold_answers`)."""
     rows = read_rows(source, from_hub=from_hub, split=split, config=config)
     if not rows:
         raise ValueError(f"data {str(source)!r} has no rows")
     columns = list(dict.fromkeys(k for row in rows for k in row))
     prompt, answer, schema = map_columns(columns, prompt_field, answer_field, need_answer)
     name = Path(str(source)).stem or str(source)
+    if schema == "verl":
+        golds = [(i, row["reward_model"].get("ground_truth")) for i, row in enumerate(rows)
+                 if isinstance(row.get("reward_model"), dict) and str(row.get("ability", "")).lower() != "code"]
+        check_gold_answers(str(source), "reward_model.ground_truth", golds, lambda truth: _answers(truth)[0])
+    elif answer is not None:
+        golds = [(i, row[answer]) for i, row in enumerate(rows) if row.get(answer) is not None]
+        check_gold_answers(str(source), answer, golds, lambda value: reference_answer(value, answer))
     to_record = _verl(name) if schema == "verl" else _columns(name, prompt, answer)
     records, errors = map_rows(name, rows, to_record)
     return LoadResult(records, errors, schema)
+
+
+SHOWN_ROWS = 5  # rows named in a gold-answer error
+
+
+def _gold_kind(value) -> str | None:
+    """The kind of a gold answer value, or None when no gold of that kind can be matched."""
+    if isinstance(value, bool):
+        return "booleans"
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (str, int, float)):
+        return "text or numbers"
+    if isinstance(value, list) and all(_gold_kind(v) == "text or numbers" for v in value):
+        return "lists"
+    return None
+
+
+def check_gold_answers(source: str, column: str, golds: list[tuple[int, object]],
+                       to_text: Callable[[object], str]) -> None:
+    """Refuse (ValueError) gold answers that can never be matched: values that are not one answer
+    (a struct, a list of structs, a non-finite number), a column mixing kinds of values, or golds
+    math-verify cannot read. `golds` holds (row, raw value); `to_text` makes the reference answer
+    (its ValueErrors are left to the row mapping, which skips such rows with a warning)."""
+    where = f"{source}: the answer column {column!r}"
+    flags = "map the column that holds the answer with --answer_field" if column != "reward_model.ground_truth" \
+        else "fix reward_model.ground_truth"
+    not_one = [(i, v) for i, v in golds if _gold_kind(v) is None]
+    if not_one:
+        raise ValueError(f"{where} holds values that are not one answer (text or a number) in {_rows(not_one)}: "
+                         f"a gold answer must be one value per row; {flags}, or flatten these values in the data")
+    by_kind: dict[str, list[tuple[int, object]]] = {}
+    for i, value in golds:
+        by_kind.setdefault(_gold_kind(value), []).append((i, value))
+    if len(by_kind) > 1:
+        kinds = "; ".join(f"{kind} in {_rows(values)}" for kind, values in by_kind.items())
+        raise ValueError(f"{where} mixes kinds of values across rows ({kinds}): give every row's answer as "
+                         f"text or a number (one kind for the whole column), or {flags}")
+    texts = []
+    for i, value in golds:
+        try:
+            texts.append((i, value, to_text(value)))
+        except ValueError:
+            continue
+    problems = check_golds([text for _, _, text in texts])
+    bad = [(i, value, problem) for (i, value, _), problem in zip(texts, problems) if problem]
+    if bad:
+        raise ValueError(f"{where} has gold answers math-verify cannot read in {_rows([(i, v) for i, v, _ in bad])} "
+                         f"({bad[0][2]}): such a gold is never matched, so these problems would always score 0; "
+                         f"correct or remove these rows, or {flags}")
+
+
+def _rows(values: list[tuple[int, object]]) -> str:
+    """'rows 3, 7 (row 3: {'v': 1})': the first SHOWN_ROWS row numbers and the first value."""
+    shown = ", ".join(str(i) for i, _ in values[:SHOWN_ROWS])
+    more = f" and {len(values) - SHOWN_ROWS} more" if len(values) > SHOWN_ROWS else ""
+    first, value = values[0]
+    return f"{'row' if len(values) == 1 else 'rows'} {shown}{more} (row {first}: {repr(value)[:80]})"

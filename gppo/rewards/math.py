@@ -10,10 +10,30 @@ Extraction (`extract_answer`) searches only the text after the last `</think>` w
 
 Equivalence is math-verify's `parse` + `verify` (gold first; verify is not symmetric), with both
 sides in `$...$` so math-verify reads them as LaTeX: a bare gold such as `\\frac{1}{\\sqrt{2}}`
-otherwise parses to nothing. math-verify bounds its own run time with `signal.alarm`, which fails
-outside the main thread, so its timeouts are disabled and every comparison runs in a small pool
-of persistent worker processes instead: a worker that misses the deadline is killed and
-restarted, and the verdict is `timeout`. This works from any thread.
+otherwise parses to nothing.
+
+Hedges score 0 (verdict `hedged`). math-verify keeps one side of many hedged forms (`4 = 3` is
+read as 3, `3 \\lor 4` and `3 \\\\ 4` as 4, `x \\approx 3` as 3), so an answer offering two values
+would score 1 against either. When the gold is a single value (a number or expression, or
+`x = value` with a bare variable on the left), the answer is a hedge if it is
+
+- a relation other than `=`: `<`, `>`, `\\le`, `\\ge`, `\\ne`, `\\approx`, `\\sim`, `\\in`, ...;
+- a disjunction: `\\lor`, `\\vee`, `\\pm`, the word "or" ("3 or 4", "3 (or 4)");
+- a case split: `\\begin{cases}`, the words "if", "otherwise", "else", "unless", "when";
+- several lines: `\\\\`, `\\newline`;
+- a list, tuple, set of several values, interval or matrix (as math-verify parses it);
+- an equation with a side that is a number other than the gold: `4 = 3` scores 0, while
+  `x = 3`, `f(2) = 3`, `2 \\cdot 3 = 6` and `3 = 3` keep math-verify's verdict. The rule: every
+  side of the `=` chain is either equal to the gold or not a closed number (a name such as `x`).
+
+A form the gold itself has (a gold `\\text{black or white}`) is not a hedge. Golds that are sets,
+tuples, intervals, lists or relations (`(1, 2)`, `\\{1,2\\}`, `[0, 1)`, `x \\le 3`) are left
+entirely to math-verify. These rules only ever take credit away from math-verify's verdict.
+
+math-verify bounds its own run time with `signal.alarm`, which fails outside the main thread, so
+its timeouts are disabled and every comparison runs in a small pool of persistent worker
+processes instead: a worker that misses the deadline is killed and restarted, and the verdict is
+`timeout`. This works from any thread.
 """
 
 from __future__ import annotations
@@ -40,6 +60,7 @@ class MathVerdict(str, Enum):
     CORRECT = "correct"
     WRONG = "wrong"
     UNPARSABLE = "unparsable"  # no answer found, or math-verify could not read it
+    HEDGED = "hedged"  # a relation, disjunction, case split, several lines or a list (module docstring)
     TIMEOUT = "timeout"
 
     @property
@@ -50,7 +71,8 @@ class MathVerdict(str, Enum):
 
 @dataclass(frozen=True)
 class MathResult:
-    """The verdict on one completion, the answer extracted from it, and any data error."""
+    """The verdict on one completion, the answer extracted from it, and `error`: a data error, or
+    why a hedged answer scores 0."""
 
     verdict: MathVerdict
     answer: str | None
@@ -101,6 +123,49 @@ def _last_box(text: str) -> str | None:
     return None if last is None else text[last[0]:last[1]]
 
 
+# Hedged forms found in the answer's text, because math-verify's parse drops them (module docstring).
+# A command must not run on into letters: `\\le` is not `\\left`, `\\in` is not `\\infty`.
+_HEDGE_FORMS = (
+    ("a case split", re.compile(r"\\begin\{cases\}|\b(?:if|otherwise|else)\b", re.IGNORECASE)),
+    ("a disjunction", re.compile(r"\\(?:lor|vee|pm|mp)(?![A-Za-z])|\bor\b|[±∓∨]", re.IGNORECASE)),
+    ("a relation", re.compile(r"[<>≤≥≠≈∼≅∈]|\\(?:le|leq|leqslant|lt|ge|geq|geqslant|gt|ne|neq|approx|approxeq|"
+                              r"simeq|sim|cong|doteq|equiv|propto|ll|gg|in|notin|subset|subseteq)(?![A-Za-z])")),
+    ("several lines", re.compile(r"\\\\|\\newline(?![A-Za-z])")),
+)
+
+
+def hedge_form(answer: str, gold: str = "") -> str | None:
+    """The hedged form in an answer's LaTeX (a case split, a disjunction, a relation other than `=`,
+    several lines) that the gold's LaTeX does not have, as "a relation (\\approx)"; else None."""
+    answer = re.sub(r"(?:\\\\|\s)+$", "", answer)  # a trailing line break is layout
+    for name, pattern in _HEDGE_FORMS:
+        found = pattern.search(answer)
+        if found and not pattern.search(gold):
+            return f"{name} ({found.group()})"
+    return None
+
+
+def equation_sides(answer: str) -> list[str]:
+    """The sides of an `=` chain outside braces, brackets and parentheses (one side: no equation)."""
+    sides, depth, start = [], 0, 0
+    for i, char in enumerate(answer):
+        if char in "{[(":
+            depth += 1
+        elif char in "}])":
+            depth -= 1
+        elif char == "=" and depth == 0:
+            sides.append(answer[start:i].strip())
+            start = i + 1
+    return sides + [answer[start:].strip()]
+
+
+def _latex_body(text: str) -> str:
+    """The LaTeX inside a math-verify-ready string (`$...$` or `\\boxed{...}`)."""
+    if "\\boxed" in text or "\\fbox" in text:
+        return _last_box(text) or text
+    return text.strip().strip("$").strip()
+
+
 def normalize_gold(answer: object) -> str:
     """A gold answer as math-verify parses it: in `$...$` unless already boxed or in `$`."""
     if isinstance(answer, float) and answer.is_integer():
@@ -120,22 +185,29 @@ def score_math(completions: Sequence[str], golds: Sequence[object],
     return _default_scorer().score(completions, golds, timeout_s)
 
 
+_PLAIN_NUMBER = re.compile(r"-?(?:\d+|\d{1,3}(?:,\d{3})+)(?:\.\d+)?")  # 12, -0.5, 2,400
+
+
 def check_golds(golds: Sequence[object], timeout_s: float = 5.0) -> list[str | None]:
-    """For each gold answer, None if math-verify reads it, else what is wrong with it."""
+    """For each gold answer, None if math-verify reads it (and finds it equal to itself), else what
+    is wrong with it. Plain numbers need no worker and equal texts are judged once, so a data set
+    of mostly integer answers is checked in seconds."""
     errors: list[str | None] = [None] * len(golds)
-    texts = []
+    texts: dict[str, list[int]] = {}  # gold text -> the indices holding it
     for i, gold in enumerate(golds):
         try:
-            texts.append(normalize_gold(gold))
+            text = normalize_gold(gold)
         except ValueError as e:
             errors[i] = str(e)
-            texts.append(None)
-    todo = [i for i, t in enumerate(texts) if t is not None]
-    results = _default_scorer().judge([(texts[i], texts[i]) for i in todo], timeout_s)
-    for i, r in zip(todo, results):
+            continue
+        if not _PLAIN_NUMBER.fullmatch(text.strip("$")):
+            texts.setdefault(text, []).append(i)
+    results = _default_scorer().judge([(text, text) for text in texts], timeout_s)
+    for indices, r in zip(texts.values(), results):
         if r.verdict is not MathVerdict.CORRECT:
-            errors[i] = r.error or (f"math-verify does not find the gold answer {golds[i]!r} equal "
-                                    f"to itself ({r.verdict.value})")
+            for i in indices:
+                errors[i] = r.error or (f"math-verify does not find the gold answer {golds[i]!r} equal "
+                                        f"to itself ({r.verdict.value})")
     return errors
 
 
@@ -283,23 +355,75 @@ def _serve() -> None:
     import logging
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" warnings
-    from math_verify import parse, verify
-
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # stray prints from the libraries must not corrupt the replies
+    import math_verify  # noqa: F401 - fails here, before "ready", when it is missing
+
     replies.write("ready\n")
     replies.flush()
     for line in sys.stdin:
-        gold, answer = json.loads(line)
-        gold_parsed = parse(gold, parsing_timeout=None)
-        if not gold_parsed:
-            reply = {"verdict": "unparsable", "error": f"math-verify cannot parse the gold answer {gold!r}"}
-        else:
-            answer_parsed = parse(answer, parsing_timeout=None)
-            if not answer_parsed:
-                reply = {"verdict": "unparsable"}
-            else:
-                correct = verify(gold_parsed, answer_parsed, timeout_seconds=None)
-                reply = {"verdict": "correct" if correct else "wrong"}
-        replies.write(json.dumps(reply) + "\n")
+        replies.write(json.dumps(_judge(*json.loads(line))) + "\n")
         replies.flush()
+
+
+def _judge(gold: str, answer: str) -> dict:
+    """The verdict on a (gold, answer) pair of math-verify-ready strings (runs in a worker)."""
+    from math_verify import parse, verify
+
+    gold_parsed = parse(gold, parsing_timeout=None)
+    if not gold_parsed:
+        return {"verdict": "unparsable", "error": f"math-verify cannot parse the gold answer {gold!r}"}
+    answer_parsed = parse(answer, parsing_timeout=None)
+    if not answer_parsed:
+        return {"verdict": "unparsable"}
+    if _is_single_value(gold_parsed[0]):
+        hedge = _hedge(gold_parsed, _latex_body(gold), answer_parsed[0], _latex_body(answer))
+        if hedge:
+            return {"verdict": "hedged", "error": f"hedge where one value is expected: {hedge}"}
+    correct = verify(gold_parsed, answer_parsed, timeout_seconds=None)
+    return {"verdict": "correct" if correct else "wrong"}
+
+
+def _is_single_value(value) -> bool:
+    """A number or expression (or text), `x = value` with a bare variable, or a one-element set."""
+    import sympy
+
+    if isinstance(value, sympy.Equality):
+        return isinstance(value.lhs, sympy.Symbol) and isinstance(value.rhs, sympy.Expr)
+    if isinstance(value, sympy.FiniteSet):
+        return len(value) == 1
+    return isinstance(value, (str, sympy.Expr))
+
+
+def _hedge(gold_parsed: list, gold: str, answer_value, answer: str) -> str | None:
+    """Why an answer hedges against a single-value gold (module docstring), or None."""
+    import sympy
+    from math_verify import parse, verify
+
+    form = hedge_form(answer, gold)
+    if form:
+        return form
+    sides = equation_sides(answer)
+    is_relation = isinstance(answer_value, sympy.logic.boolalg.Boolean)  # `=` chains: judged by side
+    if not (len(sides) > 1 and is_relation) and not _is_single_value(answer_value):
+        return _shape(answer_value)
+    for side in sides if len(sides) > 1 else ():
+        parsed = parse(f"${side}$", parsing_timeout=None)
+        if not parsed or verify(gold_parsed, parsed, timeout_seconds=None):
+            continue
+        value = parsed[0]
+        if isinstance(value, str) or (isinstance(value, sympy.Expr) and not value.is_number):
+            continue  # a name such as x or f(2)
+        return f"an equation with a side ({side}) that is not the gold answer"
+    return None
+
+
+def _shape(value) -> str:
+    """What a parsed answer of several values is, in words."""
+    import sympy
+
+    for kind, name in ((sympy.Set, "a set or interval of values"), (sympy.MatrixBase, "a matrix"),
+                       (sympy.logic.boolalg.Boolean, "a relation or logical formula")):
+        if isinstance(value, kind):
+            return name
+    return "a tuple or list of values"

@@ -4,28 +4,51 @@ reward = w_0 * verifier + sum_j w_j * user_fn_j + format bonus + DAPO soft overl
 (data without answers has no verifier: then the weights are those of the user functions alone).
 
 User functions follow TRL's convention: `fn(prompts=[...], completions=[...], completion_ids=[...],
-answer=[...], **columns) -> list[float | None]`, given as a dotted path `module:function`; `prompts`
-are the data's prompts (text or chat messages) before the prompt template, `answer` the reference
-answers, and `columns` every other data column (from `problem.metadata["columns"]`; None for a
-problem without that column). A function that raises, or returns NaN/None/a value beyond
-+-MAX_REWARD/a wrong-length list, gives 0 for the affected samples and a counted warning; the run
-goes on. Weights and the format reward must be finite numbers, and a total beyond +-MAX_REWARD
-(weights that overflow) is an error naming the sample and its components: group statistics of
-such rewards are not finite in float32.
+answer=[...], **columns) -> list[float | None]`, given as `path/to/file.py:function` (a file, as
+verl takes it) or `module:function` (a module path, as TRL takes it, importable from the working
+directory too): see `load_function`. `prompts` are the data's prompts (text or chat messages)
+before the prompt template, `answer` the reference answers, and `columns` every other data column
+(from `problem.metadata["columns"]`; None for a problem without that column).
+
+Failures: a value that is NaN/None/beyond +-MAX_REWARD gives 0 for that sample and a counted
+warning. A call that raises (or returns no list of one value per completion) gives 0 for every
+sample and a warning; `max_failures` such calls in a row stop the run with a
+`RewardFunctionError` carrying the function's exception text (0: never stop). A call that does not
+return within `timeout_s` seconds is a `RewardFunctionError` at once. The timeout needs no signal
+(signal.alarm fails outside the main thread, and rollouts may run in a background thread): the
+call runs in a daemon worker thread and the caller stops waiting at the deadline. A hung thread
+cannot be killed; it is left running until the process ends (the run stops anyway). Threads
+rather than processes because reward functions often hold state (a loaded model, a cache) and
+need not be picklable. The price: a function that must run in the main thread (signal.alarm, as
+math-verify's default timeouts use) needs `timeout_s=0` (called in the caller's thread, no limit).
+
+Weights and the format reward must be finite numbers, and a total beyond +-MAX_REWARD (weights that
+overflow) is an error naming the sample and its components: group statistics of such rewards are
+not finite in float32.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import math
+import os
 import re
+import sys
+import threading
 import warnings
+import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
+from gppo.core.registry import closest
 from gppo.tasks.base import Problem
 
 MAX_REWARD = 1e6  # |reward| bound: squares of rewards stay far inside float32 in the advantage std
+MAX_FAILURES = 3  # default: failing calls in a row of one reward function before the run stops
+TIMEOUT_S = 60.0  # default: seconds one call of a reward function may take
 
 
 def compile_format_pattern(pattern: str) -> re.Pattern:
@@ -41,21 +64,86 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def load_function(path: str) -> Callable:
-    """Import `module:function` (or `module.function`)."""
-    module_name, sep, attr = path.partition(":")
+class RewardFunctionError(ValueError):
+    """A user reward function failed `max_failures` calls in a row, or did not return in time."""
+
+
+def load_function(spec: str) -> Callable:
+    """The function of `file.py:function` (a path, relative to the working directory or absolute)
+    or `module:function` / `module.function` (imported with the working directory on the import
+    path, as `python -m` would have it). Errors name the file or module and the function, and list
+    what exists."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep and spec.endswith(".py"):
+        raise ValueError(f"reward function {spec!r} names a file but no function: give {spec}:FUNCTION")
     if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"reward function {path!r} must be given as module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import module {module_name!r} of reward function {path!r}: {err}") from None
+        where, _, attr = spec.rpartition(".")
+    if not where or not attr:
+        raise ValueError(f"reward function {spec!r} must be given as path/to/file.py:function or module:function")
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        module, origin = _import_file(Path(where), spec), f"file {where!r}"
+    else:
+        module, origin = _import_module(where, spec), f"module {where!r}"
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"module {module_name!r} has no function {attr!r} (reward function {path!r})")
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        listed = f"; its functions: {', '.join(names)}" if names else "; it defines no function"
+        raise ValueError(f"{origin} has no function {attr!r}{closest(attr, names)} (reward function {spec!r})"
+                         f"{listed}")
     return fn
+
+
+def _import_file(path: Path, spec: str):
+    """Import a .py file as a module of its own (registered in sys.modules, so pickling works)."""
+    if not path.is_file():
+        nearby = [p.name for p in (path.parent if path.parent.is_dir() else Path()).glob("*.py")]
+        raise ValueError(f"reward function file {str(path)!r} does not exist (reward function {spec!r}, looked in "
+                         f"{path.resolve().parent}){closest(path.name, nearby)}; give path/to/file.py:function")
+    name = f"gppo_reward_file_{path.stem}_{zlib.crc32(str(path.resolve()).encode()):08x}"
+    if name in sys.modules:  # a second function of the same file
+        return sys.modules[name]
+    loader = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[name] = module
+    try:
+        loader.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - the user's file: any error is reported in words
+        del sys.modules[name]
+        raise ValueError(f"reward function file {str(path)!r} failed to import: {type(err).__name__}: {err}") from err
+    return module
+
+
+def _import_module(name: str, spec: str):
+    """Import `name` with the working directory first on the import path for the import."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+            raise ValueError(f"module {name!r} of reward function {spec!r} failed to import: {err}") from err
+        nearby = [p.stem for p in Path(cwd).glob("*.py")]
+        raise ValueError(f"cannot import module {name!r} of reward function {spec!r}: {err} (looked in the working "
+                         f"directory {cwd} and the installed packages){closest(name, nearby)}; give "
+                         "path/to/file.py:function or package.module:function") from None
+    except Exception as err:  # noqa: BLE001 - the user's module: any error is reported in words
+        raise ValueError(f"module {name!r} of reward function {spec!r} failed to import: "
+                         f"{type(err).__name__}: {err}") from err
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def describe_function(name: str, fn: Callable) -> str:
+    """'NAME (defined in FILE)' for error messages."""
+    try:
+        source = inspect.getsourcefile(fn)
+    except TypeError:
+        source = None
+    return f"{name} (defined in {source})" if source else name
 
 
 def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
@@ -102,6 +190,8 @@ class RewardPipeline:
     format_reward: float = 0.0
     max_length: int = 0
     overlong_buffer: int = 0
+    max_failures: int = MAX_FAILURES  # calls in a row that raise before the run stops (0: never)
+    timeout_s: float = TIMEOUT_S  # seconds a call may take (0: no limit, called in the caller's thread)
 
     def __post_init__(self):
         if self.verifier is None and not self.user_functions:
@@ -116,6 +206,10 @@ class RewardPipeline:
             self._format = compile_format_pattern(self.format_pattern) if self.format_pattern else None
         except ValueError as err:
             raise ValueError(f"format_pattern {self.format_pattern!r} {err}") from None
+        for knob, value in (("reward_fn_max_failures", self.max_failures), ("reward_fn_timeout", self.timeout_s)):
+            if not (_is_number(value) and value >= 0):
+                raise ValueError(f"{knob} = {value!r} must be a number >= 0; give e.g. --{knob} 3")
+        self._failures = {name: 0 for name, _ in self.user_functions}  # failing calls in a row
 
     def __call__(self, problems: Sequence[Problem], completions: Sequence[str],
                  completion_ids: Sequence[Sequence[int]]) -> RewardResult:
@@ -134,7 +228,7 @@ class RewardPipeline:
         columns.update({"prompts": [p.prompt for p in problems], "completions": list(completions),
                         "completion_ids": [list(c) for c in completion_ids], "answer": [p.answer for p in problems]})
         for (name, fn), weight in zip(self.user_functions, user_weights):
-            values, bad = self._call_user(fn, columns, n)
+            values, bad = self._call_user(name, fn, columns, n)
             result.warnings += bad
             if bad:
                 warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward within "
@@ -160,15 +254,29 @@ class RewardPipeline:
         result.rewards = totals
         return result
 
-    @staticmethod
-    def _call_user(fn: Callable, columns: dict, n: int) -> tuple[list[float], int]:
+    def _call_user(self, name: str, fn: Callable, columns: dict, n: int) -> tuple[list[float], int]:
+        """The function's values (0 where unusable) and how many samples were unusable; raises
+        RewardFunctionError after max_failures failing calls in a row or at the timeout."""
         try:
-            values = fn(**columns)
-            values = list(values)
+            values = list(self._call_with_timeout(name, fn, columns))
             if len(values) != n:
                 raise ValueError(f"returned {len(values)} values for {n} completions")
-        except Exception:  # noqa: BLE001 - a user function must never stop the run
+        except RewardFunctionError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a few failing calls must not stop the run
+            self._failures[name] += 1
+            if self.max_failures and self._failures[name] >= self.max_failures:
+                hint = ""
+                if "signal" in str(err) or "thread" in str(err):
+                    hint = (" (reward functions run in a worker thread so that --reward_fn_timeout can stop "
+                            "waiting; one that needs the main thread, e.g. for signal.alarm, needs "
+                            "--reward_fn_timeout 0)")
+                raise RewardFunctionError(
+                    f"reward function {describe_function(name, fn)} failed on {self._failures[name]} calls in a "
+                    f"row, the last with {type(err).__name__}: {err}{hint}; fix it (GPPO_DEBUG=1 shows its "
+                    "traceback), or raise --reward_fn_max_failures (0: never stop)") from err
             return [0.0] * n, n
+        self._failures[name] = 0
         clean, bad = [], 0
         for v in values:
             try:
@@ -181,3 +289,27 @@ class RewardPipeline:
                 clean.append(0.0)
                 bad += 1
         return clean, bad
+
+    def _call_with_timeout(self, name: str, fn: Callable, columns: dict):
+        """fn(**columns), in a daemon thread waited on for timeout_s seconds (0: in this thread)."""
+        if not self.timeout_s:
+            return fn(**columns)
+        outcome: dict = {}
+
+        def call():
+            try:
+                outcome["value"] = fn(**columns)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller below
+                outcome["error"] = err
+
+        worker = threading.Thread(target=call, name=f"gppo-reward-{name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive():
+            raise RewardFunctionError(
+                f"reward function {describe_function(name, fn)} did not return within {self.timeout_s:g} s "
+                f"(--reward_fn_timeout) for {len(columns['completions'])} completions; make it faster, or raise "
+                "--reward_fn_timeout (0: no limit)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]

@@ -22,7 +22,7 @@ from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptConfig, check_prompt_templ
 from gppo.trainer.data import DataOptions
 from gppo.options import (CLI, ConfigError, Source, add_arguments, check, check_device, check_engine,
                           gppo_overrides, load_yaml, option, refuse_ignored, refuse_unknown, yaml_source)
-from gppo.rewards.pipeline import check_reward_weights, compile_format_pattern
+from gppo.rewards.pipeline import MAX_FAILURES, TIMEOUT_S, check_reward_weights, compile_format_pattern
 from gppo.rollout import ENGINES
 from gppo.tasks import TASKS
 
@@ -103,9 +103,10 @@ class TrainConfig:
                                  "thread while step t trains (same batches; only the wall time changes)", "rollout")
 
     # rewards and advantages
-    reward_funcs: list[str] = _opt([], "extra reward functions as module:function, called like TRL's "
-                                   "(prompts=, completions=, completion_ids=, answer=, **columns)",
-                                   "rewards and advantages", example=["my_rewards:length_bonus"])
+    reward_funcs: list[str] = _opt([], "extra reward functions as path/to/file.py:function or module:function "
+                                   "(the working directory is importable), called like TRL's (prompts=, "
+                                   "completions=, completion_ids=, answer=, **columns)",
+                                   "rewards and advantages", example=["my_rewards.py:length_bonus"])
     reward_weights: list[float] = _opt([], "weights of the verifier followed by each reward function "
                                        "(default all 1)", "rewards and advantages", example=[1.0, 0.5])
     overlong_buffer: int = _opt(0, "DAPO soft overlong penalty: the last N tokens before max_new_tokens "
@@ -119,6 +120,12 @@ class TrainConfig:
     dynamic_sampling: bool = _opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal "
                                   "and refill with new prompts", "rewards and advantages")
     max_resample_rounds: int = _opt(4, "dynamic sampling: extra rollout rounds per step at most",
+                                    "rewards and advantages", ge=0)
+    reward_fn_max_failures: int = _opt(MAX_FAILURES, "stop the run when a reward function raises on this many "
+                                       "calls in a row (each failing call gives 0; 0: never stop)",
+                                       "rewards and advantages", ge=0)
+    reward_fn_timeout: float = _opt(TIMEOUT_S, "seconds a reward function call may take before the run stops "
+                                    "(calls run in a worker thread; 0: no limit, called in the calling thread)",
                                     "rewards and advantages", ge=0)
 
     # update
