@@ -113,7 +113,8 @@ def test_training_forward_reproduces_the_rollout_log_probs(micro_model, temperat
 # ------------------------------------------------------------------------------ training
 def test_three_step_run_writes_everything(micro_model, tmp_path):
     config = micro_config(micro_model, tmp_path / "run", preset="dppo-topk-kl", top_k=4,
-                          reward_funcs=["tests.reward_fns:length_bonus", "tests.reward_fns:raises"])
+                          reward_funcs=["tests.reward_fns:length_bonus", "tests.reward_fns:raises"],
+                          reward_fn_max_failures=0)
     with pytest.warns(RuntimeWarning):
         summary = Trainer(config).train()
     run = tmp_path / "run"

@@ -173,6 +173,8 @@ class TrainConfig:
             refuse_ignored(self, ["format_reward"], "with --format_pattern")
         if not self.dynamic_sampling:
             refuse_ignored(self, ["max_resample_rounds"], "with --dynamic_sampling true")
+        if not self.reward_funcs:
+            refuse_ignored(self, ["reward_fn_max_failures", "reward_fn_timeout"], "with --reward_funcs")
         if self.engine != "vllm":
             refuse_ignored(self, ["vllm_gpu_memory"], "with --engine vllm")
         if self.lr_schedule in NO_WARMUP_SCHEDULES:

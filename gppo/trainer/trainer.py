@@ -118,6 +118,16 @@ class Trainer:
         self.top_k = self.loss_config.rollout_top_k
 
         self.base_model_path = self._base_model_path()
+        # data and reward functions first: a bad gold or reward file is named before the model loads
+        self.problems = build_problem_set(config.task, config.data, config.eval_data, config.eval_size, config.seed,
+                                          config.data_options(), need_answer=not config.reward_funcs)
+        self.rewards = RewardPipeline(
+            verifier=self.problems.verifier,
+            user_functions=[(path, load_function(path)) for path in config.reward_funcs],
+            weights=list(config.reward_weights), format_pattern=config.format_pattern,
+            format_reward=config.format_reward, max_length=config.max_new_tokens,
+            overlong_buffer=config.overlong_buffer, max_failures=config.reward_fn_max_failures,
+            timeout_s=config.reward_fn_timeout)
         self.model, self.tokenizer = load_model_and_tokenizer(checkpoint or self.base_model_path,
                                                               dtype=_dtype(config.dtype))
         self.model.to(self.device)
@@ -139,15 +149,7 @@ class Trainer:
                 f"{self.engine.max_top_k_logprobs}: lower --top_k or use another estimator")
 
         self.prompts = self._prompt_builder()
-        self.problems = build_problem_set(config.task, config.data, config.eval_data, config.eval_size, config.seed,
-                                          config.data_options(), need_answer=not config.reward_funcs)
         self._check_prompts()
-        self.rewards = RewardPipeline(
-            verifier=self.problems.verifier,
-            user_functions=[(path, load_function(path)) for path in config.reward_funcs],
-            weights=list(config.reward_weights), format_pattern=config.format_pattern,
-            format_reward=config.format_reward, max_length=config.max_new_tokens,
-            overlong_buffer=config.overlong_buffer)
 
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         sequences = config.prompts_per_step * config.group_size
