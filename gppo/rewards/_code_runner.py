@@ -1,6 +1,6 @@
 """The trusted side of `gppo.rewards.code` (design and threat model: docs/sandbox.md).
 
-Run as `python -I -B _code_runner.py CONFIG_FD STATUS_FD`; standard library only. This bootstrap
+Run as `python -I -B -S _code_runner.py CONFIG_FD STATUS_FD`; standard library only. This bootstrap
 starts the program's process (`_code_child.py`) in a private root: through bubblewrap where the
 caller chose it, else through namespaces and mounts set up here, else (no namespaces) in the
 caller's temporary directory on the host's filesystem. It then judges through the channel to
@@ -38,7 +38,8 @@ _DEVICE_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 _HARNESS_FILES = ("_wire.py", "_code_child.py")
 _WORKDIR, _WIRE_DIR = "/sandbox", "/harness"  # inside the private root
-_TMPFS_SIZE = "64m"
+_TMPFS = ((_WORKDIR, "0777"), ("/tmp", "1777"))  # empty, writable by the program: (mount point, mode)
+_TMPFS_BYTES = 64 << 20
 
 
 def _bootstrap(config_fd: int, status_fd: int) -> None:
@@ -47,6 +48,7 @@ def _bootstrap(config_fd: int, status_fd: int) -> None:
 
     with open(config_fd, "rb") as f:
         config = json.loads(f.read())
+    sys.path += config["site_packages"]  # started with -S: for the imports of assert tests
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the program come back to us
     request_r, request_w = os.pipe()
@@ -65,12 +67,14 @@ def _bootstrap(config_fd: int, status_fd: int) -> None:
     except (_wire.ChannelClosed, OSError):
         pass  # no "ready": the caller reports the sandbox's failure with its stderr
     finally:
-        if config["kind"] != "stdio":
+        stopped = config["kind"] != "stdio" and _alive(pid)
+        if stopped:
             _kill(pid)  # judged: the program's process has nothing left to do
         code = deadline.wait()
         _reap_orphans()
     if isolation == "bwrap" and code > 128:  # bwrap reports a signal as 128 + its number
         code = 128 - code
+    code = None if stopped else code  # None: it was still serving when the judge was done
     _record(status_fd, {"outcome": outcome, "exit": {"code": code, "timed_out": deadline.timed_out}})
 
 
@@ -85,7 +89,7 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
     drop_root = os.geteuid() == 0
     bwrap = config["isolation"] == "bwrap"
     namespaces = not bwrap and config["isolation"] == "namespaces" and _enter_namespaces(libc)
-    drop_root = drop_root and (bwrap or namespaces or not _unreachable_dirs())
+    drop_root = drop_root and (bwrap or namespaces or not _unreachable_dirs(config["prefixes"]))
     pid = os.fork()
     if pid == 0:
         try:
@@ -95,11 +99,11 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
                 os.set_inheritable(fd, True)
             if bwrap:  # it drops root in the program's process, after its own setup
                 _set_limits(config)
-                command = _bwrap_command(config["bwrap"], fds, drop_root)
+                command = _bwrap_command(config, fds, drop_root)
                 os.execve(command[0], command, env)
             wire_dir = _HARNESS_DIR
             if namespaces:
-                _private_root(libc, os.getcwd(), _NOBODY if drop_root else os.getuid())
+                _private_root(libc, config["prefixes"], os.getcwd())
                 wire_dir = _WIRE_DIR
             else:
                 env.update(HOME=os.getcwd(), TMPDIR=os.getcwd())
@@ -109,8 +113,8 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
                 os.setuid(_NOBODY)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
             _set_limits(config)
-            os.execve(sys.executable, [sys.executable, "-I", "-B", os.path.join(wire_dir, "_code_child.py"),
-                                       str(fds[0]), str(fds[1]), wire_dir], env)
+            os.execve(sys.executable, [sys.executable, "-I", "-B", "-S", os.path.join(wire_dir, "_code_child.py"),
+                                       *_child_arguments(config, fds, wire_dir, drop_root=False)], env)
         except BaseException:  # noqa: BLE001  (no "ready" follows: the caller shows this)
             import traceback
 
@@ -142,35 +146,40 @@ def _unshare(libc, flags: int) -> bool:
     return libc.unshare(flags) == 0
 
 
-def _runtime_paths() -> list[str]:
+def _runtime_paths(prefixes: list[str]) -> list[str]:
     """Host paths the private root shows read-only: the interpreter's prefixes (a venv and its
     base), its executable, and the system's libraries; none inside another."""
     paths = {p for p in _SYSTEM_PATHS if os.path.lexists(p)}
-    for path in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix):
+    for path in prefixes:
         paths |= {os.path.abspath(path), os.path.realpath(path)}
     paths.add(os.path.realpath(sys.executable))
     return sorted(p for p in paths
                   if not any(p.startswith(q + os.sep) for q in paths if not os.path.islink(q)))
 
 
-def _bwrap_command(bwrap: str, fds: tuple[int, int], drop_root: bool) -> list[str]:
-    command = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+def _bwrap_command(config: dict, fds: tuple[int, int], drop_root: bool) -> list[str]:
+    """The same private root as `_private_root`, built by bubblewrap, in the same order."""
+    command = [config["bwrap"], "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
-    bound = [p for p in _runtime_paths() if not os.path.islink(p)] + [f"{_WIRE_DIR}/{_HARNESS_FILES[0]}"]
-    for directory in sorted({a for p in bound for a in _ancestors(p)}):  # bwrap would make them 0700
+    for directory, mode in _TMPFS:
+        command += ["--size", str(_TMPFS_BYTES), "--perms", mode, "--tmpfs", directory]
+    paths = _runtime_paths(config["prefixes"])
+    bound = [p for p in paths if not os.path.islink(p)] + [f"{_WIRE_DIR}/{_HARNESS_FILES[0]}"]
+    made = {directory for directory, _ in _TMPFS}
+    for directory in sorted({a for p in bound for a in _ancestors(p)} - made):  # else bwrap makes them 0700
         command += ["--perms", "0755", "--dir", directory]
-    for path in _runtime_paths():
-        if os.path.islink(path):
-            command += ["--symlink", os.readlink(path), path]
-        else:
-            command += ["--ro-bind", path, path]
+    for path in paths:
+        command += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
     for name in _HARNESS_FILES:
         command += ["--ro-bind", os.path.join(_HARNESS_DIR, name), f"{_WIRE_DIR}/{name}"]
-    command += ["--dev", "/dev", "--proc", "/proc", "--size", str(64 << 20), "--perms", "1777", "--tmpfs", "/tmp",
-                "--size", str(64 << 20), "--perms", "0777", "--tmpfs", _WORKDIR, "--remount-ro", "/",
-                "--chdir", _WORKDIR, "--", sys.executable, "-I", "-B", f"{_WIRE_DIR}/_code_child.py",
-                str(fds[0]), str(fds[1]), _WIRE_DIR]
-    return command + (["drop-root"] if drop_root else [])
+    command += ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/", "--chdir", _WORKDIR, "--",
+                sys.executable, "-I", "-B", "-S", f"{_WIRE_DIR}/_code_child.py"]
+    return command + _child_arguments(config, fds, _WIRE_DIR, drop_root)
+
+
+def _child_arguments(config: dict, fds: tuple[int, int], wire_dir: str, drop_root: bool) -> list[str]:
+    arguments = [str(fds[0]), str(fds[1]), wire_dir, os.pathsep.join(config["site_packages"])]
+    return arguments + (["drop-root"] if drop_root else [])
 
 
 def _ancestors(path: str) -> list[str]:
@@ -179,16 +188,19 @@ def _ancestors(path: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(2, len(parts))]
 
 
-def _private_root(libc, mount_point: str, owner: int) -> None:
+def _private_root(libc, prefixes: list[str], mount_point: str) -> None:
     """Build the private root on a tmpfs at `mount_point` (the caller's fresh temporary
-    directory, in this mount namespace only) and chroot into its working directory. Nothing of
-    the host is covered: every source stays where it is, so none can be unreachable (a 0700
-    ancestor, a venv under /tmp)."""
+    directory, in this mount namespace only) and chroot into its working directory. Its empty
+    tmpfs come first and the host's paths are bound after, into them where they lie below (a venv
+    under /tmp): nothing of the host is ever covered, so no source can become unreachable."""
     _mount(libc, "none", "/", None, _MS_REC | _MS_PRIVATE)
     os.umask(0o022)
     root = mount_point
     _mount(libc, "tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,mode=755")
-    for path in _runtime_paths():
+    for directory, mode in _TMPFS:
+        os.mkdir(root + directory)
+        _mount(libc, "tmpfs", root + directory, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={_TMPFS_BYTES},mode={mode}")
+    for path in _runtime_paths(prefixes):
         if os.path.islink(path):
             os.makedirs(os.path.dirname(root + path), exist_ok=True)
             os.symlink(os.readlink(path), root + path)
@@ -205,10 +217,6 @@ def _private_root(libc, mount_point: str, owner: int) -> None:
         _mount(libc, "proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     except OSError:
         pass  # refused where the host's /proc is partly masked (containers): no /proc inside then
-    for directory, mode, uid in (("/tmp", "1777", 0), (_WORKDIR, "700", owner)):
-        os.mkdir(root + directory)
-        _mount(libc, "tmpfs", root + directory, "tmpfs", _MS_NOSUID | _MS_NODEV,
-               f"size={_TMPFS_SIZE},mode={mode}" + (f",uid={uid},gid={uid}" if uid else ""))
     _mount(libc, None, root, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     os.chdir(root)
     os.chroot(".")
@@ -218,7 +226,7 @@ def _private_root(libc, mount_point: str, owner: int) -> None:
 def _bind(libc, source: str, target: str, read_only: bool) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.isdir(source):
-        os.mkdir(target)
+        os.makedirs(target, exist_ok=True)
     else:
         open(target, "w").close()
     _mount(libc, source, target, None, _MS_BIND | _MS_REC)
@@ -248,10 +256,9 @@ def _closed_ancestor(path: str) -> str | None:
     return None
 
 
-def _unreachable_dirs() -> list[str]:
+def _unreachable_dirs(prefixes: list[str]) -> list[str]:
     """Interpreter directories `nobody` cannot enter (without a private root, root stays root)."""
-    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)}
-    return [a for a in map(_closed_ancestor, prefixes) if a]
+    return [a for a in (_closed_ancestor(os.path.realpath(p)) for p in prefixes) if a]
 
 
 def _set_limits(config: dict) -> None:
@@ -286,6 +293,10 @@ class _Deadline:
         signal.setitimer(signal.ITIMER_REAL, 0)
         _kill(self.pid)  # its group: still a zombie, so the group id cannot have been reused
         return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
+
+def _alive(pid: int) -> bool:
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
 
 
 def _kill(pid: int) -> None:

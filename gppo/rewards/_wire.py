@@ -41,7 +41,7 @@ _SCALARS = {
 _SEQUENCES = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset", collections.deque: "deque"}
 _MAPPINGS = {dict: "dict", collections.Counter: "Counter", collections.OrderedDict: "OrderedDict"}
 _BUILD_SEQUENCE = {tag: cls for cls, tag in _SEQUENCES.items()} | {"iter": lambda items: iter(list(items))}
-_BUILD_MAPPING = {tag: cls for cls, tag in _MAPPINGS.items()}
+_BUILD_MAPPING = {tag: (lambda pairs, cls=cls: cls(dict(pairs))) for cls, tag in _MAPPINGS.items()}
 
 
 def tag(value, depth: int = 0, active: frozenset = frozenset()) -> list:

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -202,16 +203,25 @@ _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.
 
 
 @functools.lru_cache(maxsize=None)
-def _usable_bwrap() -> str | None:
-    """The `bwrap` executable if it is installed and can make namespaces here, else None."""
+def _isolation() -> tuple[str, str | None]:
+    """("bwrap", its path) where bubblewrap is installed and can make namespaces here, else
+    ("namespaces", None): the bootstrap sets them up itself, or falls back to "guard"."""
     path = shutil.which("bwrap")
-    if path is None:
-        return None
-    probe = [path, "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--", sys.executable, "-I", "-c", ""]
-    try:
-        return path if subprocess.run(probe, capture_output=True, timeout=30).returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    if path is not None:
+        probe = [path, "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--", sys.executable, "-I", "-c", ""]
+        try:
+            if subprocess.run(probe, capture_output=True, timeout=30).returncode == 0:
+                return "bwrap", path
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return "namespaces", None
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime() -> dict:
+    """This interpreter's prefixes and site-packages: what the sandbox shows of the host."""
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return {"prefixes": sorted(prefixes), "site_packages": [p for p in site.getsitepackages() if os.path.isdir(p)]}
 
 
 def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult:
@@ -220,11 +230,11 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
     try:
         if os.geteuid() == 0:
             os.chown(workdir, _NOBODY, _NOBODY)  # the program's directory where there is no private root
-        bwrap = _usable_bwrap()
+        isolation, bwrap = _isolation()
         config = {"source": code, "timeout_s": limits.timeout_s, "memory_mb": limits.memory_mb,
                   "max_output_bytes": limits.max_output_bytes, "max_processes": limits.max_processes,
                   "max_open_files": limits.max_open_files, "env": _ENV,
-                  "isolation": "bwrap" if bwrap else "namespaces", "bwrap": bwrap}
+                  "isolation": isolation, "bwrap": bwrap, **_runtime()}
         if isinstance(test, CallTest):  # the inputs only: the expected value stays here
             config.update(kind="call", fn_name=test.fn_name, args=test.args)
         elif isinstance(test, AssertTest):  # run by the bootstrap, never by the program's process
@@ -243,7 +253,7 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
             fds = (files["config"].fileno(), files["status"].fileno())
             start = time.monotonic()
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", _RUNNER, str(fds[0]), str(fds[1])],
+                [sys.executable, "-I", "-B", "-S", _RUNNER, str(fds[0]), str(fds[1])],
                 stdin=files["stdin"], stdout=files["stdout"], stderr=files["stderr"],
                 pass_fds=fds, cwd=workdir, env=_ENV, start_new_session=True,
             )
