@@ -621,11 +621,16 @@ SECRET_TESTS = {
 
 
 @pytest.fixture
-def data_set(tmp_path):
-    """A data set file on the host that holds the expected output."""
-    path = tmp_path / "expected_outputs.jsonl"
+def data_set():
+    """A data set file that holds the expected output, readable by every user, beside the tests
+    (where a clone keeps its data; pytest's tmp_path under /tmp was hidden even before)."""
+    directory = tempfile.mkdtemp(prefix="data-", dir=Path(__file__).parent)
+    os.chmod(directory, 0o755)
+    path = Path(directory) / "expected_outputs.jsonl"
     path.write_text(json.dumps({"input": "", "output": SECRET}) + "\n")
-    return str(path)
+    os.chmod(path, 0o644)
+    yield str(path)
+    shutil.rmtree(directory)
 
 
 @pytest.mark.parametrize("kind", SECRET_TESTS)
@@ -737,13 +742,14 @@ def test_values_outside_plain_data_score_zero(make, test):
 
 @pytest.mark.parametrize("program, test", [
     ("def f():\n    return 10 ** 20\n", CallTest("f", [], 10 ** 20 + 1)),
+    ("def f():\n    return float(10 ** 18)\n", CallTest("f", [], 10 ** 18 + 1)),
     ("def f():\n    return True\n", CallTest("f", [], 1)),
     ("def f():\n    return 1\n", CallTest("f", [], True)),
     ("def f():\n    return [True, 2]\n", CallTest("f", [], [1, 2])),
     ("def f():\n    return 10 ** 30\n", AssertTest("assert f() == 10 ** 30 + 1")),
     ("print(10 ** 20)", StdioTest("", str(10 ** 20 + 1))),
     ("print(True)", StdioTest("", "1")),
-], ids=["big-int-call", "True-for-1", "1-for-True", "True-in-list", "big-int-assert", "big-int-stdio", "True-stdio"])
+], ids=["big-int-call", "float-for-big-int", "True-for-1", "1-for-True", "True-in-list", "big-int-assert", "big-int-stdio", "True-stdio"])
 def test_near_misses_score_zero(program, test):
     assert run_test(program, test, FAST).status is CaseStatus.WRONG_ANSWER
 
@@ -751,10 +757,11 @@ def test_near_misses_score_zero(program, test):
 @pytest.mark.parametrize("got, expected, same", [
     (10 ** 20, 10 ** 20 + 1, False),
     (10 ** 20, 10 ** 20, True),
-    (2 ** 64 + 1, float(2 ** 64), True),  # a float on one side: the float tolerance
+    (2 ** 64 + 1, float(2 ** 64), True),  # an expected float: the float tolerance
+    (float(10 ** 18), 10 ** 18 + 1, False), (2.0, 2, True), (2.0000001, 2, False),  # an expected int: exact
     (10 ** 400, 1.0, False),  # too large for a float
     (True, 1, False), (1, True, False), (False, 0, False), (True, True, True),
-    (0.30000000000000004, 0.3, True), (0.3001, 0.3, False), (2.0, 2, True),
+    (0.30000000000000004, 0.3, True), (0.3001, 0.3, False), (2, 2.0000001, True),
     (float("nan"), float("nan"), False),
     ([1, (2, 3)], [1, [2, 3]], True), ((1, 2), [1, 2], True), ([1], [1, 2], False),
     ({1: "a", None: 2}, {"1": "a", "null": 2}, True), ({1: "a", "1": "b"}, {"1": "a"}, False),

@@ -410,14 +410,15 @@ def _same_number(a: str, b: str) -> bool:
 
 def _same_value(got: Any, expected: Any) -> bool:
     """A call's result (plain data, decoded here) against the expected value: a bool equals only
-    a bool; two ints are equal exactly; a float on either side matches within 1e-6 (absolute or
-    relative); a list or tuple matches a list or tuple item by item; dict keys compare as JSON
-    writes them (`1` matches `"1"`); anything else only with the same type and `==`."""
+    a bool; an expected int equals only the same number, exactly (an int, or a float such as
+    2.0 for 2); an expected float matches an int or float within 1e-6 (absolute or relative); a
+    list or tuple matches a list or tuple item by item; dict keys compare as JSON writes them
+    (`1` matches `"1"`); anything else only with the same type and `==`."""
     if isinstance(got, bool) or isinstance(expected, bool):
         return type(got) is bool and type(expected) is bool and got == expected
     if type(got) in (int, float) and type(expected) in (int, float):
-        if type(got) is int and type(expected) is int:
-            return got == expected
+        if type(expected) is int:
+            return got == expected  # exact, also for a float (Python compares int and float exactly)
         try:
             return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
         except OverflowError:  # an int too large for a float
