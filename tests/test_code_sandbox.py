@@ -720,8 +720,8 @@ EQUAL_TO_ANYTHING = {
     "UserList": "class X:\n    def __eq__(self, other):\n        return True\nvalue = collections.UserList([X()])",
     "ChainMap": "value = collections.ChainMap({1: 2})",
     "mappingproxy": "import types\nvalue = types.MappingProxyType({1: 2})",
-    "int-subclass": "class X(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\nvalue = X(0)",
-    "str-subclass": "class X(str):\n    def __eq__(self, other):\n        return True\n    __hash__ = str.__hash__\nvalue = X('')",
+    "int-subclass": "class X(int):\n    __eq__ = lambda self, other: True\n    __hash__ = int.__hash__\nvalue = X(0)",
+    "str-subclass": "class X(str):\n    __eq__ = lambda self, other: True\n    __hash__ = str.__hash__\nvalue = X('')",
     "dict-subclass": "class X(dict):\n    def __eq__(self, other):\n        return True\nvalue = X()",
     "namedtuple": "P = collections.namedtuple('P', 'x')\nP.__eq__ = lambda self, other: True\nvalue = P(0)",
     "IntEnum": "import enum\nvalue = enum.IntEnum('E', 'a b').b",
@@ -749,7 +749,8 @@ def test_values_outside_plain_data_score_zero(make, test):
     ("def f():\n    return 10 ** 30\n", AssertTest("assert f() == 10 ** 30 + 1")),
     ("print(10 ** 20)", StdioTest("", str(10 ** 20 + 1))),
     ("print(True)", StdioTest("", "1")),
-], ids=["big-int-call", "float-for-big-int", "True-for-1", "1-for-True", "True-in-list", "big-int-assert", "big-int-stdio", "True-stdio"])
+], ids=["big-int-call", "float-for-big-int", "True-for-1", "1-for-True", "True-in-list", "big-int-assert",
+        "big-int-stdio", "True-stdio"])
 def test_near_misses_score_zero(program, test):
     assert run_test(program, test, FAST).status is CaseStatus.WRONG_ANSWER
 
@@ -772,8 +773,8 @@ def test_call_results_compare_by_type(got, expected, same):
     assert sandbox._same_value(got, expected) is same
 
 
-PLAIN = [None, True, False, 0, -7, 10 ** 400, -(2 ** 100), 0.1, -0.0, float("inf"), 1e-310, complex(1, -2), "", "é\ud800",
-         b"\x00\xff", [1, [2]], (1, (2,)), {"a": [1], 2: None, (1, 2): 3}, {1, "a"}, frozenset({(1, 2)}),
+PLAIN = [None, True, False, 0, -7, 10 ** 400, -(2 ** 100), 0.1, -0.0, float("inf"), 1e-310, complex(1, -2), "",
+         "é\ud800", b"\x00\xff", [1, [2]], (1, (2,)), {"a": [1], 2: None, (1, 2): 3}, {1, "a"}, frozenset({(1, 2)}),
          collections.Counter("aab"), collections.OrderedDict([(2, 1), (1, 2)]), collections.deque([1, 2])]
 
 
@@ -794,8 +795,9 @@ def test_nan_and_iterators_cross():
 
 
 @pytest.mark.parametrize("node", [
-    "x", [], ["int"], ["int", 5], ["int", "zz"], ["bool", 1], ["str", 5], ["list", "ab"], ["dict", [[["list", []], ["none"]]]],
-    ["dict", [["none"]]], ["object", []], ["none", 1], ["float", "1e5x"], ["set", [["list", []]]],
+    "x", [], ["int"], ["int", 5], ["int", "zz"], ["bool", 1], ["str", 5], ["list", "ab"],
+    ["dict", [[["list", []], ["none"]]]], ["dict", [["none"]]], ["object", []], ["none", 1], ["float", "1e5x"],
+    ["set", [["list", []]]],
 ], ids=repr)
 def test_anything_else_is_not_plain_data(node):
     from gppo.rewards import _wire
@@ -807,7 +809,8 @@ def test_anything_else_is_not_plain_data(node):
 def test_a_stdio_verdict_is_the_output_and_the_exit_status():
     """No harness record vouches for a stdin/stdout program: its output and exit status 0 are its
     answer, however it ends (it cannot know the expected output)."""
-    for program in ("import os, sys\nprint(2)\nsys.stdout.flush()\nos._exit(0)\n", "import atexit\natexit.register(print, 2)\n"):
+    for program in ("import os, sys\nprint(2)\nsys.stdout.flush()\nos._exit(0)\n",
+                    "import atexit\natexit.register(print, 2)\n"):
         assert run_test(program, STDIO, FAST).status is CaseStatus.PASSED
     assert run_test("print(2)\nraise SystemExit(3)\n", STDIO, FAST).status is CaseStatus.RUNTIME_ERROR
 
@@ -842,11 +845,13 @@ def test_the_sandbox_starts_from_a_venv_in_a_private_directory(isolation, tmp_pa
         package_root = Path(sandbox.__file__).parents[2]
         script = (
             "import sys, types\n"
-            f"for name, path in (('gppo', {str(package_root / 'gppo')!r}), ('gppo.rewards', {sandbox._RUNNER.rsplit('/', 1)[0]!r})):\n"
+            f"for name, path in (('gppo', {str(package_root / 'gppo')!r}),\n"
+            f"                   ('gppo.rewards', {str(package_root / 'gppo' / 'rewards')!r})):\n"
             "    module = types.ModuleType(name)\n    module.__path__ = [path]\n    sys.modules[name] = module\n"
             "from gppo.rewards import code\n"
             f"if {isolation!r} == 'namespaces':\n    code._isolation = lambda: ('namespaces', None)\n"
-            "result = code.run_test('import sys\\nprint(sys.executable)', code.StdioTest('', sys.executable), code.Limits(timeout_s=5))\n"
+            "result = code.run_test('import sys\\nprint(sys.executable)', code.StdioTest('', sys.executable),\n"
+            "                       code.Limits(timeout_s=5))\n"
             "print(result.status.value, result.isolation, result.detail)\n"
         )
         out = subprocess.run([str(private / "venv/bin/python"), "-c", script], capture_output=True, text=True)

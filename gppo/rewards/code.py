@@ -242,7 +242,8 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
         else:
             config.update(kind="stdio")
         # No file has a name: nothing of the harness is on disk for a program to find.
-        files = {name: tempfile.TemporaryFile(dir=workdir) for name in ("stdin", "stdout", "stderr", "status", "config")}
+        files = {name: tempfile.TemporaryFile(dir=workdir)
+                 for name in ("stdin", "stdout", "stderr", "status", "config")}
         try:
             os.fchmod(files["stdin"].fileno(), 0o644)  # the program may reopen it (/dev/stdin)
             if isinstance(test, StdioTest):
