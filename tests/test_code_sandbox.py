@@ -533,7 +533,9 @@ def isolation(request, monkeypatch):
     if request.param == "namespaces":
         monkeypatch.setattr(sandbox, "_isolation", lambda: ("namespaces", None))
     if request.param not in _ISOLATION_WORKS:
-        _ISOLATION_WORKS[request.param] = run_test("print(1)", StdioTest("", "1"), FAST).isolation == request.param
+        probe = run_test("print(1)", StdioTest("", "1"), Limits(timeout_s=10))
+        assert probe.status is CaseStatus.PASSED, probe
+        _ISOLATION_WORKS[request.param] = probe.isolation == request.param
     if not _ISOLATION_WORKS[request.param]:
         pytest.skip(f"no {request.param} isolation on this machine (docs/sandbox.md: what is visible then)")
     return request.param
