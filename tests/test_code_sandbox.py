@@ -34,12 +34,12 @@ SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
 def sandbox_processes() -> set[int]:
-    """Live processes running the sandbox (bootstraps and the programs they forked)."""
-    marker = str(Path(sandbox._RUNNER).resolve()).encode()
+    """Live processes running the sandbox (bootstraps, bwrap and the programs' processes)."""
+    markers = (str(Path(sandbox._RUNNER).resolve()).encode(), b"_code_child.py")
     pids = set()
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and marker in Path(f"/proc/{entry}/cmdline").read_bytes():
+            if entry.isdigit() and any(m in Path(f"/proc/{entry}/cmdline").read_bytes() for m in markers):
                 pids.add(int(entry))
         except OSError:
             pass  # exited meanwhile
