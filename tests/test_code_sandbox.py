@@ -254,9 +254,8 @@ STDIO = StdioTest("1\n", "2\n")
 
 
 def assert_scores_zero(program: str, test) -> None:
-    result = run_test(program, test, FAST)
-    assert result.status is not CaseStatus.PASSED, result
-    assert score_code([f"```python\n{program}```"], [[test]], FAST)[0].reward == 0.0
+    scored = score_code([f"```python\n{program}```"], [[test]], FAST)[0]
+    assert scored.reward == 0.0 and scored.cases[0].status is not CaseStatus.PASSED, scored
 
 
 @pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, CALL], ids=["assert", "check", "call"])
