@@ -1,7 +1,13 @@
 """The code sandbox: limits, isolation, judging, the parallel pool, code extraction."""
 
+import collections
+import json
+import math
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -28,12 +34,12 @@ SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
 def sandbox_processes() -> set[int]:
-    """Live processes running the sandbox (bootstraps and the programs they forked)."""
-    marker = str(Path(sandbox._RUNNER).resolve()).encode()
+    """Live processes running the sandbox (bootstraps, bwrap and the programs' processes)."""
+    markers = (str(Path(sandbox._RUNNER).resolve()).encode(), b"_code_child.py")
     pids = set()
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and marker in Path(f"/proc/{entry}/cmdline").read_bytes():
+            if entry.isdigit() and any(m in Path(f"/proc/{entry}/cmdline").read_bytes() for m in markers):
                 pids.add(int(entry))
         except OSError:
             pass  # exited meanwhile
@@ -238,7 +244,7 @@ def test_extract_code(completion, expected):
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward hacking: a program must not score without its test running to the end
+# Reward hacking: a program must not score without passing its test
 
 WRONG = "def f(x):\n    return x\n"  # f(1) should be 2
 ASSERTS = AssertTest("assert f(1) == 2\nassert f(5) == 6\n")
@@ -248,9 +254,8 @@ STDIO = StdioTest("1\n", "2\n")
 
 
 def assert_scores_zero(program: str, test) -> None:
-    result = run_test(program, test, FAST)
-    assert result.status is not CaseStatus.PASSED, result
-    assert score_code([f"```python\n{program}```"], [[test]], FAST)[0].reward == 0.0
+    scored = score_code([f"```python\n{program}```"], [[test]], FAST)[0]
+    assert scored.reward == 0.0 and scored.cases[0].status is not CaseStatus.PASSED, scored
 
 
 @pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, CALL], ids=["assert", "check", "call"])
@@ -278,10 +283,10 @@ def test_system_exit_with_the_expected_output_scores_zero(program, test):
     assert_scores_zero(program, test)
 
 
-@pytest.mark.parametrize("crash", ["1 / 0", "import os\nos._exit(0)", "import os\nos._exit(1)", "import os\nos.abort()",
+@pytest.mark.parametrize("crash", ["1 / 0", "import os\nos._exit(1)", "import os\nos.abort()",
                                    "import functools\nsys.setrecursionlimit(1 << 30)\n"
                                    "g = functools.lru_cache(None)(lambda n: g(n + 1))\ng(0)"],
-                         ids=["exception", "os._exit(0)", "os._exit(1)", "abort", "stack-overflow"])
+                         ids=["exception", "os._exit(1)", "abort", "stack-overflow"])
 def test_printing_the_expected_output_then_crashing_scores_zero(crash):
     assert_scores_zero(f"import sys\nprint(2)\nsys.stdout.flush()\n{crash}\n", STDIO)
 
@@ -374,7 +379,7 @@ def test_legitimate_assert_programs_still_pass(program, test_code):
 @pytest.mark.parametrize("handler", ["atexit.register(os._exit, 0)", "atexit.register(print, 2)",
                                      "atexit.register(lambda: os.write(1, b'2\\n'))"],
                          ids=["os._exit", "print", "write"])
-@pytest.mark.parametrize("test", [ASSERTS, CALL, StdioTest("", "2")], ids=["assert", "call", "stdio"])
+@pytest.mark.parametrize("test", [ASSERTS, CALL], ids=["assert", "call"])
 def test_atexit_handlers_neither_end_nor_vouch_for_the_test(handler, test):
     assert_scores_zero(f"import atexit, os\n{handler}\n" + WRONG, test)
 
@@ -482,78 +487,6 @@ def test_hooks_a_program_installs_never_run():
     assert result.status is CaseStatus.PASSED, result.detail
 
 
-def test_the_tokens_cannot_be_found(monkeypatch):
-    """With the harness's tokens known to the test, a program searches everything it can reach."""
-    drawn = [os.urandom(16), os.urandom(16)]
-    tokens = iter(drawn)
-    monkeypatch.setattr(sandbox.secrets, "token_bytes", lambda n: next(tokens))
-    halves = [(t[:8].hex(), t[8:].hex()) for t in drawn]  # the program's source never holds a token
-    program = (
-        "import os, sys, types\n"
-        f"WANT = [bytes.fromhex(a + b) for a, b in {halves!r}]\n"
-        "WANT += [w.hex() for w in WANT]\n"
-        "mine, seen, found = {id(w) for w in WANT}, {}, []\n"
-        "def visit(obj, where, depth=0):\n"
-        "    if id(obj) in seen or id(obj) in mine or depth > 12:\n"
-        "        return\n"
-        "    seen[id(obj)] = obj  # kept alive, so that no other object gets its id\n"
-        "    if isinstance(obj, (bytes, bytearray, str)):\n"
-        "        if any(type(w) is type(obj) and w in obj for w in WANT):\n"
-        "            found.append(where)\n"
-        "        return\n"
-        "    children = []\n"
-        "    if isinstance(obj, dict):\n"
-        "        children = list(obj.items())\n"
-        "    elif isinstance(obj, (list, tuple, set, frozenset)):\n"
-        "        children = list(obj)\n"
-        "    elif isinstance(obj, types.FunctionType):\n"
-        "        children = [c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not c] + \\\n"
-        "                   [obj.__defaults__, obj.__kwdefaults__, obj.__globals__]\n"
-        "    elif isinstance(obj, types.MethodType):\n"
-        "        children = [obj.__func__, obj.__self__]\n"
-        "    elif hasattr(obj, '__dict__'):\n"
-        "        try:\n"
-        "            children = [vars(obj)]\n"
-        "        except TypeError:\n"
-        "            pass\n"
-        "    for child in children:\n"
-        "        visit(child, where, depth + 1)\n"
-        "for name, module in list(sys.modules.items()):\n"
-        "    visit(module, name)\n"
-        "visit(dict(os.environ), 'environ'); visit(sys.argv, 'argv'); visit(sys.__dict__, 'sys')\n"
-        "for fd in range(256):\n"
-        "    try:\n"
-        "        visit(os.pread(fd, 1 << 20, 0), f'fd {fd}')\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "for directory in ('.', '/tmp'):\n"
-        "    for name in os.listdir(directory):\n"
-        "        try:\n"
-        "            visit(open(os.path.join(directory, name), 'rb').read(), name)\n"
-        "        except OSError:\n"
-        "            pass\n"
-        "print('found in', found[:5]) if found else print('hidden')\n"
-    )
-    result = run_test(program, StdioTest("", "hidden"), Limits(timeout_s=10))
-    assert result.status is CaseStatus.PASSED, result.detail
-
-
-def test_the_verdict_needs_the_passed_token_and_exact_framing():
-    passed, failed = b"p" * 16, b"f" * 16
-    record = b'{"x": 1}' + (8).to_bytes(8, "big")
-    assert sandbox._verdict(record + passed, (passed, failed)) == (True, b'{"x": 1}')
-    assert sandbox._verdict(record + failed, (passed, failed)) == (False, b'{"x": 1}')
-    for data in (b"", record + b"q" * 16, b"junk" + record + passed, record + passed + b"junk", passed):
-        assert sandbox._verdict(data, (passed, failed)) == (None, b""), data
-
-
-def test_the_checked_line_is_the_workers_last():
-    from gppo.rewards import _code_runner as runner
-
-    lines = Path(runner.__file__).read_text().splitlines()
-    assert lines[runner._PASS_LINE - 1].strip().startswith("wake.release(); hold.acquire()")
-
-
 @pytest.mark.parametrize("program", [
     SUM + "exit()\nprint('not reached')\n",
     "import sys\n" + SUM + "sys.exit(0)\n",
@@ -579,3 +512,350 @@ def test_numpy_still_imports():
     program = "import numpy as np\nprint(int(np.array(input().split(), dtype=int).sum()))\n"
     result = run_test(program, StdioTest("2 3\n", "5\n"), Limits(timeout_s=10))
     assert result.status is CaseStatus.PASSED, result.detail
+
+
+# ---------------------------------------------------------------------------------------------
+# The verdict is decided outside the program's process, from outputs that cross by value
+
+SECRET = "gppo-secret-" + uuid.uuid4().hex  # an expected output no program could compute
+
+
+_ISOLATION_WORKS: dict = {}
+
+
+@pytest.fixture(params=["bwrap", "namespaces"])
+def isolation(request, monkeypatch):
+    """Run the test under bubblewrap (where it works here) and under the bootstrap's own
+    namespaces (the fallback, what a fresh machine without bwrap gets)."""
+    if request.param == "bwrap" and sandbox._isolation()[0] != "bwrap":
+        pytest.skip("bubblewrap is not installed or cannot make namespaces here")
+    if request.param == "namespaces":
+        monkeypatch.setattr(sandbox, "_isolation", lambda: ("namespaces", None))
+    if request.param not in _ISOLATION_WORKS:
+        probe = run_test("print(1)", StdioTest("", "1"), Limits(timeout_s=10))
+        assert probe.status is CaseStatus.PASSED, probe
+        _ISOLATION_WORKS[request.param] = probe.isolation == request.param
+    if not _ISOLATION_WORKS[request.param]:
+        pytest.skip(f"no {request.param} isolation on this machine (docs/sandbox.md: what is visible then)")
+    return request.param
+
+
+def hunter(data_file: str) -> str:
+    """A program that looks for an expected output everywhere it can: the harness's frames and
+    globals (after trying to switch off the audit hook through them), every descriptor, the
+    environment, and the files of the data set and of the usual directories."""
+    return f'''
+import gc, inspect, os, sys
+found = []
+def look(text):
+    if isinstance(text, bytes):
+        text = text.decode("latin-1")
+    if isinstance(text, str) and "gppo-secret-" in text:
+        start = text.index("gppo-secret-")
+        found.append(text[start:start + 44])
+def search(obj, depth=0, seen=set()):
+    if id(obj) in seen or depth > 5:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (str, bytes)):
+        return look(obj)
+    children = []
+    if isinstance(obj, dict):
+        children = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = list(obj)
+    elif hasattr(obj, "f_locals"):
+        children = [obj.f_locals, obj.f_globals, obj.f_back]
+    elif isinstance(obj, type(sys)):
+        children = [vars(obj)]
+    for child in children:
+        search(child, depth + 1)
+for module in list(sys.modules.values()):  # switch the audit hook off through its globals
+    for name in ("_REFUSED_EVENTS", "_FRAME_ATTRIBUTES", "_REFUSED_MODULES", "_PATH_EVENTS"):
+        if isinstance(getattr(module, name, None), (set, frozenset, dict)):
+            setattr(module, name, type(getattr(module, name))())
+routes = [lambda: sys._getframe(0), lambda: inspect.currentframe(), lambda: inspect.stack(),
+          lambda: gc.get_objects(), lambda: list(sys.modules.values()), lambda: dict(os.environ), lambda: sys.argv]
+for route in routes:
+    try:
+        search(route())
+    except Exception:
+        pass
+try:
+    1 / 0
+except ZeroDivisionError as error:
+    try:
+        search(error.__traceback__.tb_frame)
+    except Exception:
+        pass
+for fd in range(256):
+    try:
+        look(os.pread(fd, 1 << 20, 0))
+    except OSError:
+        pass
+paths = [{data_file!r}]
+for directory in ({os.path.dirname(data_file)!r}, "/tmp", "/work", os.path.expanduser("~"), "/", "."):
+    try:
+        paths += [os.path.join(directory, name) for name in os.listdir(directory)]
+    except OSError:
+        pass
+for path in paths:
+    try:
+        with open(path, "rb") as file:
+            look(file.read(1 << 20))
+    except Exception:
+        pass
+ANSWER = found[0] if found else "nothing found"
+def f(x):
+    return ANSWER
+if __name__ == "__main__":
+    print(ANSWER)
+'''
+
+
+SECRET_TESTS = {
+    "stdio": StdioTest("", SECRET),
+    "call": CallTest("f", [1], SECRET),
+    "assert": AssertTest(f"assert f(1) == {SECRET!r}"),
+    "check": AssertTest(f"def check(candidate):\n    assert candidate(1) == {SECRET!r}\n\ncheck(f)\n"),
+}
+
+
+@pytest.fixture
+def data_set():
+    """A data set file that holds the expected output, readable by every user, beside the tests
+    (where a clone keeps its data; pytest's tmp_path under /tmp was hidden even before)."""
+    directory = tempfile.mkdtemp(prefix="data-", dir=Path(__file__).parent)
+    os.chmod(directory, 0o755)
+    path = Path(directory) / "expected_outputs.jsonl"
+    path.write_text(json.dumps({"input": "", "output": SECRET}) + "\n")
+    os.chmod(path, 0o644)
+    yield str(path)
+    shutil.rmtree(directory)
+
+
+@pytest.mark.parametrize("kind", SECRET_TESTS)
+def test_the_expected_output_is_nowhere_the_program_can_read(kind, isolation, data_set):
+    result = run_test(hunter(data_set), SECRET_TESTS[kind], Limits(timeout_s=10))
+    assert result.status is CaseStatus.WRONG_ANSWER, result
+
+
+def test_the_hunter_finds_the_data_set_where_the_filesystem_is_visible(monkeypatch, data_set):
+    """The control for the test above: without a private root ("guard", docs/sandbox.md), the
+    same program reads the data set and prints the answer."""
+    monkeypatch.setattr(sandbox, "_isolation", lambda: ("guard", None))
+    result = run_test(hunter(data_set), SECRET_TESTS["stdio"], Limits(timeout_s=10))
+    assert result.status is CaseStatus.PASSED and result.isolation == "guard", result
+
+
+@pytest.mark.parametrize("attempt", [
+    "os.chdir(DATA)\nprint(open('expected_outputs.jsonl').read())",
+    "os.chdir(os.path.dirname(DATA))\nos.chdir(os.path.basename(DATA))",
+    "os.chdir('/proc/self')\nprint(open('environ').read())",
+    "os.chdir('/proc')\nprint(os.listdir('.'))",
+    "os.chdir('/')\nopen('escape', 'w').write(SECRET)\nprint(open('/escape').read())",
+], ids=["data-set", "data-set-relative", "proc-self", "proc-listing", "root"])
+def test_changing_directory_then_using_relative_paths_is_refused(attempt, isolation, data_set):
+    data_dir = os.path.dirname(data_set)
+    program = (f"import os\nDATA = {data_dir!r}\nSECRET = 'not the answer'\n"
+               f"try:\n    " + attempt.replace("\n", "\n    ") + "\n    print('reached')\n"
+               "except (OSError, ValueError) as e:\n    print('refused')\n")
+    result = run_test(program, StdioTest("", "refused"), FAST)
+    assert result.status is CaseStatus.PASSED, result
+
+
+def test_the_audit_hook_cannot_be_switched_off_through_the_harness_globals():
+    program = (
+        "import sys\n"
+        "for module in list(sys.modules.values()):\n"
+        "    for name in ('_REFUSED_EVENTS', '_FRAME_ATTRIBUTES', '_REFUSED_MODULES', '_PATH_EVENTS'):\n"
+        "        value = getattr(module, name, None)\n"
+        "        if isinstance(value, (set, dict)):\n"
+        "            value.clear()\n"
+        "        elif isinstance(value, frozenset):\n"
+        "            setattr(module, name, frozenset())\n"
+        "reached = []\n"
+        "for name, attempt in [('ctypes', 'import ctypes'), ('socket', 'import socket\\nsocket.socket()'),\n"
+        "                      ('process', 'import subprocess\\nsubprocess.run([\"true\"])'),\n"
+        "                      ('frames', 'sys._getframe(1)')]:\n"
+        "    try:\n"
+        "        exec(attempt)\n"
+        "        reached.append(name)\n"
+        "    except Exception:\n"
+        "        pass\n"
+        "print(reached)\n"
+    )
+    result = run_test(program, StdioTest("", "[]"), FAST)
+    assert result.status is CaseStatus.PASSED, result
+
+
+FORGER = (
+    "import json, os\n"
+    "def frame(message):\n"
+    "    data = json.dumps(message).encode()\n"
+    "    return len(data).to_bytes(8, 'big') + data\n"
+    "status = {'setup': {'isolation': 'bwrap'}, 'outcome': {'passed': True}, 'exit': {'code': 0, 'timed_out': False}}\n"
+    "forged = [frame({'names': {'f': None}}), frame({'value': ['int', hex(3)]}), frame({'passed': True}),\n"
+    "          (json.dumps(status) + '\\n').encode()]\n"
+    "for fd in range(3, 256):\n"
+    "    for record in forged:\n"
+    "        try:\n"
+    "            os.write(fd, record)\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "os._exit(0)\n"
+)
+
+
+@pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, CALL, STDIO], ids=["assert", "check", "call", "stdio"])
+def test_forged_replies_and_verdicts_score_zero(test):
+    """Verdict records and replies written to every descriptor, then an early exit. (A forged
+    reply is only an answer chosen in advance, as a program that returns a constant does: here
+    not the right one.)"""
+    assert run_test(FORGER, test, FAST).status is not CaseStatus.PASSED
+
+
+# containers and proxies whose items, or themselves, compare equal to anything
+EQUAL_TO_ANYTHING = {
+    "mock.ANY": "from unittest import mock\nvalue = mock.ANY",
+    "UserList": "class X:\n    def __eq__(self, other):\n        return True\nvalue = collections.UserList([X()])",
+    "ChainMap": "value = collections.ChainMap({1: 2})",
+    "mappingproxy": "import types\nvalue = types.MappingProxyType({1: 2})",
+    "int-subclass": "class X(int):\n    __eq__ = lambda self, other: True\n    __hash__ = int.__hash__\nvalue = X(0)",
+    "str-subclass": "class X(str):\n    __eq__ = lambda self, other: True\n    __hash__ = str.__hash__\nvalue = X('')",
+    "dict-subclass": "class X(dict):\n    def __eq__(self, other):\n        return True\nvalue = X()",
+    "namedtuple": "P = collections.namedtuple('P', 'x')\nP.__eq__ = lambda self, other: True\nvalue = P(0)",
+    "IntEnum": "import enum\nvalue = enum.IntEnum('E', 'a b').b",
+    "Decimal": "import decimal\nvalue = decimal.Decimal(2)",
+    "in-list": "from unittest import mock\nvalue = [mock.ANY]",
+    "in-set": "class X:\n    __eq__ = lambda self, other: True\n    __hash__ = lambda self: 0\nvalue = {X()}",
+    "in-dict-key": "class X:\n    __eq__ = lambda self, other: True\n    __hash__ = lambda self: 0\nvalue = {X(): 2}",
+}
+
+
+@pytest.mark.parametrize("test", [CallTest("f", [1], 2), AssertTest("assert f(1) == 2")], ids=["call", "assert"])
+@pytest.mark.parametrize("make", EQUAL_TO_ANYTHING.values(), ids=EQUAL_TO_ANYTHING.keys())
+def test_values_outside_plain_data_score_zero(make, test):
+    program = "import collections\n" + make + "\ndef f(x):\n    return value\n"
+    result = run_test(program, test, FAST)
+    assert result.status is CaseStatus.RUNTIME_ERROR and "not plain data" in result.detail, result
+
+
+@pytest.mark.parametrize("program, test", [
+    ("def f():\n    return 10 ** 20\n", CallTest("f", [], 10 ** 20 + 1)),
+    ("def f():\n    return float(10 ** 18)\n", CallTest("f", [], 10 ** 18 + 1)),
+    ("def f():\n    return True\n", CallTest("f", [], 1)),
+    ("def f():\n    return 1\n", CallTest("f", [], True)),
+    ("def f():\n    return [True, 2]\n", CallTest("f", [], [1, 2])),
+    ("def f():\n    return 10 ** 30\n", AssertTest("assert f() == 10 ** 30 + 1")),
+    ("print(10 ** 20)", StdioTest("", str(10 ** 20 + 1))),
+    ("print(True)", StdioTest("", "1")),
+], ids=["big-int-call", "float-for-big-int", "True-for-1", "1-for-True", "True-in-list", "big-int-assert",
+        "big-int-stdio", "True-stdio"])
+def test_near_misses_score_zero(program, test):
+    assert run_test(program, test, FAST).status is CaseStatus.WRONG_ANSWER
+
+
+@pytest.mark.parametrize("got, expected, same", [
+    (10 ** 20, 10 ** 20 + 1, False),
+    (10 ** 20, 10 ** 20, True),
+    (2 ** 64 + 1, float(2 ** 64), True),  # an expected float: the float tolerance
+    (float(10 ** 18), 10 ** 18 + 1, False), (2.0, 2, True), (2.0000001, 2, False),  # an expected int: exact
+    (10 ** 400, 1.0, False),  # too large for a float
+    (True, 1, False), (1, True, False), (False, 0, False), (True, True, True),
+    (0.30000000000000004, 0.3, True), (0.3001, 0.3, False), (2, 2.0000001, True),
+    (float("nan"), float("nan"), False),
+    ([1, (2, 3)], [1, [2, 3]], True), ((1, 2), [1, 2], True), ([1], [1, 2], False),
+    ({1: "a", None: 2}, {"1": "a", "null": 2}, True), ({1: "a", "1": "b"}, {"1": "a"}, False),
+    ({1, 2}, [1, 2], False), ({1, 2}, {2, 1}, True), ("1", 1, False), (None, None, True), (None, 0, False),
+    (b"x", "x", False),
+])
+def test_call_results_compare_by_type(got, expected, same):
+    assert sandbox._same_value(got, expected) is same
+
+
+PLAIN = [None, True, False, 0, -7, 10 ** 400, -(2 ** 100), 0.1, -0.0, float("inf"), 1e-310, complex(1, -2), "",
+         "é\ud800", b"\x00\xff", [1, [2]], (1, (2,)), {"a": [1], 2: None, (1, 2): 3}, {1, "a"}, frozenset({(1, 2)}),
+         collections.Counter("aab"), collections.OrderedDict([(2, 1), (1, 2)]), collections.deque([1, 2])]
+
+
+@pytest.mark.parametrize("value", PLAIN, ids=repr)
+def test_plain_data_crosses_by_value_exactly(value):
+    from gppo.rewards import _wire
+
+    back = _wire.untag(json.loads(json.dumps(_wire.tag(value))))
+    assert type(back) is type(value) and repr(back) == repr(value)
+
+
+def test_nan_and_iterators_cross():
+    from gppo.rewards import _wire
+
+    assert math.isnan(_wire.untag(_wire.tag(float("nan"))))
+    items = _wire.untag(_wire.tag(i * i for i in range(3)))
+    assert iter(items) is items and list(items) == [0, 1, 4]
+
+
+@pytest.mark.parametrize("node", [
+    "x", [], ["int"], ["int", 5], ["int", "zz"], ["bool", 1], ["str", 5], ["list", "ab"],
+    ["dict", [[["list", []], ["none"]]]], ["dict", [["none"]]], ["object", []], ["none", 1], ["float", "1e5x"],
+    ["set", [["list", []]]],
+], ids=repr)
+def test_anything_else_is_not_plain_data(node):
+    from gppo.rewards import _wire
+
+    with pytest.raises(_wire.NotPlain):
+        _wire.untag(node)
+
+
+def test_a_stdio_verdict_is_the_output_and_the_exit_status():
+    """No harness record vouches for a stdin/stdout program: its output and exit status 0 are its
+    answer, however it ends (it cannot know the expected output)."""
+    for program in ("import os, sys\nprint(2)\nsys.stdout.flush()\nos._exit(0)\n",
+                    "import atexit\natexit.register(print, 2)\n"):
+        assert run_test(program, STDIO, FAST).status is CaseStatus.PASSED
+    assert run_test("print(2)\nraise SystemExit(3)\n", STDIO, FAST).status is CaseStatus.RUNTIME_ERROR
+
+
+def test_assert_tests_run_outside_the_program_and_call_it_by_value():
+    """The test's names are the prelude's and the program's; a program's exception reaches the test
+    as the built-in of that name, so tests that expect an error still work."""
+    program = ("import sys\nLIMIT = 3\nclass Solution:\n    def f(self, x):\n        return x * LIMIT\n"
+               "def g(x):\n    if x < 0:\n        raise ValueError('negative')\n    return sys.version_info[0]\n")
+    test_code = ("import sys\nassert Solution().f(2) == 6 and LIMIT == 3\nassert g(1) == 3\n"
+                 "try:\n    g(-1)\n    assert False\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
+                 "assert 'solution' not in sys.modules and List[int] is not None\n")
+    result = run_test(program, AssertTest(test_code), FAST)
+    assert result.status is CaseStatus.PASSED, result
+
+
+def test_a_failed_call_fails_the_test_even_when_the_test_swallows_it():
+    program = "import os\ndef f(x):\n    os._exit(0)\n"
+    test_code = "try:\n    f(1)\nexcept BaseException:\n    pass\n"
+    result = run_test(program, AssertTest(test_code), FAST)
+    assert result.status is CaseStatus.RUNTIME_ERROR and "ended" in result.detail, result
+
+
+def test_the_sandbox_starts_from_a_venv_in_a_private_directory(isolation, tmp_path):
+    """The project cloned into a `mktemp -d` folder (mode 0700) with its venv there: the private
+    root must still show the interpreter (it once covered /tmp first, then could not reach the
+    folder: "mount tmpfs on /tmp/<folder>: No such file or directory")."""
+    private = Path(tempfile.mkdtemp())  # 0700, under /tmp
+    try:
+        assert os.stat(private).st_mode & 0o777 == 0o700
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(private / "venv")], check=True)
+        package_root = Path(sandbox.__file__).parents[2]
+        script = (
+            "import sys, types\n"
+            f"for name, path in (('gppo', {str(package_root / 'gppo')!r}),\n"
+            f"                   ('gppo.rewards', {str(package_root / 'gppo' / 'rewards')!r})):\n"
+            "    module = types.ModuleType(name)\n    module.__path__ = [path]\n    sys.modules[name] = module\n"
+            "from gppo.rewards import code\n"
+            f"if {isolation!r} == 'namespaces':\n    code._isolation = lambda: ('namespaces', None)\n"
+            "result = code.run_test('import sys\\nprint(sys.executable)', code.StdioTest('', sys.executable),\n"
+            "                       code.Limits(timeout_s=5))\n"
+            "print(result.status.value, result.isolation, result.detail)\n"
+        )
+        out = subprocess.run([str(private / "venv/bin/python"), "-c", script], capture_output=True, text=True)
+        assert out.stdout.split()[:2] == ["passed", isolation], out.stdout + out.stderr
+    finally:
+        shutil.rmtree(private)

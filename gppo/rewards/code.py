@@ -1,100 +1,32 @@
-"""Run untrusted Python programs against tests in a sandboxed subprocess.
+"""Run untrusted Python programs against tests in a sandbox; judge them outside its reach.
 
-Every test case runs in a fresh `python -I -B` process (`_code_runner.py` run as a script;
-isolated mode: no user site-packages, no PYTHON* variables, neither the script directory nor the
-current one on sys.path), started in a new private temporary directory that is deleted
-afterwards. That process is a trusted bootstrap: it isolates itself, forks the program process,
-enforces the wall clock, and kills and reaps every process the program left behind. Layers,
-strongest first:
-
-- Namespaces, where the kernel permits them (as root, or as any user where unprivileged user
-  namespaces are allowed): a new network namespace (only a loopback that is down: no network at
-  all), a mount namespace with empty private tmpfs on /tmp (the working directory), /var/tmp and
-  /dev/shm, whose contents vanish with the program, a PID namespace, so every process the
-  program started is killed when it ends, and its own /proc (where the kernel allows mounting
-  one), in which neither the caller nor the bootstrap appears.
-- No root: a program started as root runs as `nobody` (65534), because RLIMIT_NPROC never binds
-  root (no fork-bomb protection) and root may write anywhere. Interpreter directories `nobody`
-  cannot enter (e.g. a pyenv under /root) are bind-mounted back in place under an empty tmpfs
-  laid over the closed directory, which needs the mount namespace; without it, root stays root
-  when its interpreter is out of `nobody`'s reach, and only the wall clock stops a fork bomb.
-- `resource` limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE (bounds stdout and every
-  file written), RLIMIT_NOFILE, no core files; the wall clock is enforced by the bootstrap and, as
-  a backstop, by the caller, which kills the whole process group (`start_new_session=True`).
-- Always, a Python audit hook in the program's interpreter refuses creating sockets and resolving
-  host names, starting processes or executables, importing ctypes or other modules that reach
-  native code or processes unaudited, signalling processes, creating symbolic links, anything
-  under /proc, writing, renaming or deleting files outside the working directory, and every way
-  to the interpreter's frames, objects and control flow that it can see: `sys._getframe` (with
-  the ValueError the standard library expects where frames are missing, so namedtuple, Enum and
-  logging still work), traceback, generator and coroutine frames, `sys._current_frames`, the
-  garbage collector's object lists, tracing and profiling, new audit hooks, and replacing the
-  code of the harness's functions.
-
-Fallback: where namespaces are refused, that audit hook is the only network barrier. It is a
-guard against accidents, not a security boundary (a program with its own native code could get
-around it), and processes that leave the program's process group (setsid) can outlive it.
-
-Proof that the test ran to its end (reward hacking). A program that ends early (`sys.exit(0)`,
-`os._exit(0)`, a signal, a crash, killing its parent), or vouches for itself, must score 0. The
-caller draws two random 16-byte tokens, `passed` and `failed`, and sends them with the test
-through a descriptor that the bootstrap reads and closes before the program process exists; no
-file of the harness has a name (stdin, stdout, the test, the tokens and the results are unlinked
-temporary files). In the program process the main thread keeps the tokens in its local variables
-and never runs program code; a worker thread runs the program and then its test, and stops on
-the last line of its function, which it reaches only when the program and the test returned
-without an exception (call tests: the function returned a value; stdin/stdout tests: the program
-finished or called `sys.exit(0)`, then its threads finished). The main thread wakes, reads that
-frame's current line, and writes `payload, length, token` to the result file: the `passed` token
-only if the worker stands on that line. The caller accepts exactly that framing with one of its
-tokens; anything else (nothing written, other bytes before or after) is a runtime error. So a
-program that ends early leaves no token; one that writes to descriptors 3..255 cannot write a
-token it does not know, and spoils its own record; `atexit` handlers never run (the main thread
-ends with `os._exit`); killing the caller or the bootstrap is refused (and the caller's and the
-bootstrap's process are not in the program's PID namespace). Assert tests run in a fresh
-namespace with the program's names but with builtins and prelude names as they were before the
-program ran (shadowing or patching `builtins.abs`, `__import__`, `AssertionError` or `check`
-reaches only the program's own code); the program's functions are wrapped so that what they
-return must be plain data (built-in types, or classes loaded before the program ran, checked
-through lists, tuples, sets, dicts, deques, instance attributes and iterators), since an object
-of the program's own class could answer `==`, `-` or `bool()` as it likes; and the test fails if
-the program rebound an attribute of a module loaded before it ran (`math.isclose`), changed a
-class from such a module (`Counter.__eq__`) or replaced a module in `sys.modules`. Stdin/stdout
-outputs and call results are compared in the caller, out of reach.
-
-Threat model and its limits. The design holds against programs that stay within Python as the
-audit hook leaves it to them, on CPython 3.10-3.12 (there a frame's line cannot be moved but by
-a tracing function, and a frame's locals cannot be written from outside). It does not hold
-against native code, which could read the tokens from memory: CPython does not check bytecode (a
-hand-made code object, from `marshal` or `CodeType`), ctypes' pointer types read memory without
-an audit event (so ctypes is refused; numpy imports without it), and an interpreter bug would
-do. Within Python, an assert-style test necessarily runs inside the
-program's interpreter: a program could find the test's expected values through a route the hook
-misses; the check on returned values does not look inside objects of trusted classes other than
-the containers above (a numpy object array, a `slice`), nor at methods of the program's classes
-(`Solution().f()`), nor at arguments the program mutates in place; it rejects the program's own
-namedtuple, dataclass and Enum objects and classes from modules the program imported itself
-(`Fraction`); and a patch that the program undoes before the test ends (from another thread, a
-finalizer) is not seen. Programs that rely on `signal.signal` fail (it needs the main thread),
-and one that ends with `os._exit(0)` after printing the right answer fails too. Run untrusted
-code in a container or VM if more is at stake.
+Each test case runs in a fresh process, started by a trusted bootstrap (`_code_runner.py`) in a
+private root: the Python runtime read-only and an empty working directory, no network, its own
+process IDs, resource limits, not root (bubblewrap where installed, else namespaces set up by
+the bootstrap; without namespaces, on the host's filesystem). That process (`_code_child.py`)
+gets the program and the test's inputs only; outputs cross back as plain data by value
+(`_wire.py`) and are compared here, and assert-style tests run in the bootstrap, calling the
+program through that boundary. The design, what each layer stops and its limits (the threat
+model): docs/sandbox.md.
 
 Outputs of stdin/stdout tests are compared token by token (any run of whitespace separates
 tokens, so trailing spaces and newlines do not matter); two numeric tokens also match when they
 are equal as decimals or, if either has a fraction or exponent, within 1e-6 (absolute or
-relative). Problems needing a special checker (several valid answers) are not supported.
+relative). Call results: see `_same_value`. Problems needing a special checker (several valid
+answers) are not supported.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import os
 import re
-import secrets
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -104,6 +36,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from enum import Enum
 from typing import Any, Sequence, Union
+
+from gppo.rewards import _wire
 
 
 @dataclass(frozen=True)
@@ -146,7 +80,8 @@ class CaseStatus(str, Enum):
 
 @dataclass(frozen=True)
 class CaseResult:
-    """The outcome of one test case; `isolation` is "namespaces" or "guard" (see module doc)."""
+    """The outcome of one test case; `isolation` is "bwrap", "namespaces" or "guard" (see
+    docs/sandbox.md)."""
 
     status: CaseStatus
     detail: str = ""
@@ -159,7 +94,7 @@ class Limits:
     """Per-test-case limits. `timeout_s` bounds wall-clock time and, rounded up, CPU seconds;
     `memory_mb` is address space (RLIMIT_AS); `max_processes` (RLIMIT_NPROC) counts the processes
     and threads of the user the program runs as, so programs running at the same time share it
-    (each holds two: the harness's thread and the one running the program)."""
+    (each holds one to start with)."""
 
     timeout_s: float = 6.0
     memory_mb: int = 1024
@@ -265,7 +200,28 @@ _GRACE_S = 5.0  # the caller's backstop beyond the bootstrap's own wall clock
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
         # numeric libraries would otherwise start a thread per core, against RLIMIT_NPROC
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-_TOKEN_BYTES = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _isolation() -> tuple[str, str | None]:
+    """("bwrap", its path) where bubblewrap is installed and can make namespaces here, else
+    ("namespaces", None): the bootstrap sets them up itself, or falls back to "guard"."""
+    path = shutil.which("bwrap")
+    if path is not None:
+        probe = [path, "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "--", sys.executable, "-I", "-c", ""]
+        try:
+            if subprocess.run(probe, capture_output=True, timeout=30).returncode == 0:
+                return "bwrap", path
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return "namespaces", None
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime() -> dict:
+    """This interpreter's prefixes and site-packages: what the sandbox shows of the host."""
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return {"prefixes": sorted(prefixes), "site_packages": [p for p in site.getsitepackages() if os.path.isdir(p)]}
 
 
 def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult:
@@ -273,35 +229,34 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
     workdir = tempfile.mkdtemp(prefix="gppo-sandbox-")
     try:
         if os.geteuid() == 0:
-            os.chown(workdir, _NOBODY, _NOBODY)  # writable by the program once it drops root
-        tokens = secrets.token_bytes(_TOKEN_BYTES), secrets.token_bytes(_TOKEN_BYTES)
+            os.chown(workdir, _NOBODY, _NOBODY)  # the program's directory where there is no private root
+        isolation, bwrap = _isolation()
         config = {"source": code, "timeout_s": limits.timeout_s, "memory_mb": limits.memory_mb,
                   "max_output_bytes": limits.max_output_bytes, "max_processes": limits.max_processes,
-                  "max_open_files": limits.max_open_files,
-                  "passed_token": tokens[0].hex(), "failed_token": tokens[1].hex()}
-        if isinstance(test, CallTest):
+                  "max_open_files": limits.max_open_files, "env": _ENV,
+                  "isolation": isolation, "bwrap": bwrap, **_runtime()}
+        if isinstance(test, CallTest):  # the inputs only: the expected value stays here
             config.update(kind="call", fn_name=test.fn_name, args=test.args)
-        elif isinstance(test, AssertTest):
+        elif isinstance(test, AssertTest):  # run by the bootstrap, never by the program's process
             config.update(kind="assert", test_code=test.code)
         else:
             config.update(kind="stdio")
-        # No file has a name: the program finds neither its test nor the tokens on disk.
+        # No file has a name: nothing of the harness is on disk for a program to find.
         files = {name: tempfile.TemporaryFile(dir=workdir)
-                 for name in ("stdin", "stdout", "stderr", "status", "config", "done")}
+                 for name in ("stdin", "stdout", "stderr", "status", "config")}
         try:
-            config["done_fd"] = files["done"].fileno()
             os.fchmod(files["stdin"].fileno(), 0o644)  # the program may reopen it (/dev/stdin)
             if isinstance(test, StdioTest):
                 files["stdin"].write(test.input.encode())
                 files["stdin"].seek(0)
             files["config"].write(json.dumps(config).encode())
             files["config"].seek(0)
-            fds = (files["config"].fileno(), files["status"].fileno(), config["done_fd"])
+            fds = (files["config"].fileno(), files["status"].fileno())
             start = time.monotonic()
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", _RUNNER, str(fds[0]), str(fds[1])],
+                [sys.executable, "-I", "-B", "-S", _RUNNER, str(fds[0]), str(fds[1])],
                 stdin=files["stdin"], stdout=files["stdout"], stderr=files["stderr"],
-                pass_fds=fds, cwd=workdir, env={**_ENV, "HOME": workdir}, start_new_session=True,
+                pass_fds=fds, cwd=workdir, env=_ENV, start_new_session=True,
             )
             try:
                 proc.wait(timeout=limits.timeout_s + _GRACE_S)
@@ -311,7 +266,7 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
                 proc.wait()
                 killed = True
             elapsed = time.monotonic() - start
-            return _judge(test, files, tokens, limits, killed, elapsed)
+            return _judge(test, files, limits, killed, elapsed)
         finally:
             for f in files.values():
                 f.close()
@@ -374,11 +329,11 @@ def score_code(completions: Sequence[str], tests: Sequence[Sequence[CodeTest]],
     return results
 
 
-def _judge(test: CodeTest, files: dict, tokens: tuple[bytes, bytes], limits: Limits,
-           killed: bool, elapsed: float) -> CaseResult:
+def _judge(test: CodeTest, files: dict, limits: Limits, killed: bool, elapsed: float) -> CaseResult:
+    """The verdict, from what only the bootstrap writes (the status file) and the program's output."""
     files["status"].seek(0)
     info: dict = {}
-    for line in files["status"].read().splitlines():  # written by the sandbox only
+    for line in files["status"].read().splitlines():
         try:
             info.update(json.loads(line))
         except ValueError:
@@ -393,61 +348,46 @@ def _judge(test: CodeTest, files: dict, tokens: tuple[bytes, bytes], limits: Lim
         return files["stderr"].read()[-2000:].decode(errors="replace")
 
     stdout_size = os.fstat(files["stdout"].fileno()).st_size
-    exit_info = info.get("exit")
+    exit_info, outcome = info.get("exit"), info.get("outcome")
     if killed or (exit_info and exit_info["timed_out"]):
         return result(CaseStatus.TIMEOUT, f"wall-clock limit of {limits.timeout_s:g} s")
     if stdout_size > limits.max_output_bytes:
         return result(CaseStatus.OUTPUT_LIMIT, f"more than {limits.max_output_bytes} bytes of output")
     if exit_info is None or "setup" not in info:  # the sandbox failed before the program ran
         raise SandboxError(f"the sandbox could not start the program: {stderr_tail()}")
-    files["done"].seek(0)
-    passed, payload = _verdict(files["done"].read(limits.max_output_bytes + 1), tokens)
-    if passed is None:
-        if exit_info["code"] in (-signal.SIGKILL, -signal.SIGXCPU):
-            return result(CaseStatus.TIMEOUT, f"CPU time limit of {math.ceil(limits.timeout_s)} s")
-        return result(CaseStatus.RUNTIME_ERROR,
-                      f"the program ended before its test finished (exit status {exit_info['code']}): "
-                      f"{stderr_tail()[-300:]}")
-    if not passed:
-        try:
-            failure = json.loads(payload)
-            error, message = str(failure["error"]), str(failure["message"])
-        except (ValueError, TypeError, KeyError):
-            error, message = "unknown", "the program failed"
-        if error == "MemoryError":
-            return result(CaseStatus.MEMORY, f"memory limit of {limits.memory_mb} MB")
-        failed_assert = isinstance(test, AssertTest) and error == "AssertionError"
-        status = CaseStatus.WRONG_ANSWER if failed_assert else CaseStatus.RUNTIME_ERROR
-        return result(status, f"{error}: {message}")
     if isinstance(test, StdioTest):
+        if exit_info["code"] != 0:
+            return _failure(result, "", stderr_tail(), exit_info["code"], limits)
         files["stdout"].seek(0)
         got = files["stdout"].read(limits.max_output_bytes).decode(errors="replace")
         if _same_stdout(got, test.output):
             return result(CaseStatus.PASSED)
         return result(CaseStatus.WRONG_ANSWER, f"expected {test.output[:100]!r}, got {got[:100]!r}")
-    if isinstance(test, CallTest):
-        try:
-            value = json.loads(payload)
-        except ValueError:
-            return result(CaseStatus.RUNTIME_ERROR, "the returned value could not be read")
-        if _same_value(value, test.expected):
-            return result(CaseStatus.PASSED)
-        return result(CaseStatus.WRONG_ANSWER,
-                      f"expected {str(test.expected)[:100]}, got {str(value)[:100]}")
-    return result(CaseStatus.PASSED)
+    if not isinstance(outcome, dict) or "error" in outcome:
+        error = outcome if isinstance(outcome, dict) else {}
+        message = f"{error.get('error', 'ProgramFailure')}: {error.get('message', 'no outcome')}"
+        if isinstance(test, AssertTest) and error.get("error") == "AssertionError":
+            return result(CaseStatus.WRONG_ANSWER, message)
+        return _failure(result, message, stderr_tail(), exit_info["code"], limits)
+    if isinstance(test, AssertTest):
+        return result(CaseStatus.PASSED) if outcome.get("passed") is True else result(CaseStatus.RUNTIME_ERROR)
+    try:
+        value = _wire.untag(outcome.get("value"))
+    except _wire.NotPlain as e:
+        return result(CaseStatus.RUNTIME_ERROR, f"the returned value could not be read: {e}")
+    if _same_value(value, test.expected):
+        return result(CaseStatus.PASSED)
+    return result(CaseStatus.WRONG_ANSWER, f"expected {str(test.expected)[:100]}, got {str(value)[:100]}")
 
 
-def _verdict(data: bytes, tokens: tuple[bytes, bytes]) -> tuple[bool | None, bytes]:
-    """Read `payload, len(payload) as 8 bytes, token`, the harness's last word: whether the test
-    ran to its end (the `passed` token), did not (`failed`), or None when the record is missing
-    or malformed (the program ended first, or wrote to the descriptor itself)."""
-    n = _TOKEN_BYTES
-    if len(data) < n + 8 or data[-n:] not in tokens:
-        return None, b""
-    size = int.from_bytes(data[-n - 8:-n], "big")
-    if len(data) != size + n + 8:
-        return None, b""
-    return data[-n:] == tokens[0], data[:size]
+def _failure(result, message: str, stderr: str, exit_code: int, limits: Limits) -> CaseResult:
+    """A program that failed: out of memory, out of CPU time, or any other error."""
+    last_line = stderr.strip().rsplit("\n", 1)[-1]
+    if message.startswith("MemoryError") or last_line.startswith("MemoryError"):
+        return result(CaseStatus.MEMORY, f"memory limit of {limits.memory_mb} MB")
+    if exit_code in (-signal.SIGKILL, -signal.SIGXCPU):
+        return result(CaseStatus.TIMEOUT, f"CPU time limit of {math.ceil(limits.timeout_s)} s")
+    return result(CaseStatus.RUNTIME_ERROR, message or f"exit status {exit_code}: {stderr[-300:]}")
 
 
 def _same_stdout(got: str, expected: str) -> bool:
@@ -470,13 +410,32 @@ def _same_number(a: str, b: str) -> bool:
 
 
 def _same_value(got: Any, expected: Any) -> bool:
-    if isinstance(got, list) and isinstance(expected, list):
-        return len(got) == len(expected) and all(map(_same_value, got, expected))
-    if isinstance(got, dict) and isinstance(expected, dict):
-        return got.keys() == expected.keys() and all(_same_value(got[k], expected[k]) for k in got)
-    numbers = (int, float)
-    if (isinstance(got, numbers) and isinstance(expected, numbers) and
-            not isinstance(got, bool) and not isinstance(expected, bool) and
-            (isinstance(got, float) or isinstance(expected, float))):
-        return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
-    return got == expected
+    """A call's result (plain data, decoded here) against the expected value: a bool equals only
+    a bool; an expected int equals only the same number, exactly (an int, or a float such as
+    2.0 for 2); an expected float matches an int or float within 1e-6 (absolute or relative); a
+    list or tuple matches a list or tuple item by item; dict keys compare as JSON writes them
+    (`1` matches `"1"`); anything else only with the same type and `==`."""
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return type(got) is bool and type(expected) is bool and got == expected
+    if type(got) in (int, float) and type(expected) in (int, float):
+        if type(expected) is int:
+            return got == expected  # exact, also for a float (Python compares int and float exactly)
+        try:
+            return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
+        except OverflowError:  # an int too large for a float
+            return False
+    if isinstance(expected, (list, tuple)):
+        return (type(got) in (list, tuple) and len(got) == len(expected) and
+                all(map(_same_value, got, expected)))
+    if isinstance(expected, dict):
+        if not isinstance(got, dict):
+            return False
+        got_keys = {_json_key(k): k for k in got}
+        expected_keys = {_json_key(k): k for k in expected}
+        return (len(got_keys) == len(got) and got_keys.keys() == expected_keys.keys() and
+                all(_same_value(got[got_keys[k]], expected[expected_keys[k]]) for k in got_keys))
+    return type(got) is type(expected) and got == expected
+
+
+def _json_key(key: Any) -> Any:
+    return key if type(key) is str else json.dumps(key) if type(key) in (bool, int, float, type(None)) else key
