@@ -148,7 +148,7 @@ def test_workers_of_a_killed_sweep_exit(tmp_path):
     assert not running(), "the pool worker outlived its killed sweep"
 
 
-def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
+def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
     out = tmp_path / "sweep"
     grid = ["--divergences", "tv", "kl", "--estimators", "binary", "topk", "--seeds", "0", "1", "--delta", "0.15"]
     base = {"model": str(micro_model), "steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6,
@@ -163,6 +163,10 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
 
     assert main(["sweep", "--model", str(micro_model), "--out", str(out), "--workers", "1", "--target", "0.5",
                  *grid, *MICRO_RUN]) == 0
+    printed = capsys.readouterr().out  # piped: one line per finished run, and where everything went
+    assert [line.split()[1] for line in printed.splitlines() if line.startswith("sweep: ") and " runs, last " in line] \
+        == [f"{i}/8" for i in range(1, 9)]
+    assert f"results in {out}/: sweep.md, sweep.csv, contrasts.csv, curves.png, heatmap.png" in printed
     after = (interrupted.run_dir() / "metrics.jsonl").read_text().splitlines()
     assert after[:2] == before and len(after) == 3  # steps 0 and 1 kept, step 2 trained on resume
     assert "resumed" in (interrupted.run_dir() / "console.log").read_text()
