@@ -23,8 +23,8 @@ tokens where mu is tiny, so their mean can reach 1e17 while their median stays s
 shown.
 
 Memory: the exact divergences need mu's and pi's full-vocabulary distributions in float64; they
-are computed a few sequences at a time (`chunk_rows`: about `CHUNK_BYTES` per pass), and the
-optimizer state is freed after the update, so that SmolLM2-135M at the default sizes stays under
+are computed a few sequences at a time (`chunk_rows`: about `CHUNK_BYTES` per pass), mu's weights
+wait in a temporary file during the update, and the optimizer state is freed after it, so that SmolLM2-135M at the default sizes stays under
 about 4 GB. The probe evaluates nothing: with --data and no --eval_data, --data itself stands in
 for the held-out split (one record, never used), so a small file works.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,10 +194,13 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
                          "use a model that solves some problems (the embedded warm start), more prompts "
                          "(--prompts_per_step) or a graded reward (--reward_funcs)")
     rollout = trainer.prepare(rollout)
-    mu_model = copy.deepcopy(trainer.model)
-    update = trainer.update(rollout)
-    trainer.optimizer.state.clear()  # AdamW's two moments (twice the weights) are not needed any more
-    trainer.model.zero_grad(set_to_none=True)
+    with tempfile.TemporaryDirectory() as scratch:  # mu's weights wait on disk while the update holds AdamW's state
+        torch.save(trainer.model.state_dict(), Path(scratch) / "mu.pt")
+        update = trainer.update(rollout)
+        trainer.optimizer.state.clear()  # AdamW's two moments (twice the weights) are not needed any more
+        trainer.model.zero_grad(set_to_none=True)
+        mu_model = copy.deepcopy(trainer.model)
+        mu_model.load_state_dict(torch.load(Path(scratch) / "mu.pt", mmap=True))
     loss_config = config.gppo_config()
     tokens = token_values(mu_model, trainer.model, rollout, config.temperature, divergences, loss_config, mass_ks)
     rows = faithfulness(tokens, delta, loss_config.alpha)
