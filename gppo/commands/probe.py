@@ -24,8 +24,8 @@ shown.
 
 Memory: the exact divergences need mu's and pi's full-vocabulary distributions in float64; they
 are computed a few sequences at a time (`chunk_rows`: about `CHUNK_BYTES` per pass), mu's weights
-wait in a temporary file during the update, and the optimizer state is freed after it, so that SmolLM2-135M at the default sizes stays under
-about 4 GB. The probe evaluates nothing: with --data and no --eval_data, --data itself stands in
+wait in a temporary file during the update, and the optimizer state is freed after it, so that
+SmolLM2-135M at the default sizes stays under about 4 GB. The probe evaluates nothing: with --data and no --eval_data, --data itself stands in
 for the held-out split (one record, never used), so a small file works.
 """
 
@@ -221,8 +221,9 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
                f"(masked fraction {update.get('loss/masked_frac', math.nan):.3f}, rollout accuracy "
                f"{rollout_stats['rollout/accuracy']:.3f}); decisions at radii matched to TV delta={delta:g} at q=0.5. "
                f"Update size: mean exact TV(pi, mu) per token {size['tv_mean']:.3g}, |log pi(a)/mu(a)| of the sampled "
-               f"tokens median {size['logratio_median']:.3g}, max {size['logratio_max']:.3g} (one step of lr "
-               f"{config.lr:g}; unbounded divergences such as chi2 read huge on tokens where mu is tiny: see the medians)")
+               f"tokens median {size['logratio_median']:.3g}, max {size['logratio_max']:.3g} (lr {config.lr:g}, far above a "
+               f"training step's on purpose: lower --lr for a smaller one; unbounded divergences such as chi2 read "
+               f"huge on tokens where mu is tiny: compare the exact medians)")
     mass_table = markdown_table(["K", *map(str, mass_ks)],
                                 [["mu-mass of mu's top-K", *(f"{v:.4f}" for v in mass.values())]])
     share_table = markdown_table(["bucket of mu(a)", *Q_BUCKETS],
