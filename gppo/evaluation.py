@@ -2,13 +2,25 @@
 
 Protocol: n samples per problem, by default at temperature 0.6 and top-p
 0.95. avg@n is the accuracy over the n samples, averaged over problems; pass@k is the unbiased
-estimator 1 - C(n-c, k) / C(n, k) (c correct samples out of n), for k in {1, 2, 4, ..., n}.
+estimator 1 - C(n-c, k) / C(n, k) (c correct samples out of n), for k in {1, 2, 4, ..., n}; SE is
+the standard error of avg@n over problems (sample standard deviation / sqrt(problems), as
+lm-evaluation-harness reports it).
+
+Two extractions of a math answer: strict, the format the prompt asks for (the last \\boxed{},
+else "the answer is" / "####", judged by math-verify: `gppo.rewards.math`), and, for benchmarks
+whose field protocol has it (GSM8K: lm-evaluation-harness's `flexible-extract`), flexible: the
+last number in the completion (`flexible_answer`), compared as a number with the reference.
+Both are reported side by side.
+
+Progress moves per completion with the token throughput: a live bar in a terminal, a plain line
+every 30 s when the output is piped.
 
 Files written to `out_dir`:
 - `<benchmark>.jsonl`: one record per problem, appended and flushed as soon as the problem is
   scored, so a crash loses at most the batch being generated. A rerun skips the problems already
   there (and retries those whose scoring failed); a truncated last line is dropped.
-- `summary.md` and `summary.csv`: one row per benchmark (also printed as a table).
+- `summary.md` and `summary.csv`: one row per benchmark (also printed as a table, followed by the
+  output directory).
 """
 
 from __future__ import annotations
@@ -17,14 +29,18 @@ import csv
 import json
 import math
 import os
+import re
+import statistics
+import time
 from dataclasses import dataclass, field, replace
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gppo.data.benchmarks import BenchmarkProblem, get_benchmark, load_benchmark
+from gppo.data.benchmarks import Benchmark, BenchmarkProblem, get_benchmark, load_benchmark
 from gppo.data.loaders import RowError
 from gppo.prompts import PromptBuilder
 from gppo.rewards.code import Limits, score_code
@@ -49,6 +65,33 @@ def avg_at_k(scores: Sequence[Sequence[float]]) -> float:
     return sum(sum(s) / len(s) for s in scores) / len(scores)
 
 
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean: sample standard deviation (n - 1) / sqrt(n); NaN below 2 values."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
+# lm-evaluation-harness's GSM8K flexible-extract pattern; its last match is the answer.
+_NUMBER = re.compile(r"-?[$0-9.,]{2,}|-?[0-9]+")
+
+
+def flexible_answer(text: str) -> str | None:
+    """The last number in `text`, read as lm-evaluation-harness's GSM8K `flexible-extract` does
+    (last match of `-?[$0-9.,]{2,}|-?[0-9]+`, then ',' and '$' and a final '.' dropped), except
+    that a match without a digit ('...') is skipped. None when there is no number."""
+    for match in reversed(_NUMBER.findall(text)):
+        if any(c.isdigit() for c in match):
+            return match.replace(",", "").replace("$", "").removesuffix(".")
+    return None
+
+
+def same_number(answer: str | None, reference: str) -> bool:
+    """True when both read as decimal numbers and are equal (18.00 == 18); False otherwise."""
+    try:
+        return answer is not None and Decimal(answer) == Decimal(reference.replace(",", "").strip())
+    except InvalidOperation:
+        return False
+
+
 def k_values(n: int) -> list[int]:
     """1, 2, 4, ... up to n, and n itself."""
     ks = [2**i for i in range(n.bit_length()) if 2**i <= n]
@@ -62,10 +105,13 @@ class BenchmarkSummary:
     benchmark: str
     problems: int
     n: int
-    avg: float  # avg@n
+    avg: float  # avg@n, strict extraction
     pass_at: dict[int, float]
     failed: int = 0
     row_errors: list[RowError] = field(default_factory=list)
+    avg_se: float = math.nan  # standard error of avg@n over problems
+    flexible: float | None = None  # avg@n of the flexible extraction (benchmarks that have one)
+    flexible_se: float | None = None
 
 
 def evaluate(
@@ -118,41 +164,101 @@ def evaluate(
     out.mkdir(parents=True, exist_ok=True)
 
     summaries = []
-    with Progress(console=console, disable=not progress) as bar:
-        for bench, data in zip(specs, loaded):
-            for error in data.errors[:5]:
-                console.print(f"[yellow]skipped[/yellow] {error}")
-            if len(data.errors) > 5:
-                console.print(f"[yellow]skipped[/yellow] {len(data.errors) - 5} more rows of {bench.name}")
-            params = SamplingParams(
-                temperature=bench.temperature if temperature is None else temperature,
-                top_p=bench.top_p if top_p is None else top_p,
-                max_new_tokens=bench.max_tokens if max_tokens is None else max_tokens,
-                n=bench.n if n is None else n,
-                seed=seed,
-            )
-            path = out / f"{bench.name}.jsonl"
-            done = _read_results(path, _sampling(params, prompts))
-            todo = [p for p in data.records if p.id not in done]
-            task = bar.add_task(bench.name, total=len(data.records), completed=len(data.records) - len(todo))
-            with path.open("a", encoding="utf-8") as sink:
-                for start in range(0, len(todo), batch_size):
-                    chunk = todo[start:start + batch_size]
-                    chunk_params = params if seed is None else replace(params, seed=seed + start)
-                    texts = [prompts(p.prompt) if prompts else p.prompt for p in chunk]
-                    generations = engine.generate(texts, chunk_params)
-                    for problem, gens in zip(chunk, _by_prompt(generations, len(chunk))):
-                        record = _score(bench.kind, problem, gens, _sampling(params, prompts), code_limits,
-                                        math_timeout_s)
-                        sink.write(json.dumps(record) + "\n")
-                        sink.flush()
-                        os.fsync(sink.fileno())
-                        done[problem.id] = record
-                        bar.advance(task)
-            records = [done[p.id] for p in data.records if p.id in done]
-            summaries.append(_summarize(bench.name, params.n, records, data.errors))
+    for bench, data in zip(specs, loaded):
+        for error in data.errors[:5]:
+            console.print(f"[yellow]skipped[/yellow] {error}")
+        if len(data.errors) > 5:
+            console.print(f"[yellow]skipped[/yellow] {len(data.errors) - 5} more rows of {bench.name}")
+        params = SamplingParams(
+            temperature=bench.temperature if temperature is None else temperature,
+            top_p=bench.top_p if top_p is None else top_p,
+            max_new_tokens=bench.max_tokens if max_tokens is None else max_tokens,
+            n=bench.n if n is None else n,
+            seed=seed,
+        )
+        path = out / f"{bench.name}.jsonl"
+        done = _read_results(path, _sampling(params, prompts))
+        todo = [p for p in data.records if p.id not in done]
+        with CompletionProgress(console, bench.name, params.n * len(data.records),
+                                params.n * (len(data.records) - len(todo)), progress) as bar, \
+                path.open("a", encoding="utf-8") as sink:
+            for start in range(0, len(todo), batch_size):
+                chunk = todo[start:start + batch_size]
+                chunk_params = replace(params, seed=None if seed is None else seed + start, on_step=bar.on_step)
+                texts = [prompts(p.prompt) if prompts else p.prompt for p in chunk]
+                generations = engine.generate(texts, chunk_params)
+                bar.batch_done(len(generations), sum(len(g.completion_ids) for g in generations))
+                for problem, gens in zip(chunk, _by_prompt(generations, len(chunk))):
+                    record = _score(bench, problem, gens, _sampling(params, prompts), code_limits, math_timeout_s)
+                    sink.write(json.dumps(record) + "\n")
+                    sink.flush()
+                    os.fsync(sink.fileno())
+                    done[problem.id] = record
+        records = [done[p.id] for p in data.records if p.id in done]
+        summaries.append(_summarize(bench, params.n, records, data.errors))
     _write_summaries(summaries, out, console)
+    console.print(f"results in {out}/: summary.md, summary.csv, and one <benchmark>.jsonl of per-problem "
+                  "completions and verdicts", soft_wrap=True)
     return summaries
+
+
+class CompletionProgress:
+    """Completions done out of `total`, and generated tokens per second, for one benchmark.
+
+    `on_step` (a `SamplingParams.on_step`) moves it per decoding step; `batch_done` settles the
+    counts when `generate` returns (engines that do not report steps move only then). In a
+    terminal: a live bar; otherwise (piped, logged) one plain line every `every_s` seconds and one
+    at the end, never redrawn or cut to the terminal width."""
+
+    def __init__(self, console: Console, name: str, total: int, done: int = 0, enabled: bool = True,
+                 every_s: float = 30.0):
+        self.console, self.name, self.total, self.done = console, name, total, done
+        self.enabled, self.every_s = enabled, every_s
+        self.tokens = self.batch_tokens = self.batch_finished = 0
+        self.start = self.last_line = time.monotonic()
+        self.bar: Progress | None = None
+
+    def __enter__(self) -> "CompletionProgress":
+        if self.enabled and self.console.is_terminal:
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("completions, {task.fields[rate]}"), TimeElapsedColumn(),
+                                TimeRemainingColumn(), console=self.console)
+            self.bar.start()
+            self.task = self.bar.add_task(self.name, total=self.total, completed=self.done, rate="")
+        return self
+
+    def rate(self) -> float:
+        return self.tokens / max(time.monotonic() - self.start, 1e-9)
+
+    def on_step(self, tokens: int, finished: int) -> None:
+        self.batch_tokens += tokens
+        self.batch_finished += finished
+        self._show(self.tokens + self.batch_tokens, self.done + self.batch_finished)
+
+    def batch_done(self, completions: int, tokens: int) -> None:
+        self.batch_tokens = self.batch_finished = 0
+        self.tokens += tokens
+        self.done += completions
+        self._show(self.tokens, self.done)
+
+    def _show(self, tokens: int, done: int) -> None:
+        rate = tokens / max(time.monotonic() - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, rate=f"{rate:,.0f} tok/s")
+        elif self.enabled and time.monotonic() - self.last_line >= self.every_s:
+            self.last_line = time.monotonic()
+            self._line(tokens, done, rate)
+
+    def _line(self, tokens: int, done: int, rate: float) -> None:
+        elapsed = time.monotonic() - self.start
+        self.console.print(f"{self.name}: {done}/{self.total} completions, {tokens:,} tokens, {rate:,.0f} tok/s, "
+                           f"{elapsed:,.0f} s", soft_wrap=True, highlight=False)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        elif self.enabled:
+            self._line(self.tokens, self.done, self.rate())
 
 
 def _sampling(params: SamplingParams, prompts: PromptBuilder | None) -> dict:
@@ -180,7 +286,7 @@ def _read_results(path: Path, sampling: dict) -> dict[str, dict]:
             continue
         if record.get("sampling") != sampling:
             raise ValueError(f"{path} holds results sampled with {record.get('sampling')}, not {sampling}: "
-                             f"use another out_dir, or the same sampling and prompt settings")
+                             "write to another directory (gppo eval --out DIR) or keep the same sampling and prompt settings")
         kept.append(line)
         if "error" not in record:
             done[record["id"]] = record
@@ -198,17 +304,21 @@ def _by_prompt(generations: list[Generation], prompts: int) -> list[list[Generat
     return groups
 
 
-def _score(kind: str, problem: BenchmarkProblem, gens: list[Generation], sampling: dict,
+def _score(bench: Benchmark, problem: BenchmarkProblem, gens: list[Generation], sampling: dict,
            code_limits: Limits, math_timeout_s: float) -> dict:
     record = {"id": problem.id, "sampling": sampling}
     texts = [g.text for g in gens]
     try:
         if len(gens) != sampling["n"]:
             raise RuntimeError(f"the engine returned {len(gens)} completions instead of n={sampling['n']}")
-        if kind == "math":
+        if bench.kind == "math":
             results = score_math(texts, [problem.answer] * len(texts), timeout_s=math_timeout_s)
             samples = [{"reward": r.reward, "verdict": r.verdict.value, "extracted": r.answer,
                         "error": r.error} for r in results]
+            if bench.flexible:
+                for sample, text in zip(samples, texts):
+                    answer = flexible_answer(text)
+                    sample.update(flexible=answer, flexible_correct=same_number(answer, problem.answer))
         else:
             results = score_code(texts, [problem.tests] * len(texts), limits=code_limits)
             samples = [{"reward": r.reward, "statuses": [c.status.value for c in r.cases], "error": r.error,
@@ -217,26 +327,37 @@ def _score(kind: str, problem: BenchmarkProblem, gens: list[Generation], samplin
         return {**record, "error": f"{type(e).__name__}: {e}"}
     for sample, g in zip(samples, gens):
         sample.update(correct=sample["reward"] >= 1.0, text=g.text, finish_reason=g.finish_reason)
-    if kind == "math":
+    if bench.kind == "math":
         record["answer"] = problem.answer
     return {**record, "correct": sum(s["correct"] for s in samples), "samples": samples}
 
 
-def _summarize(name: str, n: int, records: list[dict], row_errors: list[RowError]) -> BenchmarkSummary:
+def _summarize(bench: Benchmark, n: int, records: list[dict], row_errors: list[RowError]) -> BenchmarkSummary:
     scored = [r for r in records if "error" not in r]
     if not scored:
-        return BenchmarkSummary(name, 0, n, float("nan"), {}, len(records) - len(scored), row_errors)
-    avg = avg_at_k([[float(s["correct"]) for s in r["samples"]] for r in scored])
+        return BenchmarkSummary(bench.name, 0, n, float("nan"), {}, len(records) - len(scored), row_errors)
+    per_problem = [sum(s["correct"] for s in r["samples"]) / len(r["samples"]) for r in scored]
     pass_at = {k: sum(pass_at_k(n, r["correct"], k) for r in scored) / len(scored) for k in k_values(n)}
-    return BenchmarkSummary(name, len(scored), n, avg, pass_at, len(records) - len(scored), row_errors)
+    summary = BenchmarkSummary(bench.name, len(scored), n, avg_at_k([[p] for p in per_problem]), pass_at,
+                               len(records) - len(scored), row_errors, standard_error(per_problem))
+    if bench.flexible:  # records written before flexible scoring are read from their text
+        flexible = [sum(s.get("flexible_correct", same_number(flexible_answer(s["text"]), r["answer"]))
+                        for s in r["samples"]) / len(r["samples"]) for r in scored]
+        summary.flexible, summary.flexible_se = sum(flexible) / len(flexible), standard_error(flexible)
+    return summary
 
 
 def _write_summaries(summaries: list[BenchmarkSummary], out: Path, console: Console) -> None:
     ks = sorted({k for s in summaries for k in s.pass_at})
-    header = ["benchmark", "problems", "bad rows", "failed", "n", "avg@n"] + [f"pass@{k}" for k in ks]
-    rows = [[s.benchmark, str(s.problems), str(len(s.row_errors)), str(s.failed), str(s.n), f"{s.avg:.4f}"]
+    flexible = any(s.flexible is not None for s in summaries)
+    header = (["benchmark", "problems", "bad rows", "failed", "n", "avg@n", "SE"]
+              + (["flexible avg@n", "SE"] if flexible else []) + [f"pass@{k}" for k in ks])
+    rows = [[s.benchmark, str(s.problems), str(len(s.row_errors)), str(s.failed), str(s.n), f"{s.avg:.4f}",
+             f"{s.avg_se:.4f}"]
+            + ([f"{s.flexible:.4f}", f"{s.flexible_se:.4f}"] if s.flexible is not None else ["", ""]) * flexible
             + [f"{s.pass_at[k]:.4f}" if k in s.pass_at else "" for k in ks] for s in summaries]
-    print_table(console, "evaluation", header, rows)
+    print_table(console, "evaluation (avg@n: strict, the format the prompt asks; flexible: the last number)"
+                if flexible else "evaluation", header, rows)
     (out / "summary.md").write_text(markdown_table(header, [[cell or "-" for cell in row] for row in rows]),
                                     encoding="utf-8")
     with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
@@ -249,17 +370,21 @@ def evaluate_problems(engine: RolloutEngine, problems: Sequence, verifier, promp
                       temperature: float, max_new_tokens: int, seed: int) -> dict[str, float]:
     """Held-out accuracy of problems with a verifier `verifier(problems, completions) -> scores`:
     greedy, and avg@k / pass@k over k samples at `temperature` (used during training and by
-    `gppo eval --task`)."""
+    `gppo eval --task`), with the standard errors over problems of greedy and avg@k and the number
+    of problems ('eval/problems')."""
     greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed))
-    greedy_scores = verifier(problems, [g.text for g in greedy])
+    greedy_scores = list(verifier(problems, [g.text for g in greedy]))
     sampled = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
                                                       n=k, seed=seed))
     scores = verifier([problems[g.prompt_index] for g in sampled], [g.text for g in sampled])
     per_problem = [scores[i * k:(i + 1) * k] for i in range(len(problems))]
     correct = [sum(s >= 1.0 for s in row) for row in per_problem]
-    return {"eval/greedy": sum(greedy_scores) / len(problems), "eval/avg@k": avg_at_k(per_problem),
+    return {"eval/greedy": sum(greedy_scores) / len(problems), "eval/greedy_se": standard_error(greedy_scores),
+            "eval/avg@k": avg_at_k(per_problem), "eval/avg@k_se": standard_error([sum(r) / k for r in per_problem]),
             f"eval/pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(problems),
-            "eval/length_mean": sum(len(g.completion_ids) for g in sampled) / len(sampled)}
+            "eval/length_mean": sum(len(g.completion_ids) for g in sampled) / len(sampled),
+            "eval/problems": len(problems)}
 
 
-__all__ = ["BenchmarkSummary", "avg_at_k", "evaluate", "evaluate_problems", "k_values", "pass_at_k"]
+__all__ = ["BenchmarkSummary", "CompletionProgress", "avg_at_k", "evaluate", "evaluate_problems", "flexible_answer",
+           "k_values", "pass_at_k", "same_number", "standard_error"]

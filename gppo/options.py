@@ -385,9 +385,8 @@ def add_arguments(parser, cls, group_of: Callable[[Spec], Any] | None = None, de
         if spec.name in exclude:
             continue
         target = group_of(spec) if group_of is not None else parser
-        shown = default_text or ("required" if spec.required else _shown(spec.default))
         kwargs = dict(dest=spec.name, default=argparse.SUPPRESS, metavar=_metavar(spec),
-                      help=f"{spec.help} (default: {shown})".replace("%", "%%"))
+                      help=help_text(spec, default_text).replace("%", "%%"))
         if spec.required:
             kwargs["required"] = True
         if spec.is_list:
@@ -398,6 +397,14 @@ def add_arguments(parser, cls, group_of: Callable[[Spec], Any] | None = None, de
             continue  # no command-line form (an object)
         flags = [f"--{spec.name}"] + ([f"-{spec.short}"] if spec.short else [])
         target.add_argument(*flags, **kwargs)
+
+
+def help_text(spec: Spec, default_text: str | None = None) -> str:
+    """The help of a flag, ending with its default once: a help that already says what happens by
+    default ("default: ...", "unset: ...") gets no second "(default: ...)"."""
+    if any(word in spec.help.lower() for word in ("default", "unset")):
+        return spec.help
+    return f"{spec.help} (default: {default_text or ('required' if spec.required else _shown(spec.default))})"
 
 
 def given(args: argparse.Namespace, cls) -> dict:

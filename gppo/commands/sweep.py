@@ -468,7 +468,10 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     failed = []
     columns = [TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
-    with Progress(*columns, console=console, disable=not progress) as bar:
+    piped = progress and not console.is_terminal  # one plain line per finished run, never cut to a width
+    console.print(f"sweep: {len(jobs)} runs ({len(jobs) - len(todo)} already done), {min(workers, len(todo))} at a "
+                  f"time; each run's files and console.log in {Path(out)}/<cell>-s<seed>/", soft_wrap=True)
+    with Progress(*columns, console=console, disable=not progress or piped) as bar:
         task = bar.add_task("runs", total=len(jobs), completed=len(jobs) - len(todo),
                             info=f"{len(todo)} to run, {min(workers, len(todo))} at a time")
         for job, error in _execute(todo, min(workers, max(len(todo), 1))):
@@ -476,6 +479,10 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
                 failed.append(str(job.config.run_dir()))
                 bar.console.print(f"[red]failed[/] {job.config.run_dir()}: {error} (see console.log there)")
             bar.update(task, advance=1, info=f"last: {job.cell} seed {job.seed}")
+            if piped:
+                done = bar.tasks[0]
+                console.print(f"sweep: {int(done.completed)}/{len(jobs)} runs, last {job.cell} seed {job.seed}, "
+                              f"{done.elapsed or 0:.0f} s elapsed", soft_wrap=True, highlight=False)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     per_seed = seed_stats(jobs, target)
@@ -495,6 +502,9 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     if paired:
         print_table(console, f"paired contrasts against {baseline} (mean ± 95% CI over seeds; * excludes 0)",
                     *contrast_table(paired, baseline))
+    console.print(f"results in {out}/: sweep.md, sweep.csv, " + ("contrasts.csv, " if paired else "")
+                  + "curves.png" + (", heatmap.png" if (out / "heatmap.png").exists() else "")
+                  + "; the runs in <cell>-s<seed>/", soft_wrap=True)
     return {"rows": rows, "contrasts": paired, "trained": len(todo) - len(failed), "skipped": len(jobs) - len(todo),
             "failed": failed}
 

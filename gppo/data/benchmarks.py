@@ -11,8 +11,10 @@ Columns read (first present wins); math answers go through `reference_answer` (t
 - amc23 (math-ai/amc23): `question`, `answer` (may be a float such as 27.0), `id`.
 - math500 (HuggingFaceH4/MATH-500): `problem`, `answer`, `unique_id`; `subject`, `level` kept.
 - gsm8k (openai/gsm8k, config `main`): `question`, `answer` (the worked solution, whose last line
-  is "#### N"). Protocol: greedy decoding (n 1, temperature 0), 1024 new tokens; pass `n` and a
-  temperature for avg@n. The completion's answer is read in a \\boxed{} or after "####".
+  is "#### N"). Protocol (lm-evaluation-harness's): greedy decoding (n 1, temperature 0), at most
+  256 new tokens (the harness's default generation length); pass `n` and a temperature for avg@n.
+  Scored twice: strict (the answer in a \\boxed{}, after "the answer is" or after "####") and
+  flexible (the last number in the completion, the harness's `flexible-extract`).
 - minerva (math-ai/minervamath): `question`, `answer`.
 - olympiadbench (math-ai/olympiadbench: `question`, `answer`; or Hothan/OlympiadBench:
   `question`, `final_answer` (a list, joined with ", "), `id`).
@@ -30,9 +32,12 @@ Columns read (first present wins); math answers go through `reference_answer` (t
 - humanevalplus (evalplus/humanevalplus): `task_id`, `prompt`, `entry_point`, `test`
   (a `check(candidate)` function, run as an assert test).
 
-Protocol defaults (the field's, e.g. DeepSeek-R1's): temperature 0.6, top-p 0.95, 32768 new
-tokens (gsm8k: see above), math prompts ending in the `\\boxed{}` instruction, code prompts asking for one ```python
-block; n samples per problem as listed in `BENCHMARKS`.
+Protocol defaults (the field's for reasoning models, e.g. DeepSeek-R1's): temperature 0.6, top-p
+0.95, 32768 new tokens (gsm8k: see above), math prompts ending in the `\\boxed{}` instruction,
+code prompts asking for one ```python block; n samples per problem as listed in `BENCHMARKS`.
+32768 tokens is the norm for long-reasoning models and takes hours per problem on a CPU; a small
+model usually stops far earlier, and `--max_tokens` sets a lower cap. Only GSM8K has a flexible
+extraction: the field scores the other math benchmarks by the \\boxed{} answer alone.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class Benchmark:
     top_p: float = 0.95
     max_tokens: int = 32768
     hub_config: str | None = None
+    flexible: bool = False  # also score the last number in the completion (GSM8K's flexible-extract)
 
 
 def _math(problem_fields: tuple[str, ...], answer_fields: tuple[str, ...], keep: tuple[str, ...] = ()):
@@ -178,7 +184,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("math500", "math", "HuggingFaceH4/MATH-500", "test",
               _math(("problem",), ("answer",), keep=("subject", "level")), n=4),
     Benchmark("gsm8k", "math", "openai/gsm8k", "test", _math(("question",), ("answer",)), n=1, temperature=0.0,
-              top_p=1.0, max_tokens=1024, hub_config="main"),
+              top_p=1.0, max_tokens=256, hub_config="main", flexible=True),
     Benchmark("minerva", "math", "math-ai/minervamath", "test",
               _math(("question", "problem"), ("answer",)), n=4),
     Benchmark("olympiadbench", "math", "math-ai/olympiadbench", "test",
@@ -211,9 +217,9 @@ def load_benchmark(name: str, data_file: str | Path | None = None, from_hub: boo
     elif from_hub:
         rows = read_rows(bench.hub_id, from_hub=True, split=bench.hub_split, config=bench.hub_config)
     else:
-        raise ValueError(f"no data for benchmark {bench.name!r}: pass a local file "
-                         f"(data_files={{{bench.name!r}: 'path/to/file.jsonl'}}) or allow the hub "
-                         f"(from_hub=True, dataset {bench.hub_id})")
+        raise ValueError(f"no data for benchmark {bench.name!r}: give a local file in {bench.hub_id}'s schema "
+                         f"(gppo eval --data FILE; in Python data_files={{{bench.name!r}: FILE}}) or load "
+                         f"{bench.hub_id} from the Hub (--from_hub; in Python from_hub=True)")
     check = _check_answers if validate and bench.kind == "math" else None
     records, errors = map_rows(bench.name, rows[:limit], bench.to_problem, check)
     return LoadResult(records, errors, bench.name)

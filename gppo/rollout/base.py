@@ -8,7 +8,7 @@ log-probs, computed from the same (temperature-scaled) logits that were sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,10 @@ class SamplingParams:
     top_k_logprobs: int = 0  # record mu's top-K ids and log-probs per generated token (0: none)
     seed: int | None = None
     record_kept_ids: bool = False  # with top_p < 1: return the nucleus S of every generated token
+    # Progress: called after each decoding step with (tokens generated in the step, completions that
+    # ended in it). Engines that cannot report per step (vLLM) do not call it; evaluation then
+    # counts completions when `generate` returns.
+    on_step: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

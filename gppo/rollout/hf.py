@@ -120,6 +120,9 @@ class HFEngine:
             steps.append((active, token, lp_token, tk_ids, tk_lps, kept))
             done = torch.isin(token, self.eos_ids)
             finished[active[done]] = True
+            if params.on_step is not None:
+                last = step == params.max_new_tokens - 1
+                params.on_step(len(active), len(active) if last else int(done.sum()))
             if done.all():
                 break
             if done.any():

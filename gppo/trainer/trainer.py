@@ -35,7 +35,7 @@ from gppo.trainer.checkpoint import (RunError, RunLock, atomic_write_text, lates
                                      remove_stale_temps, save_checkpoint, save_final, set_aside, set_rng_state)
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set
-from gppo.trainer.logging import MetricsLog, plot_curves
+from gppo.trainer.logging import MetricsLog, accuracy_summary, plot_curves, storage_note
 from gppo.trainer.rollout_policy import DTYPES, OffPolicyQueue, RolloutPolicy, mismatch_metrics
 
 _SEED_STRIDE = 1_000_003
@@ -460,7 +460,8 @@ class Trainer:
             self._print_eval(0, first)
         columns = [TextColumn("[bold]gppo[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
-        with Progress(*columns, console=self.console, disable=not c.progress) as progress:
+        piped = c.progress and not self.console.is_terminal  # one plain line per step, never cut to a width
+        with Progress(*columns, console=self.console, disable=not c.progress or piped) as progress:
             task = progress.add_task(f"{self.problems.name} {c.preset}", total=c.steps, completed=self.step, info="")
             while self.step < c.steps:
                 metrics = self.train_step()
@@ -474,6 +475,9 @@ class Trainer:
                     self._print_eval(self.step, evaluation, progress.console)
                 self.log.write(self.step, metrics)
                 progress.update(task, completed=self.step, info=_progress_info(metrics))
+                if piped:
+                    self.console.print(f"step {self.step}/{c.steps} | {_progress_info(metrics)} | "
+                                       f"{progress.tasks[0].elapsed or 0:.0f} s elapsed", soft_wrap=True, highlight=False)
                 if last or (c.save_every and self.step % c.save_every == 0):
                     self.save()
                 if stop_after is not None and self.step >= stop_after and not last:
@@ -504,13 +508,10 @@ class Trainer:
                    "curves": str(plot) if plot else None}
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         if evals:
-            b, a = summary["before"], summary["after"]
-            k = self.config.eval_samples
-            self.console.print(
-                f"[bold]held-out accuracy[/] ({len(self.problems.heldout)} problems) before RL: greedy "
-                f"{b['eval/greedy']:.3f}, sampled avg@{k} {b['eval/avg@k']:.3f}  ->  after {self.step} steps: "
-                f"greedy {a['eval/greedy']:.3f}, sampled avg@{k} {a['eval/avg@k']:.3f}")
-        self.console.print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, final/)")
+            self.console.print(accuracy_summary(summary["before"], summary["after"], self.step,
+                                                self.config.eval_samples), soft_wrap=True)
+        self.console.print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, final/): "
+                           f"{storage_note(self.run_dir)}", soft_wrap=True)
         return summary
 
     def _print_eval(self, step: int, evaluation: dict, console: Console | None = None) -> None:
