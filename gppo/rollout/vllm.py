@@ -129,12 +129,16 @@ class VLLMEngine:
         if params.top_k_logprobs > self.max_top_k_logprobs:
             raise ValueError(f"top_k_logprobs={params.top_k_logprobs} exceeds vLLM's max_logprobs="
                              f"{self.max_top_k_logprobs}; lower the preset's top_k")
-        sampling = VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                   max_tokens=params.max_new_tokens, seed=params.seed,
-                                   logprobs=params.top_k_logprobs, stop_token_ids=self.eos_ids)
         encoded = self.tokenizer(list(prompts))["input_ids"]
         if any(len(ids) == 0 for ids in encoded):
             raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
+        # one seed per prompt (vLLM seeds each request's sampler: one shared seed would give every
+        # prompt the same random stream)
+        sampling = [VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                    max_tokens=params.max_new_tokens, logprobs=params.top_k_logprobs,
+                                    seed=None if params.seed is None else (params.seed * len(encoded) + i) % 2**63,
+                                    stop_token_ids=self.eos_ids)
+                    for i in range(len(encoded))]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=False)
         return [_generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
                 for i, (ids, out) in enumerate(zip(encoded, outputs)) for completion in out.outputs]
