@@ -34,6 +34,26 @@ KV_GB = 0.25
 
 
 @pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    """A GPPO_CACHE of this module's own, shared by its tests (and the `gppo train` subprocess)."""
+    cache = tmp_path_factory.mktemp("gppo-cache")
+    saved = os.environ.get("GPPO_CACHE")
+    os.environ["GPPO_CACHE"] = str(cache)
+    yield cache
+    if saved is None:
+        os.environ.pop("GPPO_CACHE")
+    else:
+        os.environ["GPPO_CACHE"] = saved
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2_gguf, gguf_cache):
+    """SmolLM2 as the float32 HF directory the engine makes of the GGUF file (converted once for
+    the whole module; the conversion itself is tested below)."""
+    return vllm_model_dir(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     model, tokenizer = load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
@@ -158,27 +178,27 @@ def test_top_p_rollouts_record_the_nucleus_on_gpu(smollm2_dir):
             assert abs(truncated.item() - g.logprobs[t]) < 1e-3
 
 
-def test_a_gguf_model_is_converted_once(smollm2_gguf, tmp_path, monkeypatch):
-    """A .gguf --model becomes one cached HF directory (keyed by path, size and mtime), reused."""
-    monkeypatch.setenv("GPPO_CACHE", str(tmp_path / "cache"))
-    first = vllm_model_dir(smollm2_gguf)
-    assert first.parent == tmp_path / "cache" / "vllm-models" and (first / "config.json").is_file()
-    stamp = (first / "config.json").stat().st_mtime_ns
-    assert vllm_model_dir(smollm2_gguf.parent) == first
-    assert (first / "config.json").stat().st_mtime_ns == stamp
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary folder left
+def test_a_gguf_model_is_converted_once(smollm2_gguf, smollm2_dir, gguf_cache):
+    """A .gguf --model becomes one cached HF directory (keyed by path, size and mtime) that the
+    engine loaded above, reused by the next call, given the file or the folder holding it."""
+    assert smollm2_dir.parent == gguf_cache / "vllm-models" and (smollm2_dir / "config.json").is_file()
+    stamp = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    assert vllm_model_dir(smollm2_gguf) == vllm_model_dir(smollm2_gguf.parent) == smollm2_dir
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in smollm2_dir.parent.iterdir()] == [smollm2_dir.name]  # no temporary folder left
 
 
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_gppo_train_with_bf16_vllm_rollouts_logs_the_mismatch(smollm2_gguf, tmp_path):
+def test_gppo_train_with_bf16_vllm_rollouts_logs_the_mismatch(smollm2_gguf, smollm2_dir, tmp_path):
     """`gppo train --engine vllm` from the GGUF file, 2 steps, bf16 rollouts of a float32 policy,
     one step off-policy: the mismatch metrics are logged at every update and are not zero (bf16
     vs float32 numerics), and the run ends with a final model."""
+    assert smollm2_dir.is_dir()  # the GGUF's HF copy is in the cache, so the run only loads it
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "GPPO_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}  # GPPO_CACHE: the GGUF converted above
     command = [sys.executable, "-m", "gppo.cli", "train", "--model", str(smollm2_gguf), "--engine", "vllm",
                "--task", "word-problems", "--steps", "2", "--prompts_per_step", "2", "--group_size", "4",
                "--max_new_tokens", "12", "--temperature", "0.7", "--epochs", "1", "--mini_batch_size", "8",
