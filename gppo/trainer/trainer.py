@@ -115,9 +115,10 @@ class Trainer:
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
-        rollout_dtype = config.rollout_dtype or config.dtype  # vLLM loads its own copy in it; hf needs ours
-        self.rollout_policy = RolloutPolicy(self.model, _dtype(rollout_dtype if config.engine == "hf" else config.dtype),
-                                            config.rollout_quantization, separate=config.rollout_overlap)
+        rollout_dtype = config.rollout_dtype or config.dtype
+        copy_dtype = rollout_dtype if config.engine == "hf" else config.dtype  # vLLM loads its own copy
+        self.rollout_policy = RolloutPolicy(self.model, _dtype(copy_dtype), config.rollout_quantization,
+                                            separate=config.rollout_overlap)
         self.pending = OffPolicyQueue(config.off_policy_steps, background=config.rollout_overlap)
         # a resumed run rebuilds vLLM from the checkpoint's weights, which are the model's
         self.engine = make_engine(config.engine, self.rollout_policy.model, self.tokenizer,
