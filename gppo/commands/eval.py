@@ -45,7 +45,9 @@ class EvalConfig:
                                     ge=1, example=1024)
     limit: int | None = option(None, "first N problems of each benchmark", ge=1, example=10)
     from_hub: bool = option(False, "load benchmarks through `datasets` from the Hub")
-    engine: str = option("hf", "rollout engine", choices=ENGINES, check=check_engine)
+    engine: str = option("hf", "rollout engine: hf or vllm (docs/vllm.md)", choices=ENGINES, check=check_engine)
+    vllm_kv_cache_gb: float = option(1.0, "vLLM's KV cache in GiB (of RAM on CPU, of GPU memory on a GPU)", gt=0)
+    vllm_compile: bool = option(False, "torch.compile vLLM's model instead of running it eagerly")
     device: str = option("auto", "cpu, cuda, or auto", check=check_device)
     batch_size: int = option(16, "problems generated together", ge=1)
     seed: int = option(0, "random seed", ge=0)
@@ -78,6 +80,8 @@ class EvalConfig:
         if self.data and len(self.data) != len(self.benchmark):
             raise ConfigError(f"--data has {len(self.data)} files for {len(self.benchmark)} benchmarks: give one "
                               "per benchmark, in the same order")
+        if self.engine != "vllm":
+            refuse_ignored(self, ("vllm_kv_cache_gb", "vllm_compile"), "with --engine vllm")
         if self.task:
             refuse_ignored(self, ("data", "from_hub", "limit", "top_p", "batch_size", "out"), "with --benchmark")
         else:
@@ -100,7 +104,8 @@ def run(args) -> int:
     model, tokenizer = load_model_and_tokenizer(c.model)
     prompts = PromptBuilder(tokenizer, prompt_config)
     device = resolve_device(c.device)
-    engine = make_engine(c.engine, model.to(device), tokenizer, model_path=c.model, device=device, seed=c.seed)
+    engine = make_engine(c.engine, model.to(device), tokenizer, model_path=c.model, device=device, seed=c.seed,
+                         kv_cache_gb=c.vllm_kv_cache_gb, compile=c.vllm_compile)
     if c.task:
         task = get_task(c.task)
         problems = heldout_problems(task, c.eval_size)

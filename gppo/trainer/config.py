@@ -18,6 +18,7 @@ from typing import Literal
 from gppo.advantages import ADVANTAGE_ESTIMATORS
 from gppo.core.divergences import closest
 from gppo.core.config import GPPOConfig, GPPOConfigError, preset as build_preset
+from gppo.core.estimators import ESTIMATORS
 from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptConfig, check_prompt_template
 from gppo.trainer.data import DataOptions
 from gppo.options import (CLI, ConfigError, Source, add_arguments, check, check_device, check_engine,
@@ -79,7 +80,7 @@ class TrainConfig:
                       "objective")
 
     # rollout
-    engine: str = _opt("hf", "rollout engine: hf (transformers, CPU/GPU) or vllm (GPU, gppo[vllm])",
+    engine: str = _opt("hf", "rollout engine: hf (transformers) or vllm (CPU or GPU; install: docs/vllm.md)",
                        "rollout", choices=ENGINES, check=check_engine)
     prompts_per_step: int = _opt(32, "prompts per RL step", "rollout", ge=1)
     group_size: int = _opt(8, "completions sampled per prompt", "rollout", ge=2,
@@ -92,10 +93,14 @@ class TrainConfig:
                                 "r = 1 before the first update. Not --top_p, the topp estimator's nucleus", "rollout",
                                 gt=0, le=1)
     rollout_batch_size: int = _opt(256, "sequences generated together", "rollout", ge=1)
-    vllm_gpu_memory: float = _opt(0.5, "vLLM gpu_memory_utilization (engine=vllm)", "rollout", gt=0, le=1)
+    vllm_kv_cache_gb: float = _opt(1.0, "vLLM's KV cache in GiB (of RAM on CPU, of GPU memory on a GPU; "
+                                   "engine vllm)", "rollout", gt=0)
+    vllm_compile: bool = _opt(False, "torch.compile vLLM's model instead of running it eagerly (engine vllm; "
+                              "1-2 min at start on a small CPU, then 1.5x faster fp32 sampling: docs/vllm.md)",
+                              "rollout")
     rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(
-        None, "dtype of the weights the hf engine samples from (default: --dtype); a copy refreshed after every "
-        "update", "rollout")
+        None, "dtype of the weights the engine samples from (default: --dtype): for hf a copy refreshed after "
+        "every update, for vllm the dtype vLLM loads and runs the model in", "rollout")
     rollout_quantization: Literal["none", "int8"] = _opt(
         "none", "per-output-channel symmetric int8 fake-quantization of the rollout copy's Linear weights (not the "
         "embeddings and LM head)", "rollout")
@@ -179,7 +184,7 @@ class TrainConfig:
         if not self.reward_funcs:
             refuse_ignored(self, ["reward_fn_max_failures", "reward_fn_timeout"], "with --reward_funcs")
         if self.engine != "vllm":
-            refuse_ignored(self, ["vllm_gpu_memory"], "with --engine vllm")
+            refuse_ignored(self, ["vllm_kv_cache_gb", "vllm_compile"], "with --engine vllm")
         if self.lr_schedule in NO_WARMUP_SCHEDULES:
             refuse_ignored(self, ["warmup_steps"], "with a schedule that warms up (e.g. --lr_schedule "
                            "constant_with_warmup, linear, cosine)")
@@ -193,10 +198,13 @@ class TrainConfig:
     def _check_rollout_knobs(self) -> None:
         """The mismatch knobs must fit together and with the engine (each field's own type and
         range is checked above)."""
-        copies = (self.rollout_dtype not in (None, self.dtype)) or self.rollout_quantization != "none"
-        if copies and self.engine != "hf":
-            raise ConfigError(f"rollout_dtype/rollout_quantization build a rollout copy for the hf engine; "
-                              f"engine {self.engine!r} samples with its own weights and numerics: unset them")
+        if self.rollout_quantization != "none" and self.engine != "hf":
+            raise ConfigError(f"rollout_quantization fake-quantizes a rollout copy for the hf engine; engine "
+                              f"{self.engine!r} samples with its own weights and numerics: unset it")
+        estimator = self.gppo_config().estimator
+        if self.engine == "vllm" and estimator is not None and "full" in ESTIMATORS[estimator].anchor:
+            raise ConfigError(f"estimator {estimator!r} needs mu's whole distribution at every token, which vLLM "
+                              "does not return: use --engine hf, or another estimator")
         if self.rollout_overlap and self.off_policy_steps < 1:
             raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
                               f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false")

