@@ -214,14 +214,6 @@ def rl_step(model_dir: str, dtype: str, args) -> dict:
             micro_batch_size=8, lr=1e-5, vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_compile=args.vllm_compile,
             reward_funcs=["tests.reward_fns:length_bonus"], output_dir=out, progress=False)))
         times = {}
-        sync = trainer.engine.update_weights
-
-        def timed_sync(model):
-            start = time.perf_counter()
-            sync(model)
-            times["sync"] = time.perf_counter() - start
-
-        trainer.engine.update_weights = timed_sync
         for _ in range(2):
             start = time.perf_counter()
             rollout, _ = trainer.rollout()
@@ -232,7 +224,10 @@ def rl_step(model_dir: str, dtype: str, args) -> dict:
             mismatch = mismatch_metrics(rollout)
             start = time.perf_counter()
             trainer.update(rollout)
-            times["update"] = time.perf_counter() - start - times["sync"]
+            times["update"] = time.perf_counter() - start
+            start = time.perf_counter()
+            trainer.sync_rollout_weights()
+            times["sync"] = time.perf_counter() - start
         trainer.close()
         tokens = int(rollout.response_mask.sum())
     return {"tokens": tokens, "threads": torch.get_num_threads(), "mismatch": mismatch, **times}

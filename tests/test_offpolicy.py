@@ -249,8 +249,6 @@ NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
     pytest.param(dict(engine="vllm", rollout_quantization="int8"), "engine 'vllm' samples with its own weights",
                  marks=NEEDS_VLLM),
     (dict(rollout_overlap=True), "needs off_policy_steps >= 1 \\(got 0\\)"),
-    pytest.param(dict(rollout_overlap=True, off_policy_steps=1, engine="vllm"),
-                 "engine 'vllm' is not run during the update", marks=NEEDS_VLLM),
 ])
 def test_bad_mismatch_knobs_are_refused_with_the_field_and_the_fix(micro_model, tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message):

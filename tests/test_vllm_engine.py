@@ -243,3 +243,18 @@ def test_a_resumed_vllm_run_equals_an_uninterrupted_one(tmp_path):
     assert [r.get("rollout/reward_mean") for r in logged[0]] == [r.get("rollout/reward_mean") for r in logged[1]]
     on_policy = [r for r in logged[0] if r.get("mismatch/policy_lag") == 0]  # step 1: sampled by the same weights
     assert on_policy and 0 < on_policy[0]["mismatch/prob_diff/max"] < 1e-4, on_policy
+
+
+def test_vllm_background_rollouts_give_the_same_run_as_sequential_ones(tmp_path):
+    """rollout_overlap with vLLM: step t+1's batch is sampled by vLLM in a thread while step t
+    trains, and vLLM gets the new weights only once that sampling is done, so the batches, the
+    logs and the final parameters are those of the sequential run."""
+    runs = {}
+    for overlap in (False, True):
+        trainer = _embedded_run(tmp_path, f"overlap-{overlap}", steps=3, save_every=0, rollout_overlap=overlap)
+        trainer.train()
+        logged = [(r.get("rollout/reward_mean"), r.get("mismatch/kl_k3")) for r in _metrics(tmp_path / f"overlap-{overlap}")]
+        runs[overlap] = (trainer.model, logged)
+    for (name, a), b in zip(runs[False][0].named_parameters(), runs[True][0].parameters()):
+        assert torch.equal(a, b), name
+    assert runs[False][1] == runs[True][1] and len(runs[True][1]) == 4  # step 0 (evaluation), steps 1-3

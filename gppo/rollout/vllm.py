@@ -18,6 +18,11 @@ memory copy: `update_weights` reloads every parameter through vLLM's in-place re
 tied head). The CPU worker replaces `torch.set_num_threads` with a no-op for the whole process;
 the engine puts it back, so the trainer's `--threads` keeps working (vLLM samples with the
 thread count set when it was built).
+
+One engine per process: vLLM keeps its parallel state in module globals, and an engine that is
+garbage-collected tears that state down under whichever engine is alive then. So building a
+VLLMEngine first shuts down the one built before it (a sweep running its runs one after another
+in one process, a test module), and that one refuses to sample afterwards.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -87,6 +93,7 @@ class VLLMEngine:
     (-1: the model's context, shortened to what the KV cache holds)."""
 
     separate_weights = True  # mu comes from vLLM's copy of the weights and its own kernels
+    _live: "weakref.ref[VLLMEngine] | None" = None  # the engine of this process (module docstring)
 
     def __init__(self, model_path: str | Path, tokenizer, eos_ids: Sequence[int], dtype: str = "float32",
                  kv_cache_gb: float = DEFAULT_KV_CACHE_GB, compile: bool = False, max_logprobs: int = 20,
@@ -106,6 +113,9 @@ class VLLMEngine:
         self.on_cpu = current_platform.is_cpu()
         if top_p_masks and self.on_cpu:
             raise ValueError(NO_SAMPLING_MASK)
+        previous = VLLMEngine._live() if VLLMEngine._live is not None else None
+        if previous is not None:
+            previous.close()
         self.tokenizer, self.eos_ids, self.top_p_masks = tokenizer, list(eos_ids), top_p_masks
         self.max_top_k_logprobs = max_logprobs
         set_num_threads = torch.set_num_threads
@@ -118,11 +128,22 @@ class VLLMEngine:
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker made it a no-op for the whole process
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.closed = False
+        VLLMEngine._live = weakref.ref(self)
+
+    def close(self) -> None:
+        """Shut vLLM down now (its engine core and parallel state), not whenever it is collected."""
+        if not self.closed:
+            self.closed = True
+            self.llm.llm_engine.engine_core.shutdown()
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         """Return `params.n` generations per prompt, grouped by prompt in prompt order."""
         from vllm import SamplingParams as VSamplingParams
 
+        if self.closed:
+            raise RuntimeError("this VLLMEngine was shut down when a newer one was built in this process (vLLM "
+                               "keeps one engine per process): sample with the newer engine")
         record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
         if record_kept and not self.top_p_masks:
             raise ValueError(NO_SAMPLING_MASK if self.on_cpu else

@@ -107,7 +107,8 @@ class TrainConfig:
     off_policy_steps: int = _opt(0, "k: train at step t on the batch sampled by the weights of step t-k "
                                  "(the first k batches by the initial weights; 0: on-policy)", "rollout", ge=0)
     rollout_overlap: bool = _opt(False, "with off_policy_steps >= 1: sample step t+k's batch in a background "
-                                 "thread while step t trains (same batches; only the wall time changes)", "rollout")
+                                 "thread while step t trains (same batches; only the wall time changes): the hf "
+                                 "engine on a copy of the weights, vLLM on its own", "rollout")
 
     # rewards and advantages
     reward_funcs: list[str] = _opt([], "extra reward functions as path/to/file.py:function or module:function "
@@ -208,9 +209,6 @@ class TrainConfig:
         if self.rollout_overlap and self.off_policy_steps < 1:
             raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
                               f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false")
-        if self.rollout_overlap and self.engine != "hf":
-            raise ConfigError(f"rollout_overlap runs the hf engine on a copy of the weights in a thread; engine "
-                              f"{self.engine!r} is not run during the update: set rollout_overlap false")
 
     def prompt_config(self) -> PromptConfig:
         try:

@@ -138,7 +138,7 @@ class Trainer:
         rollout_dtype = config.rollout_dtype or config.dtype
         copy_dtype = rollout_dtype if config.engine == "hf" else config.dtype  # vLLM loads its own copy
         self.rollout_policy = RolloutPolicy(self.model, _dtype(copy_dtype), config.rollout_quantization,
-                                            separate=config.rollout_overlap)
+                                            separate=config.rollout_overlap and config.engine == "hf")
         self.pending = OffPolicyQueue(config.off_policy_steps, background=config.rollout_overlap)
         # a resumed run rebuilds vLLM from the checkpoint's weights, which are the model's
         self.engine = make_engine(config.engine, self.rollout_policy.model, self.tokenizer,
@@ -349,10 +349,15 @@ class Trainer:
             all_zero = all_zero and stats["grad_norm"] == 0
         self._check_zero_gradients(all_zero and bool(rollout.advantages.ne(0).any()))
         self.model.eval()
+        return {**averages.result("loss/"), **per_update.result("optim/")}
+
+    def sync_rollout_weights(self) -> None:
+        """Give the rollout side the trained weights: the hf engine's copy (a no-op without one),
+        vLLM's own weights. Called once the rollout sampling in the background, if any, is done."""
+        self.rollout_policy.refresh(self.model)
         sync = getattr(self.engine, "update_weights", None)
         if sync is not None:
             sync(self.model)
-        return {**averages.result("loss/"), **per_update.result("optim/")}
 
     def _optimizer_step(self, rollout: Rollout, minibatch: torch.Tensor, averages: MeanOf) -> dict:
         """One optimizer step on `minibatch` (gradients accumulated over micro-batches). A non-finite
@@ -417,7 +422,8 @@ class Trainer:
             trained = rollout.response_mask.sum().item() * self.config.epochs
             metrics["perf/train_tokens_per_s"] = trained / max(time.time() - update_start, 1e-9)
         self.pending.wait()  # the background rollout, if any, is done with the rollout weights
-        self.rollout_policy.refresh(self.model)
+        if rollout is not None:
+            self.sync_rollout_weights()
         self.step += 1
         metrics["perf/step_seconds"] = time.time() - start
         return metrics
