@@ -258,3 +258,6 @@ def test_vllm_background_rollouts_give_the_same_run_as_sequential_ones(tmp_path)
     for (name, a), b in zip(runs[False][0].named_parameters(), runs[True][0].parameters()):
         assert torch.equal(a, b), name
     assert runs[False][1] == runs[True][1] and len(runs[True][1]) == 4  # step 0 (evaluation), steps 1-3
+    unset = from_dict(dict(task="addition", engine="vllm", off_policy_steps=1))
+    assert unset.rollout_overlap is None and unset.overlaps_rollouts()  # the default where it measured faster
+    assert not from_dict(dict(task="addition", engine="vllm")).overlaps_rollouts()  # on-policy: nothing to overlap

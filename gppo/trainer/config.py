@@ -106,9 +106,10 @@ class TrainConfig:
         "embeddings and LM head)", "rollout")
     off_policy_steps: int = _opt(0, "k: train at step t on the batch sampled by the weights of step t-k "
                                  "(the first k batches by the initial weights; 0: on-policy)", "rollout", ge=0)
-    rollout_overlap: bool = _opt(False, "with off_policy_steps >= 1: sample step t+k's batch in a background "
-                                 "thread while step t trains (same batches; only the wall time changes): the hf "
-                                 "engine on a copy of the weights, vLLM on its own", "rollout")
+    rollout_overlap: bool | None = _opt(None, "with off_policy_steps >= 1: sample step t+k's batch in a background "
+                                        "thread while step t trains (same batches; only the wall time changes): the "
+                                        "hf engine on a copy of the weights, vLLM on its own. Unset: on with --engine "
+                                        "vllm and off_policy_steps >= 1 (faster there), off otherwise", "rollout")
 
     # rewards and advantages
     reward_funcs: list[str] = _opt([], "extra reward functions as path/to/file.py:function or module:function "
@@ -206,9 +207,16 @@ class TrainConfig:
         if self.engine == "vllm" and estimator is not None and "full" in ESTIMATORS[estimator].anchor:
             raise ConfigError(f"estimator {estimator!r} needs mu's whole distribution at every token, which vLLM "
                               "does not return: use --engine hf, or another estimator")
-        if self.rollout_overlap and self.off_policy_steps < 1:
+        if self.rollout_overlap is True and self.off_policy_steps < 1:
             raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
                               f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false")
+
+    def overlaps_rollouts(self) -> bool:
+        """`rollout_overlap`, its unset default resolved: on where it measured faster (vLLM, off-policy;
+        docs/vllm.md), off with the hf engine (docs/guide.md)."""
+        if self.rollout_overlap is None:
+            return self.engine == "vllm" and self.off_policy_steps >= 1
+        return self.rollout_overlap
 
     def prompt_config(self) -> PromptConfig:
         try:

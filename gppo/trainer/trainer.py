@@ -138,8 +138,8 @@ class Trainer:
         rollout_dtype = config.rollout_dtype or config.dtype
         copy_dtype = rollout_dtype if config.engine == "hf" else config.dtype  # vLLM loads its own copy
         self.rollout_policy = RolloutPolicy(self.model, _dtype(copy_dtype), config.rollout_quantization,
-                                            separate=config.rollout_overlap and config.engine == "hf")
-        self.pending = OffPolicyQueue(config.off_policy_steps, background=config.rollout_overlap)
+                                            separate=config.overlaps_rollouts() and config.engine == "hf")
+        self.pending = OffPolicyQueue(config.off_policy_steps, background=config.overlaps_rollouts())
         # a resumed run rebuilds vLLM from the checkpoint's weights, which are the model's
         self.engine = make_engine(config.engine, self.rollout_policy.model, self.tokenizer,
                                   model_path=checkpoint or self.base_model_path,
