@@ -261,3 +261,13 @@ def test_vllm_background_rollouts_give_the_same_run_as_sequential_ones(tmp_path)
     unset = from_dict(dict(task="addition", engine="vllm", off_policy_steps=1))
     assert unset.rollout_overlap is None and unset.overlaps_rollouts()  # the default where it measured faster
     assert not from_dict(dict(task="addition", engine="vllm")).overlaps_rollouts()  # on-policy: nothing to overlap
+
+
+@pytest.mark.parametrize("changes,compiles", [
+    (dict(steps=10, prompts_per_step=8, group_size=8, max_new_tokens=64), False),  # the quickstart: 40,960 tokens
+    (dict(steps=10, prompts_per_step=8, group_size=8, max_new_tokens=128), True),  # 81,920
+    (dict(steps=1000, vllm_compile=False), False),
+    (dict(steps=1, vllm_compile=True), True),
+])
+def test_vllm_compiles_by_default_only_where_the_run_repays_the_compile(changes, compiles):
+    assert from_dict(dict(task="addition", engine="vllm", **changes)).compiles_vllm() is compiles

@@ -29,6 +29,7 @@ from gppo.tasks import TASKS
 
 _opt = option
 PYTHON = Source("python", "TrainConfig")
+VLLM_COMPILE_TOKENS = 50_000  # sampled tokens beyond which compiling vLLM's model pays off (docs/vllm.md)
 NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau")  # transformers' get_scheduler ignores warmup there
 
 
@@ -95,9 +96,11 @@ class TrainConfig:
     rollout_batch_size: int = _opt(256, "sequences generated together", "rollout", ge=1)
     vllm_kv_cache_gb: float = _opt(1.0, "vLLM's KV cache in GiB (of RAM on CPU, of GPU memory on a GPU; "
                                    "engine vllm)", "rollout", gt=0)
-    vllm_compile: bool = _opt(False, "torch.compile vLLM's model instead of running it eagerly (engine vllm; "
-                              "1-2 min at start on a small CPU, then 1.5x faster fp32 sampling: docs/vllm.md)",
-                              "rollout")
+    vllm_compile: bool | None = _opt(None, "torch.compile vLLM's model instead of running it eagerly (engine "
+                                     "vllm; 1-2 min at start on a small CPU, then 1.5x faster fp32 sampling). "
+                                     "Unset: compile when the run may sample more than 50,000 tokens "
+                                     "(steps x prompts_per_step x group_size x max_new_tokens), where it pays off: "
+                                     "docs/vllm.md", "rollout")
     rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(
         None, "dtype of the weights the engine samples from (default: --dtype): for hf a copy refreshed after "
         "every update, for vllm the dtype vLLM loads and runs the model in", "rollout")
@@ -210,6 +213,13 @@ class TrainConfig:
         if self.rollout_overlap is True and self.off_policy_steps < 1:
             raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
                               f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false")
+
+    def compiles_vllm(self) -> bool:
+        """`vllm_compile`, its unset default resolved from the run's sampling budget (docs/vllm.md:
+        the compile's start-up cost is repaid after some 25,000-50,000 sampled tokens)."""
+        if self.vllm_compile is None:
+            return self.steps * self.prompts_per_step * self.group_size * self.max_new_tokens > VLLM_COMPILE_TOKENS
+        return self.vllm_compile
 
     def overlaps_rollouts(self) -> bool:
         """`rollout_overlap`, its unset default resolved: on where it measured faster (vLLM, off-policy;

@@ -145,7 +145,7 @@ class Trainer:
                                   model_path=checkpoint or self.base_model_path,
                                   device=self.device, batch_size=config.rollout_batch_size, seed=config.seed,
                                   dtype=rollout_dtype, kv_cache_gb=config.vllm_kv_cache_gb,
-                                  compile=config.vllm_compile, max_logprobs=max(self.top_k, 1),
+                                  compile=config.compiles_vllm(), max_logprobs=max(self.top_k, 1),
                                   top_p_masks=config.rollout_top_p < 1)
         if self.top_k > self.engine.max_top_k_logprobs:
             raise ConfigError(
