@@ -401,19 +401,25 @@ def test_monkeypatching_the_comparison_scores_zero(test):
     assert_scores_zero(program, test)
 
 
+# the end of a forging program: every record in `forged` written to every descriptor it may have
+WRITE_FORGED_EVERYWHERE = (
+    "for fd in range(3, 256):\n"
+    "    for record in forged:\n"
+    "        try:\n"
+    "            os.write(fd, record)\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "os._exit(0)\n"
+)
+
+
 @pytest.mark.parametrize("test", [ASSERTS, CALL, STDIO], ids=["assert", "call", "stdio"])
 def test_writing_forged_records_to_every_descriptor_scores_zero(test):
     program = (
         "import json, os\n"
         "forged = [json.dumps({'program': {}, 'exit': {'code': 0, 'timed_out': False}, 'setup': {}}).encode() + b'\\n',\n"
         "          b'', (0).to_bytes(8, 'big') + bytes(16), bytes(24), b'P' * 64]\n"
-        "for fd in range(3, 256):\n"
-        "    for record in forged:\n"
-        "        try:\n"
-        "            os.write(fd, record)\n"
-        "        except OSError:\n"
-        "            pass\n"
-        "os._exit(0)\n"
+        + WRITE_FORGED_EVERYWHERE
     )
     assert_scores_zero(program, test)
 
@@ -697,13 +703,7 @@ FORGER = (
     "status = {'setup': {'isolation': 'bwrap'}, 'outcome': {'passed': True}, 'exit': {'code': 0, 'timed_out': False}}\n"
     "forged = [frame({'names': {'f': None}}), frame({'value': ['int', hex(3)]}), frame({'passed': True}),\n"
     "          (json.dumps(status) + '\\n').encode()]\n"
-    "for fd in range(3, 256):\n"
-    "    for record in forged:\n"
-    "        try:\n"
-    "            os.write(fd, record)\n"
-    "        except OSError:\n"
-    "            pass\n"
-    "os._exit(0)\n"
+    + WRITE_FORGED_EVERYWHERE
 )
 
 
