@@ -155,7 +155,8 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
             "eval_size": 8, "eval_samples": 2, "eval_every": 1, "mini_batch_size": 16, "micro_batch_size": 16,
             "save_every": 1, "lr": 1e-3}
     jobs = plan(base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], delta=0.15)
-    assert [(j.cell, j.seed) for j in jobs][:3] == [("tv-binary", 0), ("tv-binary", 1), ("tv-topk", 0)]
+    assert [(j.cell, j.seed) for j in jobs][:5] == [("tv-binary", 0), ("tv-topk", 0), ("kl-binary", 0),
+                                                   ("kl-topk", 0), ("tv-binary", 1)]  # seed by seed
     # an interrupted run: stopped after step 1 of 2, with its checkpoint
     interrupted = jobs[0].config
     assert Trainer(interrupted).train(stop_after=1) is None
@@ -314,6 +315,9 @@ def test_probe_needs_no_heldout_split_states_its_update_and_chunks_exactly(micro
     rows = {(r["divergence"], r["estimator"]): r for r in read_csv(out / "probe.csv")}
     tv_mean = float(printed.split("per token ")[1].split(",")[0])
     assert tv_mean == pytest.approx(float(rows[("tv", "full")]["exact_mean"]), rel=1e-2)
+    # mu is the float32 model that sampled: its float64 recomputation equals what the engine recorded
+    gap_max = float(printed.split("engine hf recorded: |difference| median ")[1].split("max ")[1].split()[0])
+    assert gap_max < 1e-4
     assert float(rows[("chi2", "full")]["exact_median"]) <= float(rows[("chi2", "full")]["exact_mean"])
 
     # the values of token_values do not depend on how many sequences a pass takes

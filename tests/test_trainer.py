@@ -150,6 +150,18 @@ def test_options_run(micro_model, tmp_path, preset, changes):
         assert "loss/kl_ref" in records[1]
 
 
+def test_keep_checkpoints_0_deletes_them_once_the_run_has_finished(micro_model, tmp_path):
+    """While training the newest checkpoint is kept (a kill can resume); the finished run keeps
+    final/, its metrics and summary, but no resume state."""
+    config = micro_config(micro_model, tmp_path / "run", steps=2, eval_every=0, save_every=1, keep_checkpoints=0)
+    trainer = Trainer(config)
+    assert trainer.train(stop_after=1) is None
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest", "step_000001"]
+    Trainer.resume(tmp_path / "run").train()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert (tmp_path / "run" / "final" / "config.json").exists() and (tmp_path / "run" / "summary.json").exists()
+
+
 @pytest.mark.parametrize("changes", [{}, dict(off_policy_steps=1, rollout_dtype="bfloat16", rollout_quantization="int8")])
 def test_resume_reaches_the_same_parameters(micro_model, tmp_path, changes):
     """Also off-policy: the rollout sampled ahead at step 1 is restored from the checkpoint."""
@@ -269,3 +281,21 @@ def test_gppo_eval_on_a_benchmark_file_and_on_a_task(micro_model, tmp_path, caps
     assert main(["eval", "--model", str(micro_model), "--task", "addition", "--eval_size", "8", "-n", "2",
                  "--max_tokens", "4"]) == 0
     assert "eval/pass@2" in capsys.readouterr().out
+
+
+def test_default_threads_counts_the_cores_busy_in_proc_stat(monkeypatch):
+    """Two /proc/stat samples: 400 ticks of 4 cores pass, 100 of them idle or iowait -> 3 busy cores."""
+    import builtins
+    import io
+
+    from gppo.trainer import trainer as trainer_module
+
+    samples = iter(["cpu  1000 0 500 8000 500 0 0 0 0 0\n", "cpu  1200 0 600 8080 520 0 0 0 0 0\n"])
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(next(samples)) if path == "/proc/stat"
+                        else real_open(path, *a, **k))
+    monkeypatch.setattr(trainer_module.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(trainer_module.os, "getloadavg", lambda: (3.9, 0.0, 0.0))  # not used when /proc/stat is read
+    assert trainer_module._busy_cores(0.0) == pytest.approx(3.0)
+    samples = iter(["cpu  1000 0 500 8000 500 0 0 0 0 0\n", "cpu  1010 0 500 8380 510 0 0 0 0 0\n"])
+    assert trainer_module.default_threads(0.0) == 4  # 400 ticks, 390 idle: 0.1 busy core

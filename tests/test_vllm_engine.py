@@ -112,6 +112,31 @@ def test_mu_and_its_top_k_equal_a_fresh_float32_forward(smollm2):
     assert any(g.text.strip() for g in generations)
 
 
+def test_progress_moves_as_each_prompt_finishes(smollm2):
+    """vLLM reports to on_step once per finished prompt (its n completions) with the tokens generated
+    since the last report; the reports add up to the batch's completions and tokens."""
+    _, _, prompts, engine = smollm2
+    calls = []
+    generations = engine.generate(prompts, SamplingParams(temperature=T, max_new_tokens=16, n=2, seed=0,
+                                                          on_step=lambda tokens, done: calls.append((tokens, done))))
+    assert [done for _, done in calls] == [2] * len(prompts)
+    assert sum(tokens for tokens, _ in calls) == sum(len(g.completion_ids) for g in generations)
+    assert all(tokens > 0 for tokens, _ in calls)
+
+
+def test_a_batch_larger_than_one_engine_step_samples_with_seeds(smollm2):
+    """More prompt tokens than vLLM's CPU step budget (4,096): 120 distinct seeded prompts, as a
+    held-out evaluation sends. With chunked prefill vLLM 0.32 split a prefill and crashed ("CPU
+    Generator does not use offset"); the engine prefills prompts whole, and the seeds still give
+    the same completions."""
+    _, tokenizer, prompts, engine = smollm2
+    many = [f"{prompts[i % len(prompts)]}Problem {i}: what is {i} + {2 * i}? Think step by step." for i in range(120)]
+    params = SamplingParams(temperature=T, max_new_tokens=2, n=1, seed=5)
+    first, second = engine.generate(many, params), engine.generate(many, params)
+    assert sum(len(g.prompt_ids) for g in first) > 4096
+    assert [g.completion_ids for g in first] == [g.completion_ids for g in second]
+
+
 @torch.no_grad()
 def _perturb(model, names, scale, seed):
     gen = torch.Generator().manual_seed(seed)

@@ -22,11 +22,20 @@ training step on purpose; the unbounded divergences (chi2, KL) then read very la
 tokens where mu is tiny, so their mean can reach 1e17 while their median stays small: both are
 shown.
 
+mu is the rollout policy: the sampling weights in --rollout_dtype (and --rollout_quantization), as
+the trainer's `RolloutPolicy` builds them, so that a probe with --rollout_dtype bfloat16 measures pi
+(float32, after the update) against a bfloat16 mu, the real training-inference mismatch. With the
+HF engine that is the very model that sampled; another engine (vLLM) samples with its own
+kernels, so the probe also reports how far its recomputed log mu(a) is from the log-prob the engine
+recorded for the sampled token ("engine gap").
+
 Memory: the exact divergences need mu's and pi's full-vocabulary distributions in float64; they
 are computed a few sequences at a time (`chunk_rows`: about `CHUNK_BYTES` per pass), mu's weights
-wait in a temporary file during the update, and the optimizer state is freed after it, so that
-SmolLM2-135M at the default sizes stays under about 4 GB. The probe evaluates nothing: with --data and no --eval_data, --data itself stands in
-for the held-out split (one record, never used), so a small file works.
+wait in a temporary file during the update, and the optimizer state is freed after it. The peak is
+the update (weights, gradients, AdamW's two moments, one micro-batch's activations and logits),
+hence the small default micro-batch and rollout batch. The probe evaluates nothing: with --data
+and no --eval_data, --data itself stands in for the held-out split (one record, never used), so a
+small file works.
 """
 
 from __future__ import annotations
@@ -53,9 +62,10 @@ from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.batch import Rollout, response_logits
 from gppo.trainer.config import add_config_arguments, config_values, from_dict
+from gppo.trainer.rollout_policy import DTYPES, RolloutPolicy
 
 PROBE_DEFAULTS = dict(lr=1e-3, epochs=1, prompts_per_step=32, group_size=8, mini_batch_size=64,
-                      micro_batch_size=8, progress=False)
+                      micro_batch_size=4, rollout_batch_size=64, progress=False)
 CHUNK_BYTES = 256 * 2**20  # memory of the full-vocabulary tensors of one pass of `token_values`
 MASS_KS = (1, 5, 20, 50)
 VIOLATION_TOL = 1e-6
@@ -92,8 +102,8 @@ def chunk_rows(rollout: Rollout, vocab: int, budget: int = CHUNK_BYTES) -> int:
 def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, divergences, config: gppo.GPPOConfig,
                  mass_ks=MASS_KS, chunk: int | None = None) -> dict:
     """Per generated token (1-D tensors): q = mu(a), up = pi(a) > mu(a), logratio = log pi(a) - log mu(a),
-    the exact TV(pi, mu) 'tv_exact', mu's top-K mass 'mass@K', and every estimate, keyed (divergence,
-    estimator). top_k, top_p and alpha come from `config`; `chunk` sequences per pass (default:
+    the exact TV(pi, mu) 'tv_exact', mu's top-K mass 'mass@K', 'engine_gap' = |log mu(a) - the log-prob
+    the rollout engine recorded|, and every estimate, keyed (divergence, estimator). top_k, top_p and alpha come from `config`; `chunk` sequences per pass (default:
     `chunk_rows`)."""
     parts = defaultdict(list)
     chunk = chunk or chunk_rows(rollout, mu_model.get_output_embeddings().weight.shape[0])
@@ -114,6 +124,7 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
         parts["q"].append(batch.logp_behavior.exp()[valid])
         parts["up"].append((batch.logp > batch.logp_behavior)[valid])
         parts["logratio"].append((batch.logp - batch.logp_behavior)[valid])
+        parts["engine_gap"].append((batch.logp_behavior - sub.logp_behavior.double())[valid].abs())
         parts["tv_exact"].append(0.5 * (log_pi.exp() - log_mu.exp()).abs().sum(-1)[valid])
         covered = log_mu.exp().sort(-1, descending=True).values.cumsum(-1)
         for k in mass_ks:
@@ -199,14 +210,19 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
         update = trainer.update(rollout)
         trainer.optimizer.state.clear()  # AdamW's two moments (twice the weights) are not needed any more
         trainer.model.zero_grad(set_to_none=True)
-        mu_model = copy.deepcopy(trainer.model)
-        mu_model.load_state_dict(torch.load(Path(scratch) / "mu.pt", mmap=True))
+        mu_weights = copy.deepcopy(trainer.model)
+        mu_weights.load_state_dict(torch.load(Path(scratch) / "mu.pt", mmap=True))
+    rollout_dtype = config.rollout_dtype or config.dtype
+    mu_model = RolloutPolicy(mu_weights, DTYPES[rollout_dtype], config.rollout_quantization).model
+    del mu_weights  # the rollout copy (when the dtype differs) is all that is needed
     loss_config = config.gppo_config()
     tokens = token_values(mu_model, trainer.model, rollout, config.temperature, divergences, loss_config, mass_ks)
     rows = faithfulness(tokens, delta, loss_config.alpha)
     mass = {k: tokens[f"mass@{k}"].mean().item() for k in mass_ks}
     share = {name: member.double().mean().item() for name, member in q_buckets(tokens["q"]).items()}
     size = update_size(tokens)
+    mu_note = (", int8 weights" if config.rollout_quantization == "int8" else "") + (
+        " (recomputed by transformers; the engine sampled with its own kernels)" if config.engine != "hf" else "")
 
     write_csv(rows, out / "probe.csv")
     header = ["divergence", "estimator", "δ low / high", "exact mean", "exact median", "bias", "spearman",
@@ -223,7 +239,9 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
                f"Update size: mean exact TV(pi, mu) per token {size['tv_mean']:.3g}, |log pi(a)/mu(a)| of the sampled "
                f"tokens median {size['logratio_median']:.3g}, max {size['logratio_max']:.3g} (lr {config.lr:g}, far above a "
                f"training step's on purpose: lower --lr for a smaller one; unbounded divergences such as chi2 read "
-               f"huge on tokens where mu is tiny: compare the exact medians)")
+               f"huge on tokens where mu is tiny: compare the exact medians). mu: the rollout policy in "
+               f"{rollout_dtype}{mu_note}; its log mu(a) against the log-prob engine {config.engine} recorded: "
+               f"|difference| median {size['engine_gap_median']:.2g}, max {size['engine_gap_max']:.2g}")
     mass_table = markdown_table(["K", *map(str, mass_ks)],
                                 [["mu-mass of mu's top-K", *(f"{v:.4f}" for v in mass.values())]])
     share_table = markdown_table(["bucket of mu(a)", *Q_BUCKETS],
@@ -240,10 +258,11 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
 
 def update_size(tokens: dict) -> dict:
     """How far the probed update moved pi from mu: the mean exact TV per token and the median and
-    largest |log pi(a) - log mu(a)| of the sampled tokens."""
-    logratio = tokens["logratio"].abs()
+    largest |log pi(a) - log mu(a)| of the sampled tokens; and the median and largest engine gap."""
+    logratio, gap = tokens["logratio"].abs(), tokens["engine_gap"]
     return {"tv_mean": tokens["tv_exact"].mean().item(), "logratio_median": logratio.median().item(),
-            "logratio_max": logratio.max().item()}
+            "logratio_max": logratio.max().item(), "engine_gap_median": gap.median().item(),
+            "engine_gap_max": gap.max().item()}
 
 
 # ------------------------------------------------------------------------------ command
@@ -266,7 +285,8 @@ def parser() -> ArgumentParser:
                     "every estimator of every divergence with the exact full-vocabulary D_f on each token (bias, "
                     "Spearman, decision disagreement by mu-probability bucket, lower-bound violations). Training "
                     "flags set the model, data and update (probe defaults: --lr 0.001 --epochs 1 "
-                    "--mini_batch_size 64 --micro_batch_size 8; no held-out split is needed).")
+                    "--mini_batch_size 64 --micro_batch_size 4 --rollout_batch_size 64; no held-out split is "
+                    "needed); mu is the rollout policy in --rollout_dtype.")
     add_arguments(p.add_argument_group("probe"), ProbeOptions)
     add_config_arguments(p)
     return p

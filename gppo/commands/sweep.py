@@ -114,7 +114,7 @@ class Job:
 def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
          delta: float | None = None) -> list[Job]:
     """The runs of a grid (divergences x estimators, the default; `delta` defaults to DEFAULT_DELTA)
-    or of `presets` (with their own radii), times `seeds`."""
+    or of `presets` (with their own radii), times `seeds`, ordered seed by seed."""
     refused = {**SET_BY_SWEEP, **({} if presets else SET_BY_GRID)}
     for key in base:
         if key in refused:
@@ -144,8 +144,9 @@ def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimat
                                                            "estimator": est, "delta_low": low,
                                                            "delta_high": high})))
     out = Path(out)
+    # seed by seed: a sweep stopped early holds whole seeds, every cell paired with every other
     return [Job(cell, seed, from_dict({**values, "seed": seed, "output_dir": str(out / f"{cell}-s{seed}")}))
-            for cell, values in cells for seed in seeds]
+            for seed in seeds for cell, values in cells]
 
 
 def _check_rerun(job: Job) -> None:

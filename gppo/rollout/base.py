@@ -30,9 +30,8 @@ class SamplingParams:
     top_k_logprobs: int = 0  # record mu's top-K ids and log-probs per generated token (0: none)
     seed: int | None = None
     record_kept_ids: bool = False  # with top_p < 1: return the nucleus S of every generated token
-    # Progress: called after each decoding step with (tokens generated in the step, completions that
-    # ended in it). Engines that cannot report per step (vLLM) do not call it; evaluation then
-    # counts completions when `generate` returns.
+    # Progress: called with (tokens generated since the last call, completions that ended since):
+    # after each decoding step (HF engine) or each time a prompt's n completions end (vLLM).
     on_step: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
 
 

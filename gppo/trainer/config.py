@@ -167,7 +167,8 @@ class TrainConfig:
                                                             "run")
     threads: int | None = _opt(None, "torch CPU threads (default: the cores not busy with other work)", "run", ge=1)
     save_every: int = _opt(20, "checkpoint every N steps (0: only at the end)", "run", ge=0)
-    keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are deleted)", "run", ge=1)
+    keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are deleted); 0: only the newest while the run "
+                                 "trains, deleted once it has finished (final/ keeps the weights)", "run", ge=0)
     report_to: list[Literal["tensorboard", "wandb"]] = _opt([], "extra loggers: tensorboard, wandb (when installed)",
                                                             "run")
     progress: bool = _opt(True, "show a progress bar", "run")

@@ -180,4 +180,5 @@ def storage_note(run_dir: Path) -> str:
     held = directory_size(run_dir / "checkpoints")
     return (f"{total / 1e9:.2f} GB, of which {held / 1e9:.2f} GB in {len(checkpoints)} checkpoint(s) under checkpoints/: "
             "each holds the weights and the optimizer state (AdamW's two moments, twice the weights) to resume from; "
-            "final/ holds the weights alone, so checkpoints/ can be deleted once the run is done")
+            "final/ holds the weights alone, so checkpoints/ can be deleted once the run is done "
+            "(--keep_checkpoints 0 deletes them then)")

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -41,11 +42,32 @@ from gppo.trainer.rollout_policy import DTYPES, OffPolicyQueue, RolloutPolicy, m
 _SEED_STRIDE = 1_000_003
 
 
-def default_threads() -> int:
+def default_threads(window_s: float = 0.25) -> int:
     """CPU threads to use: the cores not already busy (a second thread on a loaded core makes
-    small-model steps several times slower, measured on 2-core machines)."""
+    small-model steps several times slower, measured on 2-core machines). Busy cores are measured
+    from the CPU time spent outside idle over `window_s` (/proc/stat); the load average, used where
+    /proc/stat is missing, also counts tasks waiting on I/O, and read 1 on an idle 2-core VM."""
     cores = os.cpu_count() or 1
-    return max(1, cores - round(os.getloadavg()[0]))
+    try:
+        busy = _busy_cores(window_s)
+    except OSError:
+        busy = os.getloadavg()[0]
+    return max(1, cores - round(busy))
+
+
+def _busy_cores(window_s: float) -> float:
+    """Cores busy on average over `window_s`: (1 - idle share of the CPU time) x cores, from the
+    aggregate 'cpu' line of /proc/stat (fields user nice system idle iowait ...; idle + iowait idle)."""
+    def sample():
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+        return sum(values), values[3] + values[4]
+    total0, idle0 = sample()
+    time.sleep(window_s)
+    total1, idle1 = sample()
+    if total1 <= total0:
+        return 0.0
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -211,7 +233,8 @@ class Trainer:
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "data": self.problems.train.state_dict(), "pending": self.pending.state_dict(),
                  "zero_gradient_steps": self.zero_gradient_steps}
-        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state, self.config.keep_checkpoints)
+        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state,
+                               max(self.config.keep_checkpoints, 1))
 
     def close(self) -> None:
         """Release the run directory (`train()` does it when it returns)."""
@@ -519,6 +542,8 @@ class Trainer:
                    "after": {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {},
                    "curves": str(plot) if plot else None}
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        if self.config.keep_checkpoints == 0:  # the run is complete: its resume state is not needed
+            shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
         if evals:
             self.console.print(accuracy_summary(summary["before"], summary["after"], self.step,
                                                 self.config.eval_samples), soft_wrap=True)
