@@ -124,19 +124,6 @@ def test_progress_moves_as_each_prompt_finishes(smollm2):
     assert all(tokens > 0 for tokens, _ in calls)
 
 
-def test_a_batch_larger_than_one_engine_step_samples_with_seeds(smollm2):
-    """More prompt tokens than vLLM's CPU step budget (4,096): 120 distinct seeded prompts, as a
-    held-out evaluation sends. With chunked prefill vLLM 0.32 split a prefill and crashed ("CPU
-    Generator does not use offset"); the engine prefills prompts whole, and the seeds still give
-    the same completions."""
-    _, tokenizer, prompts, engine = smollm2
-    many = [f"{prompts[i % len(prompts)]}Problem {i}: what is {i} + {2 * i}? Think step by step." for i in range(120)]
-    params = SamplingParams(temperature=T, max_new_tokens=2, n=1, seed=5)
-    first, second = engine.generate(many, params), engine.generate(many, params)
-    assert sum(len(g.prompt_ids) for g in first) > 4096
-    assert [g.completion_ids for g in first] == [g.completion_ids for g in second]
-
-
 @torch.no_grad()
 def _perturb(model, names, scale, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -211,6 +198,23 @@ def test_a_gguf_model_is_converted_once(smollm2_gguf, smollm2_dir, gguf_cache):
     assert vllm_model_dir(smollm2_gguf) == vllm_model_dir(smollm2_gguf.parent) == smollm2_dir
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in smollm2_dir.parent.iterdir()] == [smollm2_dir.name]  # no temporary folder left
+
+
+def test_a_batch_larger_than_one_engine_step_samples_with_seeds(smollm2_dir, smollm2):
+    """More prompt tokens than vLLM's CPU step budget (4,096) and a KV cache that holds them all:
+    120 distinct seeded prompts, as a held-out evaluation sends. With chunked prefill vLLM 0.32
+    split a prefill and crashed ("CPU Generator does not use offset"); the engine prefills prompts
+    whole, and the seeds still give the same completions. (Its own engine, so it runs after the
+    tests of the shared one.)"""
+    model, tokenizer, prompts, _ = smollm2
+    engine = make_engine("vllm", model, tokenizer, model_path=smollm2_dir, dtype="bfloat16", kv_cache_gb=1.0,
+                         max_logprobs=1)
+    many = [f"{prompts[i % len(prompts)]}Problem {i}: what is {i} + {2 * i}? Think step by step." for i in range(120)]
+    params = SamplingParams(temperature=T, max_new_tokens=2, n=1, seed=5)
+    first, second = engine.generate(many, params), engine.generate(many, params)
+    assert sum(len(g.prompt_ids) for g in first) > 4096
+    assert [g.completion_ids for g in first] == [g.completion_ids for g in second]
+    engine.close()
 
 
 def _metrics(run_dir: Path) -> list[dict]:
