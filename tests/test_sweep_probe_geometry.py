@@ -153,7 +153,7 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
     grid = ["--divergences", "tv", "kl", "--estimators", "binary", "topk", "--seeds", "0", "1", "--delta", "0.15"]
     base = {"model": str(micro_model), "steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6,
             "eval_size": 8, "eval_samples": 2, "eval_every": 1, "mini_batch_size": 16, "micro_batch_size": 16,
-            "save_every": 1, "lr": 1e-3}
+            "save_every": 1, "lr": 1e-3, "rollout_dtype": "bfloat16"}  # bf16 rollouts: a mismatch to report
     jobs = plan(base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], delta=0.15)
     assert [(j.cell, j.seed) for j in jobs][:5] == [("tv-binary", 0), ("tv-topk", 0), ("kl-binary", 0),
                                                    ("kl-topk", 0), ("tv-binary", 1)]  # seed by seed
@@ -163,7 +163,7 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
     before = (interrupted.run_dir() / "metrics.jsonl").read_text().splitlines()
 
     assert main(["sweep", "--model", str(micro_model), "--out", str(out), "--workers", "1", "--target", "0.5",
-                 *grid, *MICRO_RUN]) == 0
+                 *grid, *MICRO_RUN, "--rollout_dtype", "bfloat16"]) == 0
     printed = capsys.readouterr().out  # piped: one line per finished run, and where everything went
     assert [line.split()[1] for line in printed.splitlines() if line.startswith("sweep: ") and " runs, last " in line] \
         == [f"{i}/8" for i in range(1, 9)]
@@ -179,6 +179,11 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
     assert float(kl["delta_high"]) == pytest.approx(theory.matched_radii("kl", "binary", 0.15)[1])
     assert float(rows[0]["delta_low"]) == pytest.approx(0.15)
     assert kl["target_reached"] == "0/2"  # the untrained micro model solves nothing
+    # the mismatch column: mean over seeds of each run's mean mismatch/kl_k3 over its (last) steps
+    per_run = [np.mean([r["mismatch/kl_k3"] for r in map(json.loads, (out / f"kl-binary-s{seed}" / "metrics.jsonl")
+                                                          .read_text().splitlines()) if r["step"] > 0])
+               for seed in (0, 1)]
+    assert float(kl["mismatch_kl"]) == pytest.approx(np.mean(per_run), rel=1e-9) and np.mean(per_run) > 0
     assert "| tv-binary | mask | 0.15 / 0.15 | 2 |" in (out / "sweep.md").read_text()
     assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -201,9 +201,12 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
     trainer = Trainer(config, console=console)
     rollout, rollout_stats = trainer.rollout()
     if rollout is None or not rollout.advantages.abs().max() > 0:
+        truncated = rollout_stats.get("rollout/truncated_frac", 0.0)
+        cut = (f"; {truncated:.0%} of the completions hit --max_new_tokens {config.max_new_tokens}: a real model "
+               "may need more (e.g. --max_new_tokens 40 --temperature 0.7 on word-problems)" if truncated >= 0.5 else "")
         raise ValueError("every group of the rollout had equal rewards, so the update would not move the policy: "
                          "use a model that solves some problems (the embedded warm start), more prompts "
-                         "(--prompts_per_step) or a graded reward (--reward_funcs)")
+                         f"(--prompts_per_step) or a graded reward (--reward_funcs){cut}")
     rollout = trainer.prepare(rollout)
     with tempfile.TemporaryDirectory() as scratch:  # mu's weights wait on disk while the update holds AdamW's state
         torch.save(trainer.model.state_dict(), Path(scratch) / "mu.pt")

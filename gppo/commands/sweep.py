@@ -20,7 +20,8 @@ Summary over seeds, per cell (OUT/sweep.csv, OUT/sweep.md, OUT/heatmap.png for a
   divided by the step range: the curve's mean level, in accuracy units.
 - steps_to_target: first evaluated step with avg@k >= target, averaged over the seeds that reach
   it (target_reached counts them).
-- masked_frac, entropy: loss/masked_frac and loss/entropy averaged over the last 10 steps.
+- masked_frac, entropy, mismatch_kl: loss/masked_frac, loss/entropy and mismatch/kl_k3 (the k3
+  estimate of KL(mu || pi_old) on the sampled tokens) averaged over the last 10 steps.
 - train_seconds: sum of perf/step_seconds (rollout + update; evaluations and start-up excluded).
 OUT/curves.png draws, per cell, the mean over seeds of held-out avg@k, rollout reward, the
 mismatch metrics, the masked fraction and the entropy against the step.
@@ -66,7 +67,7 @@ from gppo.trainer.config import add_config_arguments, config_values, from_dict
 from gppo.trainer.logging import MetricsLog
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-LAST_STEPS = 10  # window of the end-of-run averages (masked fraction, entropy)
+LAST_STEPS = 10  # window of the end-of-run averages (masked fraction, entropy, mismatch)
 # Keys the sweep sets itself: base settings may not give them (CLI flag to use instead).
 SET_BY_SWEEP = {"seed": "--seeds", "output_dir": "--out", "preset": "--presets (or the grid)"}
 SET_BY_GRID = {"divergence": "--divergences", "estimator": "--estimators", "delta_low": "--delta",
@@ -234,7 +235,7 @@ def run_stats(run_dir: Path, target: float | None) -> dict:
 
     return {"greedy": evals[-1]["eval/greedy"], "avg_at_k": evals[-1]["eval/avg@k"], "auc": auc,
             "steps_to_target": reached[0] if reached else None, "masked_frac": tail_mean("loss/masked_frac"),
-            "entropy": tail_mean("loss/entropy"),
+            "entropy": tail_mean("loss/entropy"), "mismatch_kl": tail_mean("mismatch/kl_k3"),
             "train_seconds": float(sum(r.get("perf/step_seconds", 0.0) for r in records))}
 
 
@@ -264,7 +265,7 @@ def summarize(jobs: list[Job], target: float | None, per_seed: dict[str, dict[in
         hits = [s["steps_to_target"] for s in stats if s["steps_to_target"] is not None]
         row["steps_to_target"] = float(np.mean(hits)) if hits else None
         row["target_reached"] = f"{len(hits)}/{len(stats)}" if target is not None else None
-        for key in ("masked_frac", "entropy", "train_seconds"):
+        for key in ("masked_frac", "entropy", "mismatch_kl", "train_seconds"):
             row[key] = mean_ci([s[key] for s in stats])[0]
         rows.append(row)
     return rows
@@ -336,14 +337,16 @@ def _pm(row: dict, key: str) -> str:
 def display_rows(rows: list[dict], target: float | None) -> tuple[list[str], list[list[str]]]:
     """Header and formatted cells of the summary table (shared by sweep.md and the console)."""
     header = ["cell", "rule", "δ low / high", "seeds", "greedy", "avg@k", "AUC avg@k",
-              f"steps to {target:g}" if target is not None else "steps to target", "masked", "entropy", "train s"]
+              f"steps to {target:g}" if target is not None else "steps to target", "masked", "entropy", "KL(mu‖pi_old)",
+              "train s"]
     body = []
     for r in rows:
         steps = "" if target is None else (f"{r['steps_to_target']:.0f} ({r['target_reached']})"
                                            if r["steps_to_target"] is not None else "not reached")
         delta = f"{r['delta_low']:.4g} / {r['delta_high']:.4g}" if r["delta_low"] is not None else ""
         body.append([r["cell"], r["rule"], delta, str(r["seeds"]), _pm(r, "greedy"), _pm(r, "avg_at_k"),
-                     _pm(r, "auc"), steps, fmt(r["masked_frac"]), fmt(r["entropy"]), fmt(r["train_seconds"], ".1f")])
+                     _pm(r, "auc"), steps, fmt(r["masked_frac"]), fmt(r["entropy"]), fmt(r["mismatch_kl"], ".3g"),
+                     fmt(r["train_seconds"], ".1f")])
     return header, body
 
 
