@@ -43,3 +43,11 @@ class Flaky:
         if self.calls - 1 in self.failing:
             raise ConnectionError(f"call {self.calls - 1}: the grading service is down")
         return [1.0] * len(completions)
+
+
+def kills_its_process(prompts, completions, **kwargs):
+    """SIGKILL to the process calling it, as the kernel's out-of-memory killer would send."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -277,6 +277,25 @@ def test_sweep_refuses_a_baseline_that_is_no_cell(tmp_path):
         run_sweep({"steps": 1}, tmp_path, [0], ["tv"], ["binary"], baseline="tv-binery", progress=False)
 
 
+def test_a_killed_worker_is_reported_once_and_the_sweep_ends(micro_model, tmp_path):
+    """A worker killed from outside (here by its reward function; in practice the out-of-memory
+    killer) breaks the pool: one message says so and how to resume, every unfinished run is listed
+    as failed, and the summary is still written."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    base = {"model": str(micro_model), "steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3,
+            "eval_size": 4, "eval_every": 0, "reward_funcs": ["tests.reward_fns:kills_its_process"]}
+    printed = StringIO()
+    result = run_sweep(base, tmp_path / "sweep", [0, 1], presets=["gppo"], workers=2, progress=False,
+                       console=Console(file=printed, width=200))
+    assert sorted(result["failed"]) == [str(tmp_path / "sweep" / f"gppo-s{seed}") for seed in (0, 1)]
+    text = printed.getvalue()
+    assert text.count("a worker process died") == 1 and "Rerun the same command" in text
+    assert (tmp_path / "sweep" / "sweep.md").is_file()
+
+
 def test_sweep_cli_names_the_closest_flag(capsys):
     assert main(["sweep", "--divergnces", "kl"]) == 2
     assert "gppo sweep: error: unknown option --divergnces (did you mean --divergences?)" in capsys.readouterr().err

@@ -46,6 +46,7 @@ import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -469,7 +470,7 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     for job in jobs:
         _check_rerun(job)
     todo = [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
-    failed = []
+    failed, failed_errors = [], []
     columns = [TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
     piped = progress and not console.is_terminal  # one plain line per finished run, never cut to a width
@@ -479,9 +480,17 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
         task = bar.add_task("runs", total=len(jobs), completed=len(jobs) - len(todo),
                             info=f"{len(todo)} to run, {min(workers, len(todo))} at a time")
         for job, error in _execute(todo, min(workers, max(len(todo), 1))):
+            if isinstance(error, BrokenProcessPool):  # a worker was killed: every run not finished fails with it
+                if not any(isinstance(e, BrokenProcessPool) for e in failed_errors):
+                    bar.console.print(f"[red]a worker process died[/] (killed from outside, most often by the kernel "
+                                      f"for lack of memory: `dmesg` says; each run takes several GB with a real "
+                                      f"model): the runs not finished stop here. Rerun the same command to resume "
+                                      f"them, with fewer --workers (now {workers}) if memory is short", soft_wrap=True)
+            elif error is not None:
+                bar.console.print(f"[red]failed[/] {job.config.run_dir()}: {error} (see console.log there)")
             if error is not None:
                 failed.append(str(job.config.run_dir()))
-                bar.console.print(f"[red]failed[/] {job.config.run_dir()}: {error} (see console.log there)")
+                failed_errors.append(error)
             bar.update(task, advance=1, info=f"last: {job.cell} seed {job.seed}")
             if piped:
                 done = bar.tasks[0]
