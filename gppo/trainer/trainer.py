@@ -42,7 +42,7 @@ from gppo.trainer.rollout_policy import DTYPES, OffPolicyQueue, RolloutPolicy, m
 _SEED_STRIDE = 1_000_003
 
 
-def default_threads(window_s: float = 0.25) -> int:
+def default_threads(window_s: float = 0.1) -> int:
     """CPU threads to use: the cores not already busy (a second thread on a loaded core makes
     small-model steps several times slower, measured on 2-core machines). Busy cores are measured
     from the CPU time spent outside idle over `window_s` (/proc/stat); the load average, used where
