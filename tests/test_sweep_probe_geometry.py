@@ -195,6 +195,13 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
 
     summaries = sorted(out.glob("*/summary.json"))
     assert len(summaries) == 8
+    # a summary of what has finished, training nothing: one seed of each cell gone -> 1 seed per cell
+    (out / "tv-binary-s1" / "summary.json").rename(out / "tv-binary-s1" / "summary.moved")
+    partial = run_sweep(base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], workers=1, progress=False,
+                        summarize_only=True)
+    assert partial["trained"] == 0 and not (out / "tv-binary-s1" / "summary.json").exists()
+    assert [r["seeds"] for r in partial["rows"]] == [1, 2, 2, 2]
+    (out / "tv-binary-s1" / "summary.moved").rename(out / "tv-binary-s1" / "summary.json")
     stamps = [p.stat().st_mtime_ns for p in summaries]
     rerun = run_sweep(base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], workers=1, progress=False)
     assert (rerun["trained"], rerun["skipped"], rerun["failed"]) == (0, 8, [])

@@ -447,12 +447,13 @@ def write_summary(rows: list[dict], paired: list[dict], baseline: str, out: Path
 # ------------------------------------------------------------------------------ entry point
 def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
               delta: float | None = None, workers: int | None = None, target: float | None = None,
-              baseline: str | None = None, progress: bool = True,
-              console: Console | None = None) -> dict:
+              baseline: str | None = None, progress: bool = True, console: Console | None = None,
+              summarize_only: bool = False) -> dict:
     """Run (or finish) every run of the sweep, then write sweep.csv, contrasts.csv, sweep.md,
     curves.png and, for a grid, heatmap.png into `out`. `baseline` (a cell name; default the
-    first cell) is what the printed paired contrasts subtract. Returns {"rows", "contrasts",
-    "trained", "skipped", "failed"}.
+    first cell) is what the printed paired contrasts subtract; `summarize_only` trains nothing and
+    summarizes the runs finished so far (a sweep still running elsewhere, or stopped). Returns
+    {"rows", "contrasts", "trained", "skipped", "failed"}.
 
     workers > 1 starts worker processes with 'spawn' (fork is unsafe after torch has started its
     thread pools), which re-imports the calling script: guard it with `if __name__ == "__main__":`.
@@ -469,13 +470,16 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
                           f"cells: {', '.join(cells)}")
     for job in jobs:
         _check_rerun(job)
-    todo = [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
+    todo = [] if summarize_only else [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
     failed, failed_errors = [], []
     columns = [TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
     piped = progress and not console.is_terminal  # one plain line per finished run, never cut to a width
-    console.print(f"sweep: {len(jobs)} runs ({len(jobs) - len(todo)} already done), {min(workers, len(todo))} at a "
-                  f"time; each run's files and console.log in {Path(out)}/<cell>-s<seed>/", soft_wrap=True)
+    finished = sum((j.config.run_dir() / "summary.json").is_file() for j in jobs)
+    doing = (f"summarizing those, training none" if summarize_only else
+             f"{min(workers, len(todo))} at a time")
+    console.print(f"sweep: {len(jobs)} runs ({finished} already done), {doing}; each run's files and console.log in "
+                  f"{Path(out)}/<cell>-s<seed>/", soft_wrap=True)
     with Progress(*columns, console=console, disable=not progress or piped) as bar:
         task = bar.add_task("runs", total=len(jobs), completed=len(jobs) - len(todo),
                             info=f"{len(todo)} to run, {min(workers, len(todo))} at a time")
@@ -543,6 +547,7 @@ class SweepOptions:
     baseline: str | None = option(None, "cell the printed paired contrasts subtract, seed by seed (default: the "
                                   "first cell; every pair is in contrasts.csv)", "sweep", example="tv-binary")
     out: str = option("runs/sweep", "sweep directory; rerun the same command to resume", "sweep")
+    summarize_only: bool = option(False, "train nothing: summarize the runs finished so far", "sweep")
 
 
 def parser() -> ArgumentParser:
@@ -564,6 +569,6 @@ CONTINUE_HINT = ("; run the same command again to continue: finished runs are ke
 def run(args) -> int:
     o = SweepOptions(**check(SweepOptions, given(args, SweepOptions), CLI))
     result = run_sweep(config_values(args), o.out, o.seeds, o.divergences, o.estimators, o.presets, o.delta,
-                       o.workers, o.target, o.baseline)
+                       o.workers, o.target, o.baseline, summarize_only=o.summarize_only)
     return 1 if result["failed"] else 0
 
