@@ -103,8 +103,8 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
                  mass_ks=MASS_KS, chunk: int | None = None) -> dict:
     """Per generated token (1-D tensors): q = mu(a), up = pi(a) > mu(a), logratio = log pi(a) - log mu(a),
     the exact TV(pi, mu) 'tv_exact', mu's top-K mass 'mass@K', 'engine_gap' = |log mu(a) - the log-prob
-    the rollout engine recorded|, and every estimate, keyed (divergence, estimator). top_k, top_p and alpha come from `config`; `chunk` sequences per pass (default:
-    `chunk_rows`)."""
+    the rollout engine recorded|, and every estimate, keyed (divergence, estimator). top_k, top_p and
+    alpha come from `config`; `chunk` sequences per pass (default: `chunk_rows`)."""
     parts = defaultdict(list)
     chunk = chunk or chunk_rows(rollout, mu_model.get_output_embeddings().weight.shape[0])
     for index in torch.arange(rollout.size, device=rollout.input_ids.device).split(chunk):
@@ -215,7 +215,7 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
         trainer.model.zero_grad(set_to_none=True)
         mu_weights = copy.deepcopy(trainer.model)
         mu_weights.load_state_dict(torch.load(Path(scratch) / "mu.pt", mmap=True))
-    rollout_dtype = config.rollout_dtype or config.dtype
+    rollout_dtype = config.sampling_dtype()
     mu_model = RolloutPolicy(mu_weights, DTYPES[rollout_dtype], config.rollout_quantization).model
     del mu_weights  # the rollout copy (when the dtype differs) is all that is needed
     loss_config = config.gppo_config()

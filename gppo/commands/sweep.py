@@ -471,7 +471,7 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     for job in jobs:
         _check_rerun(job)
     todo = [] if summarize_only else [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
-    failed, failed_errors = [], []
+    failed, pool_died = [], False
     columns = [TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
     piped = progress and not console.is_terminal  # one plain line per finished run, never cut to a width
@@ -485,7 +485,8 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
                             info=f"{len(todo)} to run, {min(workers, len(todo))} at a time")
         for job, error in _execute(todo, min(workers, max(len(todo), 1))):
             if isinstance(error, BrokenProcessPool):  # a worker was killed: every run not finished fails with it
-                if not any(isinstance(e, BrokenProcessPool) for e in failed_errors):
+                if not pool_died:
+                    pool_died = True
                     bar.console.print(f"[red]a worker process died[/] (killed from outside, most often by the kernel "
                                       f"for lack of memory: `dmesg` says; each run takes several GB with a real "
                                       f"model): the runs not finished stop here. Rerun the same command to resume "
@@ -494,7 +495,6 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
                 bar.console.print(f"[red]failed[/] {job.config.run_dir()}: {error} (see console.log there)")
             if error is not None:
                 failed.append(str(job.config.run_dir()))
-                failed_errors.append(error)
             bar.update(task, advance=1, info=f"last: {job.cell} seed {job.seed}")
             if piped:
                 done = bar.tasks[0]

@@ -215,6 +215,10 @@ class TrainConfig:
             raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
                               f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false")
 
+    def sampling_dtype(self) -> str:
+        """The dtype the engine samples in: `rollout_dtype`, unset meaning the training `dtype`."""
+        return self.rollout_dtype or self.dtype
+
     def compiles_vllm(self) -> bool:
         """`vllm_compile`, its unset default resolved from the run's sampling budget (docs/vllm.md:
         the compile's start-up cost is repaid after some 25,000-50,000 sampled tokens)."""

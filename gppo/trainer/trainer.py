@@ -157,7 +157,7 @@ class Trainer:
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
-        rollout_dtype = config.rollout_dtype or config.dtype
+        rollout_dtype = config.sampling_dtype()
         copy_dtype = rollout_dtype if config.engine == "hf" else config.dtype  # vLLM loads its own copy
         self.rollout_policy = RolloutPolicy(self.model, _dtype(copy_dtype), config.rollout_quantization,
                                             separate=config.overlaps_rollouts() and config.engine == "hf")
