@@ -64,6 +64,7 @@ def test_run_stats_by_hand(tmp_path):
     # trapezoid: 6 * (0.2 + 0.6) / 2 + 6 * (0.6 + 0.5) / 2 = 5.7 over 12 steps
     assert stats["auc"] == pytest.approx(5.7 / 12)
     assert (stats["greedy"], stats["avg_at_k"], stats["steps_to_target"]) == (0.7, 0.5, 6)
+    assert (stats["start_greedy"], stats["start_avg_at_k"]) == (0.1, 0.2)
     assert stats["masked_frac"] == pytest.approx(0.01 * np.mean(range(3, 13)))  # last 10 steps
     assert stats["entropy"] == pytest.approx(1.0 + np.mean(range(3, 13)))
     assert stats["train_seconds"] == pytest.approx(24.0)
@@ -185,6 +186,11 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
                for seed in (0, 1)]
     assert float(kl["mismatch_kl"]) == pytest.approx(np.mean(per_run), rel=1e-9) and np.mean(per_run) > 0
     assert "| tv-binary | mask | 0.15 / 0.15 | 2 |" in (out / "sweep.md").read_text()
+    # where the cell started: the mean over seeds of each run's step-0 evaluation, shown as start -> end
+    starts = [json.loads((out / f"kl-binary-s{seed}" / "metrics.jsonl").read_text().splitlines()[0])
+              for seed in (0, 1)]
+    assert float(kl["start_avg_at_k"]) == pytest.approx(np.mean([r["eval/avg@k"] for r in starts]))
+    assert f"| {float(kl['start_greedy']):.3f} → {float(kl['greedy']):.3f}" in (out / "sweep.md").read_text()
     assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     paired = read_csv(out / "contrasts.csv")

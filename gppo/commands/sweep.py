@@ -16,6 +16,8 @@ which bound them from above: their estimates are >= binary's, so they move no fu
 Summary over seeds, per cell (OUT/sweep.csv, OUT/sweep.md, OUT/heatmap.png for a grid):
 - greedy, avg_at_k: held-out accuracy at the last evaluation; mean +- ci, where ci is the half
   width of the 95% t-interval t_{0.975, n-1} s / sqrt(n) over the n seeds (s: sample std).
+  start_greedy, start_avg_at_k: the same at the first evaluation (step 0 unless resumed from a
+  checkpoint of another run), mean over the seeds: where the cell started.
 - auc: area under eval/avg@k against the step (trapezoid over evaluated steps, step 0 included)
   divided by the step range: the curve's mean level, in accuracy units.
 - steps_to_target: first evaluated step with avg@k >= target, averaged over the seeds that reach
@@ -235,6 +237,7 @@ def run_stats(run_dir: Path, target: float | None) -> dict:
         return float(np.mean(values)) if values else math.nan
 
     return {"greedy": evals[-1]["eval/greedy"], "avg_at_k": evals[-1]["eval/avg@k"], "auc": auc,
+            "start_greedy": evals[0]["eval/greedy"], "start_avg_at_k": evals[0]["eval/avg@k"],
             "steps_to_target": reached[0] if reached else None, "masked_frac": tail_mean("loss/masked_frac"),
             "entropy": tail_mean("loss/entropy"), "mismatch_kl": tail_mean("mismatch/kl_k3"),
             "train_seconds": float(sum(r.get("perf/step_seconds", 0.0) for r in records))}
@@ -266,7 +269,7 @@ def summarize(jobs: list[Job], target: float | None, per_seed: dict[str, dict[in
         hits = [s["steps_to_target"] for s in stats if s["steps_to_target"] is not None]
         row["steps_to_target"] = float(np.mean(hits)) if hits else None
         row["target_reached"] = f"{len(hits)}/{len(stats)}" if target is not None else None
-        for key in ("masked_frac", "entropy", "mismatch_kl", "train_seconds"):
+        for key in ("start_greedy", "start_avg_at_k", "masked_frac", "entropy", "mismatch_kl", "train_seconds"):
             row[key] = mean_ci([s[key] for s in stats])[0]
         rows.append(row)
     return rows
@@ -335,9 +338,14 @@ def _pm(row: dict, key: str) -> str:
     return fmt(row[key]) + (f" ± {ci}" if ci else "")
 
 
+def _start_end(row: dict, key: str) -> str:
+    """'start → end ± ci' of a held-out accuracy (empty for a cell with no finished seed)."""
+    return f"{fmt(row[f'start_{key}'])} → {_pm(row, key)}" if row["seeds"] else ""
+
+
 def display_rows(rows: list[dict], target: float | None) -> tuple[list[str], list[list[str]]]:
     """Header and formatted cells of the summary table (shared by sweep.md and the console)."""
-    header = ["cell", "rule", "δ low / high", "seeds", "greedy", "avg@k", "AUC avg@k",
+    header = ["cell", "rule", "δ low / high", "seeds", "greedy start → end", "avg@k start → end", "AUC avg@k",
               f"steps to {target:g}" if target is not None else "steps to target", "masked", "entropy", "KL(mu‖pi_old)",
               "train s"]
     body = []
@@ -345,7 +353,7 @@ def display_rows(rows: list[dict], target: float | None) -> tuple[list[str], lis
         steps = "" if target is None else (f"{r['steps_to_target']:.0f} ({r['target_reached']})"
                                            if r["steps_to_target"] is not None else "not reached")
         delta = f"{r['delta_low']:.4g} / {r['delta_high']:.4g}" if r["delta_low"] is not None else ""
-        body.append([r["cell"], r["rule"], delta, str(r["seeds"]), _pm(r, "greedy"), _pm(r, "avg_at_k"),
+        body.append([r["cell"], r["rule"], delta, str(r["seeds"]), _start_end(r, "greedy"), _start_end(r, "avg_at_k"),
                      _pm(r, "auc"), steps, fmt(r["masked_frac"]), fmt(r["entropy"]), fmt(r["mismatch_kl"], ".3g"),
                      fmt(r["train_seconds"], ".1f")])
     return header, body
