@@ -51,3 +51,17 @@ def kills_its_process(prompts, completions, **kwargs):
     import signal
 
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class VariesOnce:
+    """Completion lengths as rewards on the first call (a gradient), then 0 for every completion."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, prompts, completions, **kwargs):
+        self.calls += 1
+        return [0.01 * len(c) for c in completions] if self.calls == 1 else [0.0] * len(completions)
+
+
+varies_once = VariesOnce()

@@ -162,6 +162,29 @@ def test_keep_checkpoints_0_deletes_them_once_the_run_has_finished(micro_model, 
     assert (tmp_path / "run" / "final" / "config.json").exists() and (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_an_update_without_gradient_moves_the_weights_only_when_not_skipped(micro_model, tmp_path, skip):
+    """Step 1 has varying rewards, step 2 equal ones (gradient exactly 0): AdamW's momentum from step 1
+    still moves the weights at step 2 unless skip_zero_gradient_updates is set."""
+    from tests import reward_fns
+
+    def final_weights(steps):
+        reward_fns.varies_once.calls = 0
+        trainer = Trainer(micro_config(micro_model, tmp_path / f"run{steps}", steps=steps, eval_every=0, save_every=0,
+                                       epochs=1, reward_funcs=["tests.reward_fns:varies_once"],
+                                       skip_zero_gradient_updates=skip))
+        trainer.train()
+        return [p.detach().clone() for p in trainer.model.parameters()], trainer.scheduler.last_epoch
+
+    after_one, updates_one = final_weights(1)
+    after_two, updates_two = final_weights(2)
+    step_two = json.loads((tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert step_two["optim/grad_norm"] == 0.0 and step_two["rollout/zero_variance_groups"] == 1.0
+    unchanged = all(torch.equal(a, b) for a, b in zip(after_one, after_two))
+    assert unchanged == skip
+    assert updates_two == (updates_one if skip else 2 * updates_one)  # the lr schedule counts the updates taken
+
+
 @pytest.mark.parametrize("changes", [{}, dict(off_policy_steps=1, rollout_dtype="bfloat16", rollout_quantization="int8")])
 def test_resume_reaches_the_same_parameters(micro_model, tmp_path, changes):
     """Also off-policy: the rollout sampled ahead at step 1 is restored from the checkpoint."""

@@ -151,6 +151,10 @@ class TrainConfig:
     warmup_steps: int = _opt(0, "optimizer steps of linear warm-up", "update", ge=0)
     weight_decay: float = _opt(0.0, "AdamW weight decay", "update", ge=0)
     max_grad_norm: float = _opt(1.0, "gradient clipping norm (0: off)", "update", ge=0)
+    skip_zero_gradient_updates: bool = _opt(
+        False, "skip an optimizer update whose gradient is exactly 0 (every group's rewards equal, or every "
+        "token masked), lr schedule included: AdamW would move the weights by momentum alone (docs/results.md §13)",
+        "update")
 
     # evaluation
     eval_every: int = _opt(20, "evaluate every N steps (and before and after training; 0: only then)",

@@ -412,6 +412,9 @@ class Trainer:
             if not math.isfinite(value):
                 self.diverged = f"{name} is {value}, so training stopped before applying that update"
                 return {"loss": total, "grad_norm": grad_norm}
+        if grad_norm == 0 and c.skip_zero_gradient_updates:  # nothing learned: no move by momentum either
+            return {"loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+                    "weight_norm": self.weight_norm}
         self.optimizer.step()
         self.scheduler.step()
         before, self.weight_norm = self.weight_norm, _total_norm(self.model.parameters())
