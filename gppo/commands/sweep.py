@@ -478,16 +478,15 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
                           f"cells: {', '.join(cells)}")
     for job in jobs:
         _check_rerun(job)
-    todo = [] if summarize_only else [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
+    unfinished = [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
+    todo = [] if summarize_only else unfinished
     failed, pool_died = [], False
     columns = [TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
     piped = progress and not console.is_terminal  # one plain line per finished run, never cut to a width
-    finished = sum((j.config.run_dir() / "summary.json").is_file() for j in jobs)
-    doing = (f"summarizing those, training none" if summarize_only else
-             f"{min(workers, len(todo))} at a time")
-    console.print(f"sweep: {len(jobs)} runs ({finished} already done), {doing}; each run's files and console.log in "
-                  f"{Path(out)}/<cell>-s<seed>/", soft_wrap=True)
+    doing = "summarizing those, training none" if summarize_only else f"{min(workers, len(todo))} at a time"
+    console.print(f"sweep: {len(jobs)} runs ({len(jobs) - len(unfinished)} already done), {doing}; each run's files "
+                  f"and console.log in {Path(out)}/<cell>-s<seed>/", soft_wrap=True)
     with Progress(*columns, console=console, disable=not progress or piped) as bar:
         task = bar.add_task("runs", total=len(jobs), completed=len(jobs) - len(todo),
                             info=f"{len(todo)} to run, {min(workers, len(todo))} at a time")

@@ -412,16 +412,14 @@ class Trainer:
             if not math.isfinite(value):
                 self.diverged = f"{name} is {value}, so training stopped before applying that update"
                 return {"loss": total, "grad_norm": grad_norm}
-        if grad_norm == 0 and c.skip_zero_gradient_updates:  # nothing learned: no move by momentum either
-            return {"loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                    "weight_norm": self.weight_norm}
-        self.optimizer.step()
-        self.scheduler.step()
-        before, self.weight_norm = self.weight_norm, _total_norm(self.model.parameters())
-        if not self.weight_norm <= WEIGHT_GROWTH_LIMIT * before:  # also catches nan and inf
-            self.diverged = (f"optim/weight_norm went from {before:.4g} to {self.weight_norm:.4g} in one update "
-                             f"(more than {WEIGHT_GROWTH_LIMIT:g}x: the update exploded), so training stopped "
-                             f"without saving it")
+        if grad_norm != 0 or not c.skip_zero_gradient_updates:  # skipped: nothing learned, no move by momentum
+            self.optimizer.step()
+            self.scheduler.step()
+            before, self.weight_norm = self.weight_norm, _total_norm(self.model.parameters())
+            if not self.weight_norm <= WEIGHT_GROWTH_LIMIT * before:  # also catches nan and inf
+                self.diverged = (f"optim/weight_norm went from {before:.4g} to {self.weight_norm:.4g} in one "
+                                 f"update (more than {WEIGHT_GROWTH_LIMIT:g}x: the update exploded), so training "
+                                 f"stopped without saving it")
         return {"loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
                 "weight_norm": self.weight_norm}
 
