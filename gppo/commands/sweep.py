@@ -346,8 +346,8 @@ def _start_end(row: dict, key: str) -> str:
 def display_rows(rows: list[dict], target: float | None) -> tuple[list[str], list[list[str]]]:
     """Header and formatted cells of the summary table (shared by sweep.md and the console)."""
     header = ["cell", "rule", "δ low / high", "seeds", "greedy start → end", "avg@k start → end", "AUC avg@k",
-              f"steps to {target:g}" if target is not None else "steps to target", "masked", "entropy", "KL(mu‖pi_old)",
-              "train s"]
+              f"steps to {target:g}" if target is not None else "steps to target",
+              "masked", "entropy", "KL(mu‖pi_old)", "train s"]
     body = []
     for r in rows:
         steps = "" if target is None else (f"{r['steps_to_target']:.0f} ({r['target_reached']})"
