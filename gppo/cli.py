@@ -14,7 +14,7 @@ import signal
 import sys
 
 from gppo.commands import COMMANDS
-from gppo.core.divergences import closest
+from gppo.core import closest
 
 # ConfigError, GPPOConfigError and GPPOInputError are ValueErrors; OSError covers missing files,
 # permissions and a full disk.

@@ -31,8 +31,7 @@ from typing import Annotated, Any, Callable, Literal
 import pydantic
 import yaml
 
-from gppo.core.config import GPPOConfig
-from gppo.core.divergences import closest
+from gppo.core import GPPOConfig, closest
 
 NONE_WORDS = ("none", "null")
 TRUE_WORDS = ("true", "yes", "1")

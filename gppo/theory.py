@@ -23,8 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gppo.core.divergences import Divergence, divergence as _divergence
-from gppo.core.estimators import ESTIMATORS
+from gppo.core import ESTIMATORS, Divergence, divergence as _divergence
 
 
 def _div(div: str | Divergence, **params) -> Divergence:

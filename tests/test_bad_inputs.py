@@ -18,7 +18,7 @@ from gppo.commands.eval import EvalConfig
 from gppo.evaluation import evaluate
 from gppo.options import CLI, ConfigError, convert, load_yaml, specs, yaml_source
 from gppo.rewards.pipeline import RewardPipeline
-from gppo.tasks.base import Problem
+from gppo.problem import Problem
 from gppo.trainer.config import TrainConfig, config_values, from_dict
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -370,3 +370,11 @@ def test_a_broken_plugin_is_an_error_naming_it(monkeypatch):
 def test_lookup_names_the_closest_entry():
     with pytest.raises(ValueError, match="unknown rule 'sqe-mask' \\(did you mean 'seq-mask'\\?\\); choose one of"):
         gppo.RULES.lookup("sqe-mask")
+
+
+def test_gppo_config_has_one_field_per_parameter_in_the_params_table():
+    from dataclasses import fields
+    from gppo.core.params import PARAMS
+    declared = [f.name for f in fields(gppo.GPPOConfig) if f.metadata.get("param")]
+    assert declared == list(PARAMS)
+    assert gppo.core.PARAM_DEFAULTS["top_k"] == 20 and gppo.core.PARAM_DEFAULTS["truncation"] is None

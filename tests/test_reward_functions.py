@@ -8,7 +8,7 @@ import time
 import pytest
 
 from gppo.rewards.pipeline import RewardFunctionError, RewardPipeline, load_function
-from gppo.tasks.base import Problem
+from gppo.problem import Problem
 from tests import reward_fns
 
 PROBLEMS = [Problem("1+1=", "2")] * 2

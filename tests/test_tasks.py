@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gppo.models.embedded import build_tokenizer
 from gppo.tasks import TASKS, AdditionTask, CountdownTask, get_task, heldout_problems
-from gppo.tasks.base import Problem
+from gppo.problem import Problem
 from gppo.tasks.countdown import evaluate
 
 

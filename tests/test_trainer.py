@@ -15,7 +15,7 @@ from gppo.rewards.pipeline import RewardPipeline, load_function, overlong_penalt
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
 from gppo.tasks import get_task
-from gppo.tasks.base import Problem
+from gppo.problem import Problem
 from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.batch import policy_outputs, rollout_from_generations, token_batch
 from gppo.trainer.config import from_dict

@@ -9,7 +9,7 @@ estimate D-hat with the exact full-vocabulary D_f(pi || mu) (estimator 'full') o
 - bias: mean(D-hat - D_f);
 - spearman: rank correlation of D-hat and D_f over tokens (ties share their average rank);
 - disagree: fraction of tokens where (D-hat > delta) != (D_f > delta), overall and per
-  mu-probability bucket of the sampled token (`gppo.core.loss.Q_BUCKETS`); delta is the
+  mu-probability bucket of the sampled token (`gppo.core.Q_BUCKETS`); delta is the
   divergence's matched radius (`gppo.theory.matched_radii`, the binary/full radii), delta_high
   where pi(a) > mu(a) and delta_low elsewhere, as the directional mask uses them;
 - violations: tokens where a lower-bound estimator (all but 'sample', which is not a bound)
@@ -54,8 +54,7 @@ from rich.console import Console
 import gppo
 from gppo import ESTIMATORS
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
-from gppo.core.config import PARAM_DEFAULTS, drop_unused
-from gppo.core.loss import Q_BUCKETS, q_buckets
+from gppo.core import PARAM_DEFAULTS, Q_BUCKETS, drop_unused, q_buckets
 from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.theory import matched_radii

@@ -60,8 +60,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gppo import ESTIMATORS
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
 from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
-from gppo.core.config import drop_unused
-from gppo.core.divergences import closest
+from gppo.core import closest, drop_unused
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, TrainConfig, Trainer

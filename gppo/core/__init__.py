@@ -1,15 +1,20 @@
-"""The GPPO objective: pure tensor math (PyTorch only, no I/O, no trainer imports)."""
+"""The GPPO objective: pure tensor math (PyTorch only, no I/O, no trainer imports).
+
+Everything outside `gppo.core` imports the names below, never a submodule of core."""
 
 from gppo.core.batch import GPPOInputError, TokenBatch, gather_logp
-from gppo.core.config import PRESETS, GPPOConfig, GPPOConfigError, Preset, preset
+from gppo.core.config import PRESETS, GPPOConfig, GPPOConfigError, Preset, drop_unused, preset
 from gppo.core.divergences import DIVERGENCES, Divergence, divergence, register_divergence
 from gppo.core.estimators import ESTIMATORS, Estimator, register_estimator
-from gppo.core.loss import aggregate, estimate, policy_loss, reference_kl
+from gppo.core.loss import Q_BUCKETS, aggregate, estimate, policy_loss, q_buckets, reference_kl
+from gppo.core.params import PARAM_DEFAULTS
+from gppo.core.registry import closest
 from gppo.core.rules import RULES, Rule, RuleContext, RuleOutput, register_rule
 
 __all__ = [
-    "DIVERGENCES", "ESTIMATORS", "PRESETS", "RULES", "Divergence", "Estimator", "GPPOConfig",
-    "GPPOConfigError", "GPPOInputError", "Preset", "Rule", "RuleContext", "RuleOutput", "TokenBatch",
-    "aggregate", "divergence", "estimate", "gather_logp", "policy_loss", "preset", "reference_kl",
-    "register_divergence", "register_estimator", "register_rule",
+    "DIVERGENCES", "ESTIMATORS", "PARAM_DEFAULTS", "PRESETS", "Q_BUCKETS", "RULES", "Divergence",
+    "Estimator", "GPPOConfig", "GPPOConfigError", "GPPOInputError", "Preset", "Rule", "RuleContext",
+    "RuleOutput", "TokenBatch", "aggregate", "closest", "divergence", "drop_unused", "estimate",
+    "gather_logp", "policy_loss", "preset", "q_buckets", "reference_kl", "register_divergence",
+    "register_estimator", "register_rule",
 ]

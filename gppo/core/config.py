@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 from gppo.core.divergences import DIVERGENCES
 from gppo.core.estimators import ESTIMATORS
+from gppo.core.params import PARAM_DEFAULTS, PARAM_FIELDS, PARAMS
 from gppo.core.registry import closest
 from gppo.core.rules import RULES
 
@@ -70,13 +71,14 @@ def _doc(text, **kw):
     return field(metadata=_Metadata(text if callable(text) else lambda: text), **kw)
 
 
-def _param(name: str, text: str, default=None):
-    """A point parameter: None until the point uses it, then `default` unless given."""
+def _param(name: str):
+    """A point parameter (`params.PARAMS`): None until the point uses it, then its default unless given."""
     def help_text():
+        default = PARAMS[name].default
         shown = "" if default is None else f"; default {default}"
-        return (f"{text} (parameter of {'; '.join(_users(name)) or 'no registered entry'}{shown}; "
-                "an error for other points)")
-    return field(default=None, metadata=_Metadata(help_text, param=True, default=default))
+        return (f"{PARAMS[name].help} (parameter of {'; '.join(_users(name)) or 'no registered entry'}"
+                f"{shown}; an error for other points)")
+    return field(default=None, metadata=_Metadata(help_text, param=True))
 
 
 def _names(registry) -> str:
@@ -89,32 +91,25 @@ class GPPOConfig:
 
     divergence: str | None = _doc(lambda: f"f-divergence of the trust region: {_names(DIVERGENCES)} "
                                   "(None for rules that use no estimate)", default="tv")
-    alpha: float | None = _param("alpha", "alpha of divergence 'alpha'")
+    alpha: float | None = _param("alpha")
     estimator: str | None = _doc(lambda: f"how D_f is estimated per token: {_names(ESTIMATORS)} "
                                  "(None for rules that use no estimate)", default="sample")
     rule: str = _doc(lambda: f"trust-region rule: {_names(RULES)}", default="clip")
-    delta_low: float | None = _param("delta_low", "radius for tokens whose probability the update "
-                                     "lowers (A<0, r<1)", 0.1)
-    delta_high: float | None = _param("delta_high", "radius for tokens whose probability the update "
-                                      "raises (A>0, r>1); sequence rules use it as their single "
-                                      "radius", 0.1)
+    delta_low: float | None = _param("delta_low")
+    delta_high: float | None = _param("delta_high")
     anchor: str = _doc("trust-region centre: 'behavior' (rollout log-probs mu) or 'old' "
                        "(recomputed pi_old)", default="behavior")
     loss_agg_mode: str = _doc("aggregation: " + ", ".join(LOSS_AGG_MODES), default="token-mean")
     norm_length: int | None = _doc("constant length L of seq-mean-token-sum-norm (None: the "
                                    "batch's T)", default=None)
-    top_k: int | None = _param("top_k", "K of mu's top-K recorded at rollout", 20)
-    top_p: float | None = _param("top_p", "nucleus mass P", 0.95)
-    truncation: float | None = _param("truncation", "cap C on the importance weight min(r, C) "
-                                      "(CISPO/TIS); None disables")
-    dual_clip: float | None = _param("dual_clip", "dual-clip constant c > 1 for A<0; None disables")
-    clip_bounds: str | None = _param("clip_bounds", "ratio interval of rule clip: 'region' (from "
-                                     "divergence x estimator x delta) or 'dcpo' (DCPO's "
-                                     "probability-dependent bounds, eps = delta)", "region")
-    tau_pos: float | None = _param("tau_pos", "SAPO gate temperature for A>0", 1.0)
-    tau_neg: float | None = _param("tau_neg", "SAPO gate temperature for A<0", 1.05)
-    seq_reduce: str | None = _param("seq_reduce", "reduce token divergences of a sequence by 'max' "
-                                    "or 'mean'", "max")
+    top_k: int | None = _param("top_k")
+    top_p: float | None = _param("top_p")
+    truncation: float | None = _param("truncation")
+    dual_clip: float | None = _param("dual_clip")
+    clip_bounds: str | None = _param("clip_bounds")
+    tau_pos: float | None = _param("tau_pos")
+    tau_neg: float | None = _param("tau_neg")
+    seq_reduce: str | None = _param("seq_reduce")
     kl_coef: float = _doc("coefficient beta of the KL penalty to the reference model",
                           default=0.0)
     kl_estimator: str = _doc("KL penalty estimator: k1, k2, k3 or full (exact, needs logits)",
@@ -156,18 +151,7 @@ class GPPOConfig:
         return [f.name for f in fields(cls)]
 
 
-PARAM_FIELDS = tuple(f.name for f in fields(GPPOConfig) if f.metadata.get("param"))
-PARAM_DEFAULTS = MappingProxyType({f.name: f.metadata["default"] for f in fields(GPPOConfig)
-                                   if f.metadata.get("param")})
 _HINTS = typing.get_type_hints(GPPOConfig)
-
-
-def check_params(owner: str, params) -> None:
-    """A registry entry may declare only GPPOConfig parameter fields as its parameters."""
-    bad = [p for p in params if p not in PARAM_FIELDS]
-    if bad:
-        raise ValueError(f"{owner} declares parameters {bad}, which are not GPPOConfig parameter "
-                         f"fields; choose among {list(PARAM_FIELDS)}")
 
 
 def _check_type(name: str, value):

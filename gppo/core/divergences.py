@@ -24,7 +24,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from gppo.core.registry import Registry, closest  # noqa: F401  (closest: imported from here project-wide)
+from gppo.core.registry import Registry
 
 _LOG2 = math.log(2.0)
 

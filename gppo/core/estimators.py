@@ -32,6 +32,7 @@ import torch
 from gppo.core.batch import TokenBatch, require
 from gppo.core.divergences import Divergence, log1mexp, upcast, work_dtype
 from gppo.core.regions import bisect_interval, cell_interval, sample_interval
+from gppo.core.params import check_params
 from gppo.core.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (docs/design.md section 1)
@@ -307,8 +308,6 @@ def register_estimator(name: str, *, needs=(), anchor=("token",), params=(), per
     per_token=True: fn(div, logp, logq) -> D-hat of the sampled token from its log-probs alone; its
     trust region is then a ratio interval (rules clip and geo-mean accept it, gppo.theory plots it).
     """
-    from gppo.core.config import check_params  # config imports this module
-
     ESTIMATORS.check_new(name)
     batch_fields = {f.name for f in fields(TokenBatch)}
     unknown = [n for n in needs if n not in batch_fields]

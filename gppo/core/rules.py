@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from gppo.core.estimators import ESTIMATORS, run_estimator
 from gppo.core.regions import dcpo_interval
+from gppo.core.params import check_params
 from gppo.core.registry import Registry
-
-if TYPE_CHECKING:  # config validates against this module's registry
-    from gppo.core.config import GPPOConfig
 
 
 @dataclass
 class RuleContext:
     """Per-token quantities shared by the rules ([B,T], float32 or float64)."""
 
-    config: GPPOConfig
+    config: object  # GPPOConfig (config imports this module's registry)
     batch: object  # TokenBatch
     adv: torch.Tensor
     valid: torch.Tensor  # bool
@@ -241,8 +239,6 @@ def register_rule(name: str, *, params=(), uses_estimate: bool = True, ratio_int
     (D-hat, when uses_estimate) and interval() (when ratio_interval), and ctx.config; `params` are
     the GPPOConfig fields fn reads (e.g. ("delta_high", "truncation")).
     """
-    from gppo.core.config import check_params  # config imports this module
-
     RULES.check_new(name)
     check_params(f"rule {name!r}", params)
     if estimators is not None:

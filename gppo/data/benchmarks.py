@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gppo.core.divergences import closest
+from gppo.core import closest
 from gppo.data.loaders import (MATH_INSTRUCTION, DataRecord, LoadResult, get_field, map_rows, read_rows,
                                reference_answer)
 from gppo.rewards.code import AssertTest, io_tests

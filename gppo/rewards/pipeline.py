@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from gppo.core.registry import closest
-from gppo.tasks.base import Problem
+from gppo.core import closest
+from gppo.problem import Problem
 
 MAX_REWARD = 1e6  # |reward| bound: squares of rewards stay far inside float32 in the advantage std
 MAX_FAILURES = 3  # default: failing calls in a row of one reward function before the run stops

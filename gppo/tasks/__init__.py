@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 
-from gppo.core.divergences import closest
+from gppo.core import closest
 from gppo.tasks.arithmetic import AdditionTask
-from gppo.tasks.base import Problem, Task
+from gppo.problem import Problem
+from gppo.tasks.base import Task
 from gppo.tasks.countdown import CountdownTask
 from gppo.tasks.word_problems import WordProblemTask
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from gppo.tasks.base import Problem
+from gppo.problem import Problem
 
 
 class AdditionTask:

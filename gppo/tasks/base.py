@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Protocol
 
-
-@dataclass(frozen=True)
-class Problem:
-    """One verifiable problem. `answer` is the reference the verifier compares against."""
-
-    prompt: str | list[dict]  # text, or chat messages (data files; see gppo.prompts)
-    answer: str
-    metadata: dict = field(default_factory=dict, compare=False, hash=False)
+from gppo.problem import Problem
 
 
 class Task(Protocol):

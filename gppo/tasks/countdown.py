@@ -16,7 +16,7 @@ import random
 import re
 from collections import Counter
 
-from gppo.tasks.base import Problem
+from gppo.problem import Problem
 
 _ALLOWED = re.compile(r"[0-9+\-*/() ]+")
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}

@@ -15,7 +15,7 @@ import random
 import re
 
 from gppo.rewards.math import extract_answer
-from gppo.tasks.base import Problem
+from gppo.problem import Problem
 
 NAMES = ("Tom", "Mia", "Ali", "Sara", "Ben", "Lena", "Omar", "Yuki", "Ravi", "Anna")
 ITEMS = ("apples", "books", "marbles", "pencils", "cookies", "stickers", "cards", "shells")

@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from gppo.advantages import ADVANTAGE_ESTIMATORS
-from gppo.core.divergences import closest
-from gppo.core.config import GPPOConfig, GPPOConfigError, preset as build_preset
-from gppo.core.estimators import ESTIMATORS
+from gppo.core import ESTIMATORS, GPPOConfig, GPPOConfigError, closest, preset as build_preset
 from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptConfig, check_prompt_template
 from gppo.trainer.data import DataOptions
 from gppo.options import (CLI, ConfigError, Source, add_arguments, check, check_device, check_engine,

@@ -14,7 +14,8 @@ from gppo.data.loaders import DataRecord, load_training_data
 from gppo.rewards.code import score_code
 from gppo.rewards.math import score_math
 from gppo.tasks import get_task, heldout_problems
-from gppo.tasks.base import Problem, Task
+from gppo.problem import Problem
+from gppo.tasks.base import Task
 
 
 class TaskSource:
