@@ -132,6 +132,16 @@ HEDGES = [
     (["3", "4"], "3 \\leq x \\leq 4", "a relation (\\leq)"),
     (["3", "4"], "3 \\neq 4", "a relation (\\neq)"),
     (["3"], "x \\sim 3", "a relation (\\sim)"),
+    (["3", "4"], "3 \\mid 4", "a relation (\\mid)"),
+    (["3", "4"], "3 \\nmid 4", "a relation (\\nmid)"),
+    (["3", "4"], "3 | 4", "a relation (|)"),
+    (["3", "4"], "3 ∣ 4", "a relation (∣)"),
+    (["3", "4"], "3 \\not= 4", "a relation (\\not)"),
+    (["3", "4"], "3 \\supset 4", "a relation (\\supset)"),
+    (["3", "4"], "3 \\ni 4", "a relation (\\ni)"),
+    (["3", "4"], "3 \\parallel 4", "a relation (\\parallel)"),
+    (["3", "4"], "3 \\perp 4", "a relation (\\perp)"),
+    (["3", "4"], "3 \\prec 4", "a relation (\\prec)"),
     (["3", "4"], "3 \\lor 4", "a disjunction (\\lor)"),
     (["3", "4"], "3 \\vee 4", "a disjunction (\\vee)"),
     (["3", "4"], "3 \\text{ or } 4", "a disjunction (or)"),
@@ -164,7 +174,7 @@ def test_hedges_that_math_verify_alone_would_accept():
     from math_verify import parse, verify
 
     for gold, answer in [("3", "4 = 3"), ("4", "3 \\lor 4"), ("3", "x \\approx 3"), ("4", "3 \\\\ 4"),
-                         ("4", "3 (or 4)")]:
+                         ("4", "3 (or 4)"), ("4", "3 \\mid 4"), ("4", "3 | 4")]:
         assert verify(parse(f"${gold}$", parsing_timeout=None), parse(f"${answer}$", parsing_timeout=None),
                       timeout_seconds=None), (gold, answer)
 
@@ -183,6 +193,9 @@ HONEST = [
     ("3", "3 \\\\"),  # a trailing line break is layout
     ("\\infty", "\\infty"),  # \in is not \infty
     ("\\frac{1}{2}", "\\left(\\frac{1}{2}\\right)"),  # \le is not \left
+    ("4", "|-4|"),  # bars in pairs are an absolute value
+    ("4", "\\left| -4 \\right|"),
+    ("3 \\mid 12", "3 \\mid 12"),  # the gold is itself a relation
     ("x=3", "3"),
     ("y = 2x+1", "y = 2x + 1"),
     ("(1, 2)", "(1,2)"),
@@ -222,6 +235,14 @@ def test_anchored_answers_are_checked_too():
     ("3 OR 4", "", "a disjunction (OR)"),
     ("\\text{Gordon}", "", None),
     ("3 \\\\ ", "", None),
+    ("3 \\mid 4", "3 \\mid 12", None),
+    ("3 \\not\\equiv 4", "", "a relation (\\not)"),
+    ("3 \\ltimes 4", "", None),
+    ("\\middle", "", None),
+    ("|x| + |y|", "", None),
+    ("\\|v\\| + \\left\\| w \\right\\|", "", None),
+    ("\\left. x^2 \\right|_0^1", "", None),
+    ("|x| | 4", "", "a relation (|)"),
 ])
 def test_hedge_form_reads_commands_whole(answer, gold, form):
     assert hedge_form(answer, gold) == form

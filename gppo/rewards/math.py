@@ -17,7 +17,9 @@ read as 3, `3 \\lor 4` and `3 \\\\ 4` as 4, `x \\approx 3` as 3), so an answer o
 would score 1 against either. When the gold is a single value (a number or expression, or
 `x = value` with a bare variable on the left), the answer is a hedge if it is
 
-- a relation other than `=`: `<`, `>`, `\\le`, `\\ge`, `\\ne`, `\\approx`, `\\sim`, `\\in`, ...;
+- a relation other than `=` (one table, `_RELATION_COMMANDS` and `_RELATION_SYMBOLS`): `<`, `\\le`,
+  `\\ne`, `\\not`, `\\approx`, `\\equiv`, `\\mid` (`3 \\mid 4`), `\\in`, `\\subset`, `\\parallel`,
+  `\\perp`, ..., or a bar without its pair (`3 | 4`; `|x|` is an absolute value);
 - a disjunction: `\\lor`, `\\vee`, `\\pm`, the word "or" ("3 or 4", "3 (or 4)");
 - a case split: `\\begin{cases}`, the words "if", "otherwise", "else", "unless", "when";
 - several lines: `\\\\`, `\\newline`;
@@ -123,14 +125,44 @@ def _last_box(text: str) -> str | None:
     return None if last is None else text[last[0]:last[1]]
 
 
-# Hedged forms found in the answer's text, because math-verify's parse drops them (module docstring).
+# Relations other than `=`, the one table of them: an answer stating one (`3 \\mid 4`, `x \\le 3`)
+# relates values rather than giving one, and math-verify keeps one of its sides.
+_RELATION_COMMANDS = (
+    "lt", "gt", "le", "leq", "leqq", "leqslant", "ge", "geq", "geqq", "geqslant", "ll", "gg", "lesssim", "gtrsim",
+    "lessgtr", "gtrless", "nless", "ngtr", "nleq", "ngeq", "prec", "preceq", "succ", "succeq",  # order
+    "ne", "neq", "not", "approx", "approxeq", "simeq", "sim", "nsim", "cong", "ncong", "doteq", "equiv", "asymp",
+    "propto",  # (in)equality up to something
+    "mid", "nmid", "shortmid", "nshortmid",  # divisibility
+    "in", "notin", "ni", "owns", "subset", "subseteq", "subsetneq", "nsubseteq", "supset", "supseteq", "supsetneq",
+    "nsupseteq", "sqsubset", "sqsubseteq", "sqsupset", "sqsupseteq",  # sets
+    "parallel", "nparallel", "perp",  # geometry
+)
+_RELATION_SYMBOLS = "<>≤≥≦≧⩽⩾≪≫≺≻≠≈≃∼≅≡≍∝∣∤∈∉∋⊂⊆⊊⊄⊈⊃⊇⊋⊅⊉∥∦⊥"
 # A command must not run on into letters: `\\le` is not `\\left`, `\\in` is not `\\infty`.
+_RELATION = re.compile(f"[{re.escape(_RELATION_SYMBOLS)}]|\\\\(?:{'|'.join(_RELATION_COMMANDS)})(?![A-Za-z])")
+_SIZED_BAR = re.compile(r"\\(?:left|right|middle|[bB]igg?[lrm]?)\s*\||\\\|")  # \left| ... \right|, a norm \|
+
+
+def _relation(text: str) -> str | None:
+    """The first relation of the table in `text`, or "|" for an unpaired bar (`3 | 4` divides;
+    bars in pairs are absolute values)."""
+    found = _RELATION.search(text)
+    if found:
+        return found.group()
+    return "|" if _SIZED_BAR.sub("", text).count("|") % 2 else None
+
+
+def _search(pattern: re.Pattern):
+    """A finder: the text of the pattern's first match in a text, or None."""
+    return lambda text: (found := pattern.search(text)) and found.group()
+
+
+# Hedged forms found in the answer's text, because math-verify's parse drops them (module docstring).
 _HEDGE_FORMS = (
-    ("a case split", re.compile(r"\\begin\{cases\}|\b(?:if|otherwise|else)\b", re.IGNORECASE)),
-    ("a disjunction", re.compile(r"\\(?:lor|vee|pm|mp)(?![A-Za-z])|\bor\b|[±∓∨]", re.IGNORECASE)),
-    ("a relation", re.compile(r"[<>≤≥≠≈∼≅∈]|\\(?:le|leq|leqslant|lt|ge|geq|geqslant|gt|ne|neq|approx|approxeq|"
-                              r"simeq|sim|cong|doteq|equiv|propto|ll|gg|in|notin|subset|subseteq)(?![A-Za-z])")),
-    ("several lines", re.compile(r"\\\\|\\newline(?![A-Za-z])")),
+    ("a case split", _search(re.compile(r"\\begin\{cases\}|\b(?:if|otherwise|else)\b", re.IGNORECASE))),
+    ("a disjunction", _search(re.compile(r"\\(?:lor|vee|pm|mp)(?![A-Za-z])|\bor\b|[±∓∨]", re.IGNORECASE))),
+    ("a relation", _relation),
+    ("several lines", _search(re.compile(r"\\\\|\\newline(?![A-Za-z])"))),
 )
 
 
@@ -138,10 +170,10 @@ def hedge_form(answer: str, gold: str = "") -> str | None:
     """The hedged form in an answer's LaTeX (a case split, a disjunction, a relation other than `=`,
     several lines) that the gold's LaTeX does not have, as "a relation (\\approx)"; else None."""
     answer = re.sub(r"(?:\\\\|\s)+$", "", answer)  # a trailing line break is layout
-    for name, pattern in _HEDGE_FORMS:
-        found = pattern.search(answer)
-        if found and not pattern.search(gold):
-            return f"{name} ({found.group()})"
+    for name, find in _HEDGE_FORMS:
+        found = find(answer)
+        if found and not find(gold):
+            return f"{name} ({found})"
     return None
 
 
