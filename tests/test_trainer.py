@@ -311,7 +311,7 @@ def test_default_threads_counts_the_cores_busy_in_proc_stat(monkeypatch):
     import builtins
     import io
 
-    from gppo.trainer import trainer as trainer_module
+    from gppo import threads as trainer_module
 
     samples = iter(["cpu  1000 0 500 8000 500 0 0 0 0 0\n", "cpu  1200 0 600 8080 520 0 0 0 0 0\n"])
     real_open = builtins.open

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import time
 from collections import defaultdict
@@ -31,6 +30,7 @@ from gppo.prompts import PromptBuilder
 from gppo.options import load_yaml, resolve_device
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import SamplingParams, make_engine
+from gppo.threads import default_threads
 from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations, token_batch
 from gppo.trainer.checkpoint import (RunError, RunLock, atomic_write_text, latest_checkpoint, load_checkpoint,
                                      remove_stale_temps, save_checkpoint, save_final, set_aside, set_rng_state)
@@ -40,34 +40,6 @@ from gppo.trainer.logging import MetricsLog, accuracy_summary, plot_curves, stor
 from gppo.trainer.rollout_policy import DTYPES, OffPolicyQueue, RolloutPolicy, mismatch_metrics
 
 _SEED_STRIDE = 1_000_003
-
-
-def default_threads(window_s: float = 0.1) -> int:
-    """CPU threads to use: the cores not already busy (a second thread on a loaded core makes
-    small-model steps several times slower, measured on 2-core machines). Busy cores are measured
-    from the CPU time spent outside idle over `window_s` (/proc/stat); the load average, used where
-    /proc/stat is missing, also counts tasks waiting on I/O, and read 1 on an idle 2-core VM."""
-    cores = os.cpu_count() or 1
-    try:
-        busy = _busy_cores(window_s)
-    except OSError:
-        busy = os.getloadavg()[0]
-    return max(1, cores - round(busy))
-
-
-def _busy_cores(window_s: float) -> float:
-    """Cores busy on average over `window_s`: (1 - idle share of the CPU time) x cores, from the
-    aggregate 'cpu' line of /proc/stat (fields user nice system idle iowait ...; idle + iowait idle)."""
-    def sample():
-        with open("/proc/stat") as stat:
-            values = [int(v) for v in stat.readline().split()[1:]]
-        return sum(values), values[3] + values[4]
-    total0, idle0 = sample()
-    time.sleep(window_s)
-    total1, idle1 = sample()
-    if total1 <= total0:
-        return 0.0
-    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
 
 
 def _dtype(name: str) -> torch.dtype:
