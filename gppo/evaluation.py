@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
@@ -47,27 +46,7 @@ from gppo.rewards.code import Limits, score_code
 from gppo.report import markdown_table, print_table
 from gppo.rewards.math import score_math
 from gppo.rollout.base import Generation, RolloutEngine, SamplingParams
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from c correct out of n samples: 1 - C(n-c, k)/C(n, k), as a stable product."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def avg_at_k(scores: Sequence[Sequence[float]]) -> float:
-    """Mean over problems of the mean score of each problem's k samples."""
-    if not scores or any(len(s) == 0 for s in scores):
-        raise ValueError("avg@k needs at least one problem and one sample per problem")
-    return sum(sum(s) / len(s) for s in scores) / len(scores)
-
-
-def standard_error(values: Sequence[float]) -> float:
-    """Standard error of the mean: sample standard deviation (n - 1) / sqrt(n); NaN below 2 values."""
-    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+from gppo.stats import avg_at_k, pass_at_k, standard_error
 
 
 # lm-evaluation-harness's GSM8K flexible-extract pattern; its last match is the answer.
@@ -386,5 +365,5 @@ def evaluate_problems(engine: RolloutEngine, problems: Sequence, verifier, promp
             "eval/problems": len(problems)}
 
 
-__all__ = ["BenchmarkSummary", "CompletionProgress", "avg_at_k", "evaluate", "evaluate_problems", "flexible_answer",
-           "k_values", "pass_at_k", "same_number", "standard_error"]
+__all__ = ["BenchmarkSummary", "CompletionProgress", "evaluate", "evaluate_problems", "flexible_answer", "k_values",
+           "same_number"]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gppo.evaluation import avg_at_k, evaluate, flexible_answer, k_values, pass_at_k, same_number, standard_error
+from gppo.evaluation import evaluate, flexible_answer, k_values, same_number
+from gppo.stats import avg_at_k, pass_at_k, standard_error
 from gppo.rollout.base import Generation, SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"

@@ -62,6 +62,7 @@ from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP,
 from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.core import closest, drop_unused
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
+from gppo.stats import mean_ci
 from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, TrainConfig, Trainer
 from gppo.trainer.checkpoint import latest_checkpoint
@@ -76,34 +77,6 @@ SET_BY_GRID = {"divergence": "--divergences", "estimator": "--estimators", "delt
                "delta_high": "--delta"}
 GRID_POINT = {"preset": "gppo", "rule": "mask", "anchor": "behavior"}  # base settings may override rule, anchor
 IGNORED_ON_RERUN = ("threads", "progress")  # may differ between a run and its rerun
-
-# t_{0.975, df} for df = 1..30 (two-sided 95%); larger df use the expansion in `t_quantile_975`.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
-_Z975 = 1.959964
-
-
-def t_quantile_975(df: int) -> float:
-    """Student-t 97.5% quantile: table for df <= 30, else z + (z^3 + z)/(4 df) + (5z^5 + 16z^3 + 3z)/(96 df^2)
-    (Abramowitz & Stegun 26.7.5; error < 1e-3 for df > 30)."""
-    if df < 1:
-        raise ValueError(f"df must be >= 1 (got {df})")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-def mean_ci(values) -> tuple[float, float]:
-    """(mean, half width of the 95% t-interval) of the finite values; NaN where undefined."""
-    x = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
-    if len(x) == 0:
-        return math.nan, math.nan
-    if len(x) == 1:
-        return float(x[0]), math.nan
-    return float(x.mean()), t_quantile_975(len(x) - 1) * float(x.std(ddof=1)) / math.sqrt(len(x))
-
 
 @dataclass(frozen=True)
 class Job:

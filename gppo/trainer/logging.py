@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from gppo.report import pyplot, save_figure
+from gppo.stats import difference_standard_error
 from gppo.trainer.checkpoint import atomic_write_text, no_space_is_an_error
 
 
@@ -160,7 +161,7 @@ def accuracy_summary(before: dict, after: dict, steps: int, samples: int) -> str
         return text + "; not comparable: the two evaluations used different held-out sets (--eval_size changed)"
     if "eval/greedy_se" in before and "eval/greedy_se" in after:
         change = after["eval/greedy"] - before["eval/greedy"]
-        bound = 2 * math.sqrt(before["eval/greedy_se"] ** 2 + after["eval/greedy_se"] ** 2)
+        bound = 2 * difference_standard_error(before["eval/greedy_se"], after["eval/greedy_se"])
         text += f"; greedy change {change:+.3f} ± {bound:.3f} (2 SE)"
     return text
 
