@@ -61,4 +61,4 @@ def mean_ci(values) -> tuple[float, float]:
         return math.nan, math.nan
     if len(x) == 1:
         return float(x[0]), math.nan
-    return float(x.mean()), t_quantile_975(len(x) - 1) * float(x.std(ddof=1)) / math.sqrt(len(x))
+    return float(x.mean()), t_quantile_975(len(x) - 1) * standard_error(x.tolist())
