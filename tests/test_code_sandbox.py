@@ -750,8 +750,9 @@ def test_values_outside_plain_data_score_zero(make, test):
     ("def f():\n    return 10 ** 30\n", AssertTest("assert f() == 10 ** 30 + 1")),
     ("print(10 ** 20)", StdioTest("", str(10 ** 20 + 1))),
     ("print(True)", StdioTest("", "1")),
+    ("print(1000404.0)", StdioTest("", "1000405")),
 ], ids=["big-int-call", "float-for-big-int", "True-for-1", "1-for-True", "True-in-list", "big-int-assert",
-        "big-int-stdio", "True-stdio"])
+        "big-int-stdio", "True-stdio", "near-float-for-int-stdio"])
 def test_near_misses_score_zero(program, test):
     assert run_test(program, test, FAST).status is CaseStatus.WRONG_ANSWER
 
@@ -772,6 +773,17 @@ def test_near_misses_score_zero(program, test):
 ])
 def test_call_results_compare_by_type(got, expected, same):
     assert sandbox._same_value(got, expected) is same
+
+
+@pytest.mark.parametrize("got, expected, same", [
+    ("1000404.0", "1000405", False), ("1000404.9999999", "1000405", False),  # an expected int: exact
+    ("1000405.0", "1000405", True), ("1.000405e6", "1000405", True), ("1000405", "1000405", True),
+    ("1000404.5", "1000405.0", True), ("1000403", "1000405.0", False),  # an expected float: within 1e-6
+    ("0.333333333", "0.3333333333", True), ("1", "1.0000001", True), ("1.0000001", "1", False),
+    ("0", "1e-7", True), ("1e-7", "0", False),
+])
+def test_stdio_numbers_take_the_tolerance_only_for_an_expected_float(got, expected, same):
+    assert sandbox._same_stdout(f"{got}\n", expected) is same
 
 
 PLAIN = [None, True, False, 0, -7, 10 ** 400, -(2 ** 100), 0.1, -0.0, float("inf"), 1e-310, complex(1, -2), "",

@@ -11,8 +11,8 @@ model): docs/sandbox.md.
 
 Outputs of stdin/stdout tests are compared token by token (any run of whitespace separates
 tokens, so trailing spaces and newlines do not matter); two numeric tokens also match when they
-are equal as decimals or, if either has a fraction or exponent, within 1e-6 (absolute or
-relative). Call results: see `_same_value`. Problems needing a special checker (several valid
+are equal as decimals or, if the expected token is a float (has a fraction or exponent), within
+1e-6 (absolute or relative): see `_same_number`. Call results: see `_same_value`. Problems needing a special checker (several valid
 answers) are not supported.
 """
 
@@ -395,16 +395,20 @@ def _same_stdout(got: str, expected: str) -> bool:
     return len(a) == len(b) and all(x == y or _same_number(x, y) for x, y in zip(a, b))
 
 
-def _same_number(a: str, b: str) -> bool:
+def _same_number(got: str, expected: str) -> bool:
+    """Two numeric tokens match when equal as decimals, exactly (`2.0` or `2e0` for an expected `2`,
+    as Python's `2.0 == 2`), or within 1e-6 (absolute or relative) when the expected token is a
+    float (has a fraction or exponent). An expected integer takes no tolerance: `1000404.0` fails
+    for `1000405`."""
     try:
-        x, y = Decimal(a), Decimal(b)
+        x, y = Decimal(got), Decimal(expected)
     except InvalidOperation:
         return False
     if not (x.is_finite() and y.is_finite()):
         return False
     if x == y:
         return True
-    if not any(c in s for s in (a, b) for c in ".eE"):
+    if not any(c in expected for c in ".eE"):
         return False
     return abs(x - y) <= Decimal("1e-6") * max(Decimal(1), abs(y))
 
