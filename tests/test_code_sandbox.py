@@ -781,6 +781,7 @@ def test_call_results_compare_by_type(got, expected, same):
     ("1000404.5", "1000405.0", True), ("1000403", "1000405.0", False),  # an expected float: within 1e-6
     ("0.333333333", "0.3333333333", True), ("1", "1.0000001", True), ("1.0000001", "1", False),
     ("0", "1e-7", True), ("1e-7", "0", False),
+    ("1e9999999", "0.5", False), ("-1e9999999", "1e5", False), ("1e-9999999", "0.0", True),  # beyond Decimal's range
 ])
 def test_stdio_numbers_take_the_tolerance_only_for_an_expected_float(got, expected, same):
     assert sandbox._same_stdout(f"{got}\n", expected) is same
