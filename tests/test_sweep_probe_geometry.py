@@ -20,7 +20,8 @@ from gppo import theory
 from gppo.cli import main
 from gppo.theory import matched_radii
 from gppo.commands.probe import average_ranks, faithfulness, spearman
-from gppo.commands.sweep import cell_curve, contrast_table, contrasts, plan, run_stats, run_sweep
+from gppo.commands.sweep import contrast_table, contrasts, plan, run_stats, run_sweep
+from gppo.commands.sweep_plots import cell_curve
 from gppo.stats import mean_ci, t_quantile_975
 from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.config import from_dict
