@@ -260,3 +260,45 @@ def test_binary_estimate_stays_finite_when_a_probability_rounds_to_one(name):
     assert torch.isfinite(est).all() and (est > 0).all()
     loss, metrics = gppo.policy_loss(batch, cfg)
     assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_precomputed_vocabulary_reductions_equal_the_logits_path():
+    """TokenBatch.full_estimate / kl_ref_full / entropy (computed by the caller, e.g. chunk by chunk
+    from hidden states) give the loss, gradient and metrics of the [B,T,V] logits path."""
+    torch.manual_seed(0)
+    B, T, V = 3, 5, 7
+    logits = torch.randn(B, T, V, dtype=torch.float64, requires_grad=True)
+    log_mu = torch.log_softmax(torch.randn(B, T, V, dtype=torch.float64), -1)
+    log_ref = torch.log_softmax(torch.randn(B, T, V, dtype=torch.float64), -1)
+    ids = torch.randint(0, V, (B, T))
+    mask = torch.ones(B, T)
+    mask[0, 3:] = 0
+    config = gppo.preset("dppo-binary-kl", estimator="full", kl_coef=0.3, kl_estimator="full")
+    common = dict(logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0],
+                  advantages=torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64), mask=mask)
+
+    log_pi = torch.log_softmax(logits, -1)
+    logp = log_pi.gather(-1, ids[..., None])[..., 0]
+    via_logits = gppo.TokenBatch(logp=logp, logits=logits, logp_behavior_full=log_mu, logp_ref_full=log_ref,
+                                 **common)
+    loss_a, metrics_a = gppo.policy_loss(via_logits, config)
+    (grad_a,) = torch.autograd.grad(loss_a, logits, retain_graph=True)
+
+    pi = log_pi.exp()  # direct sums, written here: KL(pi || mu), KL(pi || ref), entropy
+    reduced = gppo.TokenBatch(
+        logp=logp, full_estimate=(log_mu.exp() * (log_mu - log_pi)).sum(-1).detach(),
+        kl_ref_full=(pi * (log_pi - log_ref)).sum(-1), entropy=-(pi * log_pi).sum(-1), **common)
+    loss_b, metrics_b = gppo.policy_loss(reduced, config)
+    (grad_b,) = torch.autograd.grad(loss_b, logits)
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_b, grad_a, rtol=1e-10, atol=1e-12)
+    assert metrics_b.keys() == metrics_a.keys()
+    for name in metrics_a:
+        assert metrics_b[name] == pytest.approx(metrics_a[name], rel=1e-6, abs=1e-9), name  # entropy: float32
+
+
+def test_full_estimator_names_both_ways_to_feed_it():
+    batch = gppo.TokenBatch(logp=torch.zeros(1, 2) - 1, logp_behavior=torch.zeros(1, 2) - 1,
+                            advantages=torch.ones(1), mask=torch.ones(1, 2))
+    with pytest.raises(gppo.GPPOInputError, match="TokenBatch.logits is missing.*or TokenBatch.full_estimate"):
+        gppo.estimate(gppo.preset("dppo-binary-tv", estimator="full"), batch)

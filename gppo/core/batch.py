@@ -36,6 +36,12 @@ class TokenBatch:
             full log-distribution (estimator 'full').
         logp_ref [B,T]: reference-model log-probs (KL penalty k1/k2/k3);
         logp_ref_full [B,T,V]: reference log-distribution (exact KL penalty, kl_estimator='full').
+    Per-token reductions over the vocabulary, computed by the caller one chunk of tokens at a time
+    (`gppo.token_stats` from hidden states), in place of the [B,T,V] fields above:
+        entropy [B,T]: the current policy's entropy (the entropy metric; differentiable);
+        full_estimate [B,T]: exact D_f(pi || anchor) of the config's divergence over the
+            vocabulary (estimator 'full' reads it instead of logits and the anchor's distribution);
+        kl_ref_full [B,T]: exact KL(pi || ref) (kl_estimator='full'; differentiable).
     """
 
     logp: torch.Tensor
@@ -53,6 +59,9 @@ class TokenBatch:
     logp_old_full: torch.Tensor | None = None
     logp_ref: torch.Tensor | None = None
     logp_ref_full: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    full_estimate: torch.Tensor | None = None
+    kl_ref_full: torch.Tensor | None = None
 
     @property
     def token_mask(self) -> torch.Tensor:
@@ -82,11 +91,17 @@ HOW_TO_RECORD = {
     "logp_old_full": "recompute pi_old's full log-distribution [B,T,V]",
     "logp_ref": "compute the reference model's log-probs of the sampled tokens",
     "logp_ref_full": "compute the reference model's full log-distribution [B,T,V]",
+    "entropy": "pass the policy's per-token entropy [B,T] (gppo.token_stats(..., entropy=True)) or logits",
+    "full_estimate": "pass the exact per-token D_f [B,T] (gppo.token_stats(..., anchor_log_probs=, "
+    "divergence=config.divergence_fn)) or the logits and the anchor's full log-distribution",
+    "kl_ref_full": "pass the exact per-token KL(pi || ref) [B,T] (gppo.token_stats(..., "
+    "ref_log_probs=)) or the logits and logp_ref_full",
 }
 
 _LOGPROB_FIELDS = ("logp", "logp_behavior", "logp_old", "logp_ref")
 _TOPK_FIELDS = ("topk_logp_behavior", "topk_logp", "topk_logp_old")
 _FULL_FIELDS = ("logits", "logp_behavior_full", "logp_old_full", "logp_ref_full")
+_REDUCED_FIELDS = ("entropy", "full_estimate", "kl_ref_full")  # [B,T], >= 0
 # A log-prob above this is not rounding (bf16 arithmetic near |x| ~ 20 errs by < 0.07): it is a
 # probability > 1.1, e.g. logits or a negative log-likelihood passed as log-probs.
 LOGP_MAX = 0.1
@@ -112,7 +127,7 @@ def validate(batch: TokenBatch) -> None:
     if batch.logp.dim() != 2:
         raise GPPOInputError(f"TokenBatch.logp must be [B,T], got shape {tuple(batch.logp.shape)}")
     bt = tuple(batch.logp.shape)
-    for name in ("logp_behavior", "mask", "logp_old", "token_ids", "logp_ref"):
+    for name in ("logp_behavior", "mask", "logp_old", "token_ids", "logp_ref", *_REDUCED_FIELDS):
         value = getattr(batch, name)
         if value is not None and tuple(value.shape) != bt:
             raise GPPOInputError(
@@ -154,6 +169,10 @@ def validate(batch: TokenBatch) -> None:
     checks = {"mask holds values other than 0 and 1": ((batch.mask != 0) & (batch.mask != 1)).any()}
     checks["mask is empty"] = ~valid.any()
     for name in _LOGPROB_FIELDS:
+        value = getattr(batch, name)
+        if value is not None:
+            checks[f"TokenBatch.{name} is not finite"] = (~torch.isfinite(value) & valid).any()
+    for name in _REDUCED_FIELDS:
         value = getattr(batch, name)
         if value is not None:
             checks[f"TokenBatch.{name} is not finite"] = (~torch.isfinite(value) & valid).any()

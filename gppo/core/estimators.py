@@ -221,6 +221,8 @@ class Estimator:
     sampled token's log-probs alone: its region is then a ratio interval (clip-style rules, theory),
     computed by `interval(div, q, delta_low, delta_high)` when a closed form is given, by
     `constant_interval(div, delta_low, delta_high)` when it does not depend on q, else by bisection.
+    `precomputed`: a TokenBatch field holding the estimate computed by the caller (the full
+    estimator's vocabulary sum, done chunk by chunk from hidden states): used instead of `compute`.
     """
 
     name: str
@@ -232,6 +234,7 @@ class Estimator:
     token_estimate: Callable | None = None
     interval: Callable | None = None
     constant_interval: Callable | None = None
+    precomputed: str | None = None  # a TokenBatch field that, when given, is the estimate itself
 
     @property
     def needs_rollout_topk(self) -> bool:
@@ -293,7 +296,8 @@ for _est in (
               ("top_k", "top_p"), "exact D_f on mu's nucleus (mass top_p, at most K) u {sampled} u {rest}"),
     Estimator("full", lambda div, batch, anchor, config: full_estimate(
                   div, batch.logits, anchor.full_logq, batch.mask, config.full_chunk_size),
-              ("logits",), ("full",), (), "exact D_f over the whole vocabulary"),
+              ("logits",), ("full",), (), "exact D_f over the whole vocabulary",
+              precomputed="full_estimate"),
 ):
     ESTIMATORS.add(_est.name, _est, builtin=True)
 
@@ -338,9 +342,12 @@ def run_estimator(config, batch: TokenBatch, div: Divergence | None = None) -> t
     """D-hat [B,T] for `config.estimator` (0 at masked-out positions), without gradient; float32,
     or float64 when the inputs are."""
     est = ESTIMATORS.lookup(config.estimator)
-    require(batch, est.batch_fields(config.anchor),
-            f"estimator {config.estimator!r} with anchor={config.anchor!r}")
-    anchor = anchor_of(batch, config.anchor)
+    given = getattr(batch, est.precomputed) if est.precomputed is not None else None
     with torch.no_grad():
-        value = est.compute(div or config.divergence_fn, batch, anchor, config)
+        if given is not None:
+            return torch.where(batch.token_mask, upcast(given.detach()), 0.0)
+        require(batch, est.batch_fields(config.anchor),
+                f"estimator {config.estimator!r} with anchor={config.anchor!r}"
+                + (f" (or TokenBatch.{est.precomputed})" if est.precomputed else ""))
+        value = est.compute(div or config.divergence_fn, batch, anchor_of(batch, config.anchor), config)
         return torch.where(batch.token_mask, upcast(value), 0.0)

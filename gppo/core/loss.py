@@ -58,11 +58,14 @@ def reference_kl(batch: TokenBatch, estimator: str) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate [B,T], differentiable through logp (or logits for 'full').
 
     With x = log p - log p_ref: k1 = x, k2 = x^2 / 2, k3 = exp(-x) - 1 + x (Schulman 2020);
-    full = sum_v pi_v (log pi_v - log ref_v), exact over the vocabulary.
+    full = sum_v pi_v (log pi_v - log ref_v), exact over the vocabulary (from TokenBatch.kl_ref_full
+    when the caller computed it, else from logits and logp_ref_full).
     """
     valid = batch.token_mask
+    if estimator == "full" and batch.kl_ref_full is not None:
+        return torch.where(valid, upcast(batch.kl_ref_full), 0.0)
     if estimator == "full":
-        require(batch, ["logits", "logp_ref_full"], "kl_estimator='full'")
+        require(batch, ["logits", "logp_ref_full"], "kl_estimator='full' (or TokenBatch.kl_ref_full)")
         log_pi = torch.log_softmax(torch.where(valid[..., None], upcast(batch.logits), 0.0), dim=-1)
         log_ref = torch.where(valid[..., None], upcast(batch.logp_ref_full), 0.0)
         pi = log_pi.exp()
@@ -201,7 +204,9 @@ def _metrics(ctx: RuleContext, out, pg_loss: torch.Tensor, kl: torch.Tensor | No
             values["divergence/max"] = torch.where(valid, est, 0.0).max()
         if kl is not None:
             values["kl_ref"] = (kl.detach() * vf).sum() / n
-        if ctx.batch.logits is not None:
+        if ctx.batch.entropy is not None:
+            values["entropy"] = torch.where(valid, ctx.batch.entropy.detach().float(), 0.0).sum() / n
+        elif ctx.batch.logits is not None:
             values["entropy"] = entropy_from_logits(ctx.batch.logits, valid, ctx.config.full_chunk_size)
         names = list(values)
         numbers = torch.stack([values[k].float().reshape(()) for k in names]
