@@ -41,10 +41,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from gppo.data.benchmarks import Benchmark, BenchmarkProblem, get_benchmark, load_benchmark
 from gppo.data.loaders import RowError
+from gppo.data.scoring import score
 from gppo.prompts import PromptBuilder
-from gppo.rewards.code import Limits, score_code
+from gppo.rewards.code import Limits
 from gppo.report import markdown_table, print_table
-from gppo.rewards.math import score_math
 from gppo.rollout.base import Generation, RolloutEngine, SamplingParams
 from gppo.stats import avg_at_k, pass_at_k, standard_error
 
@@ -290,8 +290,9 @@ def _score(bench: Benchmark, problem: BenchmarkProblem, gens: list[Generation], 
     try:
         if len(gens) != sampling["n"]:
             raise RuntimeError(f"the engine returned {len(gens)} completions instead of n={sampling['n']}")
+        results = score(bench.kind, texts, [problem.answer] * len(texts), [problem.tests] * len(texts),
+                        math_timeout_s=math_timeout_s, code_limits=code_limits)
         if bench.kind == "math":
-            results = score_math(texts, [problem.answer] * len(texts), timeout_s=math_timeout_s)
             samples = [{"reward": r.reward, "verdict": r.verdict.value, "extracted": r.answer,
                         "error": r.error} for r in results]
             if bench.flexible:
@@ -299,7 +300,6 @@ def _score(bench: Benchmark, problem: BenchmarkProblem, gens: list[Generation], 
                     answer = flexible_answer(text)
                     sample.update(flexible=answer, flexible_correct=same_number(answer, problem.answer))
         else:
-            results = score_code(texts, [problem.tests] * len(texts), limits=code_limits)
             samples = [{"reward": r.reward, "statuses": [c.status.value for c in r.cases], "error": r.error,
                         "detail": next((c.detail for c in r.cases if c.detail), None)} for r in results]
     except Exception as e:  # one problem's failure must not end the evaluation

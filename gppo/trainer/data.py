@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from gppo.data.loaders import DataRecord, load_training_data
-from gppo.rewards.code import score_code
-from gppo.rewards.math import score_math
+from gppo.data.scoring import SCORED_KINDS, score
 from gppo.tasks import get_task, heldout_problems
 from gppo.problem import Problem
 from gppo.tasks.base import Task
@@ -77,14 +76,12 @@ def record_to_problem(record: DataRecord) -> Problem:
 def record_verifier(problems: Sequence[Problem], completions: Sequence[str]) -> list[float]:
     """Math answers through math-verify, code through the sandbox; in batches of each kind."""
     scores = [0.0] * len(problems)
-    for kind in ("math", "code"):
+    for kind in SCORED_KINDS:
         idx = [i for i, p in enumerate(problems) if p.metadata.get("kind") == kind]
         if not idx:
             continue
-        if kind == "math":
-            results = score_math([completions[i] for i in idx], [problems[i].answer for i in idx])
-        else:
-            results = score_code([completions[i] for i in idx], [problems[i].metadata["tests"] for i in idx])
+        results = score(kind, [completions[i] for i in idx], [problems[i].answer for i in idx],
+                        [problems[i].metadata["tests"] for i in idx])
         for i, result in zip(idx, results):
             scores[i] = float(result.reward)
     return scores
