@@ -2,6 +2,7 @@
 importable), errors that name the file / module and the function, and failing or hanging functions
 that stop the run with their text instead of silently scoring 0."""
 
+import math
 import threading
 import time
 
@@ -132,6 +133,64 @@ def test_a_wrong_length_result_is_a_failing_call_and_zero_never_stops():
     never = pipeline(reward_fns.raises, max_failures=0)
     with pytest.warns(RuntimeWarning):
         assert [score(never) for _ in range(5)] == [[0.0, 0.0]] * 5
+
+
+class Scripted:
+    """Gives its outcomes in turn, one per call: a list of values, or an exception to raise."""
+
+    def __init__(self, *outcomes):
+        self.outcomes = iter(outcomes)
+
+    def __call__(self, prompts, completions, **kwargs):
+        outcome = next(self.outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+@pytest.mark.parametrize("fn, first", [
+    (reward_fns.raises, "the call raised RuntimeError: this reward function is broken"),
+    (reward_fns.half_nan, "sample 1 gave nan"),
+    (Scripted([1.0, None]), "sample 1 gave None"),
+    (Scripted([1.0, "n/a"]), "sample 1 gave 'n/a' (ValueError: "),
+    (Scripted([[1.0], 1e9]), "sample 0 gave [1.0] (TypeError: "),
+], ids=["raises", "nan", "None", "text", "list"])
+def test_the_warning_shows_the_first_failure(fn, first):
+    with pytest.warns(RuntimeWarning, match=r"samples gave no finite reward .*; they get 0\. The first: ") as caught:
+        score(pipeline(fn, max_failures=0))
+    assert first in str(caught[0].message), caught[0].message
+
+
+@pytest.mark.parametrize("values, last, cause", [
+    (["n/a", "n/a"], "sample 0 gave 'n/a' (ValueError: ", ValueError),
+    ([None, None], "sample 0 gave None", None),
+    ([math.nan, math.inf], "sample 0 gave nan", None),
+])
+def test_a_function_failing_on_every_sample_stops_the_run_as_one_that_raises(values, last, cause):
+    p = pipeline(Scripted(*[values] * 3), max_failures=3)
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match="2 of 2 samples"):
+            assert score(p) == [0.0, 0.0]
+    with pytest.raises(RewardFunctionError, match=r"reward function flaky failed on 3 calls in a row, the last with "
+                                                  r"no usable value from any of its 2 samples, the first: ") as err:
+        score(p)
+    assert last in str(err.value) and "--reward_fn_max_failures (0: never stop)" in str(err.value)
+    assert type(err.value.__cause__) is cause or (cause is None and err.value.__cause__ is None)
+    never = pipeline(Scripted(*[values] * 5), max_failures=0)
+    with pytest.warns(RuntimeWarning):
+        assert [score(never) for _ in range(5)] == [[0.0, 0.0]] * 5
+
+
+def test_raising_calls_and_calls_without_a_usable_value_make_one_row_that_a_usable_value_ends():
+    down = ConnectionError("the grading service is down")
+    p = pipeline(Scripted(down, [None, None], [1.0, None], down, [math.nan, None], [0.5, 0.5], down, [None, None],
+                          down), max_failures=3)
+    with pytest.warns(RuntimeWarning):
+        outcomes = [score(p) for _ in range(8)]  # some samples scored on calls 2 and 5: never 3 failures in a row
+    assert outcomes == [[0.0, 0.0]] * 2 + [[1.0, 0.0]] + [[0.0, 0.0]] * 2 + [[0.5, 0.5]] + [[0.0, 0.0]] * 2
+    with pytest.raises(RewardFunctionError, match="failed on 3 calls in a row, the last with ConnectionError: the "
+                                                  "grading service is down"):
+        score(p)
 
 
 def test_a_function_that_does_not_return_in_time_is_an_error_naming_it():

@@ -10,17 +10,19 @@ directory too): see `load_function`. `prompts` are the data's prompts (text or c
 before the prompt template, `answer` the reference answers, and `columns` every other data column
 (from `problem.metadata["columns"]`; None for a problem without that column).
 
-Failures: a value that is NaN/None/beyond +-MAX_REWARD gives 0 for that sample and a counted
-warning. A call that raises (or returns no list of one value per completion) gives 0 for every
-sample and a warning; `max_failures` such calls in a row stop the run with a
-`RewardFunctionError` carrying the function's exception text (0: never stop). A call that does not
-return within `timeout_s` seconds is a `RewardFunctionError` at once. The timeout needs no signal
-(signal.alarm fails outside the main thread, and rollouts may run in a background thread): the
-call runs in a daemon worker thread and the caller stops waiting at the deadline. A hung thread
-cannot be killed; it is left running until the process ends (the run stops anyway). Threads
-rather than processes because reward functions often hold state (a loaded model, a cache) and
-need not be picklable. The price: a function that must run in the main thread (signal.alarm, as
-math-verify's default timeouts use) needs `timeout_s=0` (called in the caller's thread, no limit).
+Failures: a value that is NaN/None/beyond +-MAX_REWARD, or that float() cannot convert, gives 0
+for that sample and a counted warning naming the first failure (the sample, its value, the
+exception). A failing call, one that raises (or returns no list of one value per completion) or
+whose every value is unusable, gives 0 for every sample and that warning; `max_failures` failing
+calls in a row stop the run with a `RewardFunctionError` carrying the last one's text (0: never
+stop); a call with one usable value ends the row. A call that does not return within `timeout_s`
+seconds is a `RewardFunctionError` at once. The timeout needs no signal (signal.alarm fails
+outside the main thread, and rollouts may run in a background thread): the call runs in a daemon
+worker thread and the caller stops waiting at the deadline. A hung thread cannot be killed; it is
+left running until the process ends (the run stops anyway). Threads rather than processes because
+reward functions often hold state (a loaded model, a cache) and need not be picklable. The price:
+a function that must run in the main thread (signal.alarm, as math-verify's default timeouts use)
+needs `timeout_s=0` (called in the caller's thread, no limit).
 
 Weights and the format reward must be finite numbers, and a total beyond +-MAX_REWARD (weights that
 overflow) is an error naming the sample and its components: group statistics of such rewards are
@@ -35,6 +37,7 @@ import inspect
 import math
 import os
 import re
+import reprlib
 import sys
 import threading
 import warnings
@@ -190,7 +193,7 @@ class RewardPipeline:
     format_reward: float = 0.0
     max_length: int = 0
     overlong_buffer: int = 0
-    max_failures: int = MAX_FAILURES  # calls in a row that raise before the run stops (0: never)
+    max_failures: int = MAX_FAILURES  # failing calls in a row before the run stops (0: never)
     timeout_s: float = TIMEOUT_S  # seconds a call may take (0: no limit, called in the caller's thread)
 
     def __post_init__(self):
@@ -228,12 +231,12 @@ class RewardPipeline:
         columns.update({"prompts": [p.prompt for p in problems], "completions": list(completions),
                         "completion_ids": [list(c) for c in completion_ids], "answer": [p.answer for p in problems]})
         for (name, fn), weight in zip(self.user_functions, user_weights):
-            values, bad = self._call_user(name, fn, columns, n)
+            values, bad, first = self._call_user(name, fn, columns, n)
             result.warnings += bad
             if bad:
                 warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward within "
-                              f"+-{MAX_REWARD:g} (raised, NaN, None or too large); they get 0", RuntimeWarning,
-                              stacklevel=2)
+                              f"+-{MAX_REWARD:g} (raised, NaN, None or too large); they get 0. The first: {first}",
+                              RuntimeWarning, stacklevel=2)
             result.components[name] = values
             totals = [t + weight * v for t, v in zip(totals, values)]
         if self.verifier is None:
@@ -254,9 +257,11 @@ class RewardPipeline:
         result.rewards = totals
         return result
 
-    def _call_user(self, name: str, fn: Callable, columns: dict, n: int) -> tuple[list[float], int]:
-        """The function's values (0 where unusable) and how many samples were unusable; raises
-        RewardFunctionError after max_failures failing calls in a row or at the timeout."""
+    def _call_user(self, name: str, fn: Callable, columns: dict, n: int) -> tuple[list[float], int, str]:
+        """The function's values (0 where unusable), how many samples were unusable and the first
+        failure in words; raises RewardFunctionError after max_failures failing calls in a row (module
+        docstring) or at the timeout."""
+        clean, bad, first, cause = [], 0, "", None
         try:
             values = list(self._call_with_timeout(name, fn, columns))
             if len(values) != n:
@@ -264,31 +269,41 @@ class RewardPipeline:
         except RewardFunctionError:
             raise
         except Exception as err:  # noqa: BLE001 - a few failing calls must not stop the run
-            self._failures[name] += 1
-            if self.max_failures and self._failures[name] >= self.max_failures:
-                hint = ""
-                if "signal" in str(err) or "thread" in str(err):
-                    hint = (" (reward functions run in a worker thread so that --reward_fn_timeout can stop "
-                            "waiting; one that needs the main thread, e.g. for signal.alarm, needs "
-                            "--reward_fn_timeout 0)")
-                raise RewardFunctionError(
-                    f"reward function {describe_function(name, fn)} failed on {self._failures[name]} calls in a "
-                    f"row, the last with {type(err).__name__}: {err}{hint}; fix it (GPPO_DEBUG=1 shows its "
-                    "traceback), or raise --reward_fn_max_failures (0: never stop)") from err
-            return [0.0] * n, n
-        self._failures[name] = 0
-        clean, bad = [], 0
-        for v in values:
-            try:
-                v = float(v)
-            except (TypeError, ValueError):
-                v = math.nan
-            if math.isfinite(v) and abs(v) <= MAX_REWARD:
-                clean.append(v)
-            else:
+            clean, bad, cause = [0.0] * n, n, err
+            last = f"{type(err).__name__}: {err}"
+            first = f"the call raised {last}"
+        else:
+            for i, value in enumerate(values):
+                error = None
+                try:
+                    v = math.nan if value is None else float(value)
+                except Exception as err:  # noqa: BLE001 - the user's value: any error is reported in words
+                    v, error = math.nan, err
+                if math.isfinite(v) and abs(v) <= MAX_REWARD:
+                    clean.append(v)
+                    continue
                 clean.append(0.0)
                 bad += 1
-        return clean, bad
+                if not first:
+                    first = f"sample {i} gave {reprlib.repr(value)}"
+                    if error is not None:
+                        first, cause = f"{first} ({type(error).__name__}: {error})", error
+            last = f"no usable value from any of its {n} samples, the first: {first}"
+        if not (n and bad == n):
+            self._failures[name] = 0
+            return clean, bad, first
+        self._failures[name] += 1
+        if self.max_failures and self._failures[name] >= self.max_failures:
+            hint = ""
+            if "signal" in last or "thread" in last:
+                hint = (" (reward functions run in a worker thread so that --reward_fn_timeout can stop "
+                        "waiting; one that needs the main thread, e.g. for signal.alarm, needs "
+                        "--reward_fn_timeout 0)")
+            raise RewardFunctionError(
+                f"reward function {describe_function(name, fn)} failed on {self._failures[name]} calls in a "
+                f"row, the last with {last}{hint}; fix it (GPPO_DEBUG=1 shows its traceback), or raise "
+                "--reward_fn_max_failures (0: never stop)") from cause
+        return clean, bad, first
 
     def _call_with_timeout(self, name: str, fn: Callable, columns: dict):
         """fn(**columns), in a daemon thread waited on for timeout_s seconds (0: in this thread)."""
