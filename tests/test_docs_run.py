@@ -145,4 +145,5 @@ def test_python_blocks_run_as_written(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(PYTHON_FILES) >= 3  # extending.md, library.md, benchmarks.md at least
+    assert len(PYTHON_FILES) >= 4  # README.md, extending.md, library.md, benchmarks.md at least
+    assert ROOT / "README.md" in PYTHON_FILES, "the README's library example is no longer an unmarked python block"
