@@ -12,8 +12,8 @@ model): docs/sandbox.md.
 Outputs of stdin/stdout tests are compared token by token (any run of whitespace separates
 tokens, so trailing spaces and newlines do not matter); two numeric tokens also match when they
 are equal as decimals or, if the expected token is a float (has a fraction or exponent), within
-1e-6 (absolute or relative): see `_same_number`. Call results: see `_same_value`. Problems needing a special checker (several valid
-answers) are not supported.
+1e-6 (absolute or relative): see `_same_number`. Call results: see `_same_value`. Problems
+needing a special checker (several valid answers) are not supported.
 """
 
 from __future__ import annotations
