@@ -9,7 +9,8 @@ import gppo
 
 EXPECTED_PRESETS = {"ppo", "grpo", "dapo", "dppo-binary-tv", "dppo-binary-kl", "dppo-topk-tv",
                     "dppo-topk-kl", "ripo", "gspo", "gmpo", "cispo", "pg-is", "minirl", "sapo", "dcpo", "trm",
-                    "gppo"}
+                    "gppo", "gpg", "clip-cov", "kl-cov", "dro", "dr-grpo", "luspo", "vespo", "prime-dppo-kl",
+                    "icepop"}
 
 
 def small_batch(**changes):

@@ -11,6 +11,11 @@ Config mapping tested here (also in docs/verl.md); float64 inputs, max abs diffs
 | gppo_gmpo (seq-mean-token-mean)             | geo_mean       | clip_ratio=0.4                              |
 | gppo_dppo_binary_tv, truncation=3           | dppo_tv        | clip_ratio=0.15, clip_ratio_c=3             |
 | gppo_dppo_binary_kl, truncation=3           | dppo_kl        | clip_ratio=0.05, clip_ratio_c=3             |
+| gppo_gpg                                    | gpg            |                                             |
+| gppo_dro                                    | dro            | policy_loss.dro_beta=0.05                   |
+| gppo_kl_cov, cov_ratio=0.1                  | kl_cov         | policy_loss.kl_cov_ratio=0.1                |
+| gppo_clip_cov, cov_ratio=0.1 (same seed)    | clip_cov       | clip_ratio=0.2, policy_loss.clip_cov_ratio=0.1 |
+| gppo_icepop                                 | bypass_mode    | policy_loss.rollout_correction = verl's bypass_pg_token_icepop() |
 """
 
 from pathlib import Path
@@ -24,6 +29,7 @@ pytest.importorskip("hydra")
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
+from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: E402
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, get_policy_loss_fn  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
@@ -38,8 +44,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:gppo preset .* is defined with l
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "examples" / "verl" / "config")
 
-# (verl loss_mode, verl actor settings, gppo loss_mode, gppo fields, loss_agg_mode, noise on log
-# mu, metric whose value must lie strictly inside (0, 1) so that both branches are exercised)
+# (verl loss_mode, verl actor settings (those of verl's PolicyLossConfig under "policy_loss"),
+# gppo loss_mode, gppo fields, loss_agg_mode, noise on log mu, metric whose value must lie
+# strictly inside (0, 1) so that both branches are exercised)
 CASES = {
     "ppo": ("vanilla", dict(clip_ratio=0.2, clip_ratio_c=3.0), "gppo_ppo", dict(dual_clip=3.0),
             "token-mean", 0.7, "gppo/masked_frac"),
@@ -59,6 +66,13 @@ CASES = {
                                        clip_ratio_c=3.0),
                        "gppo_dppo_binary_kl", dict(truncation=3.0), "token-mean", 0.7,
                        "gppo/masked_frac"),
+    "gpg": ("gpg", {}, "gppo_gpg", {}, "token-mean", 0.7, None),
+    "dro": ("dro", dict(policy_loss=dict(dro_beta=0.05)), "gppo_dro", {}, "seq-mean-token-mean", 0.7, None),
+    # 0.1 of the ~60 tokens instead of 2e-4 (one token): several selected, the rest not
+    "kl-cov": ("kl_cov", dict(policy_loss=dict(kl_cov_ratio=0.1)), "gppo_kl_cov", dict(cov_ratio=0.1),
+               "token-mean", 0.7, None),
+    "icepop": ("bypass_mode", dict(policy_loss=dict(rollout_correction=RolloutCorrectionConfig.bypass_pg_token_icepop())),
+               "gppo_icepop", {}, "token-mean", 1.0, "gppo/masked_frac"),
 }
 
 
@@ -97,7 +111,9 @@ def loss_and_grad(fn, old, logp, adv, mask, agg, config, weights=None):
 def test_gppo_mode_equals_verl_loss_and_gradient(name, seed):
     verl_mode, settings, mode, fields, agg, noise, branch_metric = CASES[name]
     old, logp, adv, mask = random_batch(noise, seed)
-    verl_cfg = actor_config(PolicyLossConfig(loss_mode=verl_mode), agg, **settings)
+    settings = dict(settings)
+    verl_cfg = actor_config(PolicyLossConfig(loss_mode=verl_mode, **settings.pop("policy_loss", {})), agg,
+                            **settings)
     ours_cfg = actor_config(gppo_policy_loss(mode, **fields), agg)
     verl_loss, verl_grad, _ = loss_and_grad(get_policy_loss_fn(verl_mode), old, logp, adv, mask, agg,
                                             verl_cfg)
@@ -107,6 +123,68 @@ def test_gppo_mode_equals_verl_loss_and_gradient(name, seed):
         assert 0 < metrics[branch_metric] < 1, metrics
     assert torch.allclose(loss, verl_loss, rtol=0, atol=1e-12), (loss, verl_loss)
     assert torch.allclose(grad, verl_grad, rtol=0, atol=1e-12), (grad - verl_grad).abs().max()
+
+
+def covariance_candidates(old, logp, adv, mask, eps, low, high):
+    """Clip-Cov's candidates, written from the paper: unclipped tokens whose (A - mean A)(log p -
+    mean log p) over the batch lies in (low, high)."""
+    m = mask.bool()
+    cov = (adv - adv[m].mean()) * (logp - logp[m].mean())
+    r = torch.exp(logp - old)
+    clipped = ((adv > 0) & (r > 1 + eps)) | ((adv < 0) & (r < 1 - eps))
+    return m & ~clipped & (cov > low) & (cov < high)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clip_cov_draws_the_tokens_verl_draws(seed):
+    """Under the same torch seed gppo_clip_cov detaches the tokens verl's clip_cov detaches: same
+    loss and gradient, with fewer tokens drawn than there are candidates, so that the draw matters."""
+    old, logp, adv, mask = random_batch(0.7, seed)
+    # covariance band (0.1, 5) instead of (1, 5): on these ~50 tokens (1, 5) holds 2 or 3
+    candidates = covariance_candidates(old, logp, adv, mask, 0.2, 0.1, 5.0)
+    drawn = max(int(0.1 * int(mask.sum())), 1)
+    assert 0 < drawn < int(candidates.sum())
+    verl_cfg = actor_config(PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.1),
+                            clip_ratio=0.2)
+    ours_cfg = actor_config(gppo_policy_loss("gppo_clip_cov", cov_ratio=0.1, cov_low=0.1))
+    torch.manual_seed(100 + seed)
+    verl_loss, verl_grad, _ = loss_and_grad(get_policy_loss_fn("clip_cov"), old, logp, adv, mask,
+                                            "token-mean", verl_cfg)
+    torch.manual_seed(100 + seed)
+    loss, grad, metrics = loss_and_grad(get_policy_loss_fn("gppo_clip_cov"), old, logp, adv, mask,
+                                        "token-mean", ours_cfg)
+    assert torch.allclose(loss, verl_loss, rtol=0, atol=1e-12), (loss, verl_loss)
+    assert torch.allclose(grad, verl_grad, rtol=0, atol=1e-12), (grad - verl_grad).abs().max()
+    # the drawn tokens are candidates with zero gradient; the other candidates keep theirs
+    detached = candidates & (grad == 0)
+    assert int(detached.sum()) == drawn and (grad[candidates & ~detached] != 0).all()
+    assert 0 < metrics["gppo/masked_frac"] < 1
+    # another seed draws other tokens
+    torch.manual_seed(200 + seed)
+    _, other, _ = loss_and_grad(get_policy_loss_fn("gppo_clip_cov"), old, logp, adv, mask, "token-mean",
+                                ours_cfg)
+    assert not torch.equal(other == 0, grad == 0)
+
+
+def test_verl_loss_fields_under_a_gppo_mode_are_refused():
+    with pytest.raises(gppo.GPPOConfigError, match=r"clip_cov_ratio -> cov_ratio"):
+        gppo_policy_loss("gppo_clip_cov", clip_cov_ratio=0.1)
+    with pytest.raises(gppo.GPPOConfigError, match=r"dro_beta -> kl_tau \(= beta / 2\)"):
+        gppo_policy_loss("gppo_dro", dro_beta=0.1)
+    assert gppo_policy_loss("gppo_dro", kl_tau=0.05).gppo_config().kl_tau == 0.05
+
+
+@pytest.mark.parametrize("mode", ["gppo_clip_cov", "gppo_kl_cov", "gppo_dro", "gppo_prime_dppo_kl"])
+def test_rollout_weights_are_refused_where_the_loss_is_not_proportional_to_the_advantage(mode):
+    """verl's rollout_is_weights multiply the per-token loss; the plugin folds them into A, which
+    a penalty term or a selection by A does not allow."""
+    old, logp, adv, mask = random_batch(0.7)
+    weights = torch.full_like(logp, 0.5)
+    config = actor_config(gppo_policy_loss(mode))
+    with pytest.raises(gppo.GPPOConfigError, match="not proportional to A"):
+        get_policy_loss_fn(mode)(old, logp, adv, mask, "token-mean", config, rollout_is_weights=weights)
+    get_policy_loss_fn("gppo_gpg")(old, logp, adv, mask, "token-mean", actor_config(gppo_policy_loss("gppo_gpg")),
+                                   rollout_is_weights=weights)
 
 
 def verl_micro_batch(old, logp, adv, mask, weights, dp_size, extra_tokens, extra_sequences):

@@ -110,6 +110,15 @@ class GPPOConfig:
     tau_pos: float | None = _param("tau_pos")
     tau_neg: float | None = _param("tau_neg")
     seq_reduce: str | None = _param("seq_reduce")
+    kl_tau: float | None = _param("kl_tau")
+    cov_ratio: float | None = _param("cov_ratio")
+    cov_low: float | None = _param("cov_low")
+    cov_high: float | None = _param("cov_high")
+    cov_kl_coef: float | None = _param("cov_kl_coef")
+    k_pos: float | None = _param("k_pos")
+    lambda_pos: float | None = _param("lambda_pos")
+    k_neg: float | None = _param("k_neg")
+    lambda_neg: float | None = _param("lambda_neg")
     kl_coef: float = _doc("coefficient beta of the KL penalty to the reference model",
                           default=0.0)
     kl_estimator: str = _doc("KL penalty estimator: k1, k2, k3 or full (exact, needs logits)",
@@ -211,6 +220,15 @@ _CHECKS = {
     "dual_clip": (lambda v: v > 1, "> 1"),
     "tau_pos": (lambda v: v > 0, "> 0"),
     "tau_neg": (lambda v: v > 0, "> 0"),
+    "kl_tau": (lambda v: 0 < v < math.inf, "> 0 and finite, or None to disable the penalty"),
+    "cov_ratio": (lambda v: 0 < v <= 1, "in (0, 1]: the fraction of tokens selected"),
+    "cov_low": (lambda v: not math.isnan(v), "a number (-inf: no lower end)"),
+    "cov_high": (lambda v: not math.isnan(v), "a number (inf: no upper end)"),
+    "cov_kl_coef": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+    "k_pos": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+    "k_neg": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+    "lambda_pos": (lambda v: 0 < v < math.inf, "> 0 and finite (lambda = 0 would leave w^k unbounded)"),
+    "lambda_neg": (lambda v: 0 < v < math.inf, "> 0 and finite (lambda = 0 would leave w^k unbounded)"),
     "kl_coef": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     "behavior_weight_cap": (lambda v: v > 0, "> 0"),
     "norm_length": (lambda v: v >= 1, ">= 1"),
@@ -270,6 +288,10 @@ def _validate(cfg: GPPOConfig) -> None:
         value = getattr(cfg, name)
         if value is not None and not test(value):
             raise GPPOConfigError(f"GPPOConfig.{name} must be {must} (got {value})")
+    if cfg.cov_low is not None and not cfg.cov_low < cfg.cov_high:
+        raise GPPOConfigError(
+            f"GPPOConfig.cov_low={cfg.cov_low} must be below cov_high={cfg.cov_high}: no covariance "
+            "would lie in (cov_low, cov_high), so no token could be selected; lower cov_low or raise cov_high")
     if cfg.uses_estimate:
         try:
             built = cfg.divergence_fn
@@ -362,6 +384,47 @@ _TABLE = {
             "Trust Region Masking (2512.23075)",
             dict(divergence="kl", estimator="sample", rule="seq-mask", seq_reduce="max",
                  delta_high=0.05)),
+    # verl 0.9.1's policy-loss registry (core_algos.py), each checked against verl's own function.
+    "gpg": ("-A log p: policy gradient without importance weight or region",
+            "GPG, Chu et al. 2025 (2504.02546); verl loss_mode gpg", dict(_NO_REGION, rule="pg")),
+    "clip-cov": ("PPO clip eps=0.2; gradient detached on a random 2e-4 of the tokens whose "
+                 "covariance (A - mean A)(log p - mean log p) lies in (1, 5)",
+                 "Cui et al. 2025 (2505.22617); verl loss_mode clip_cov with its defaults",
+                 dict(divergence="tv", estimator="sample", rule="clip-cov", delta_low=0.1,
+                      delta_high=0.1, cov_ratio=2e-4, cov_low=1.0, cov_high=5.0)),
+    "kl-cov": ("-A r, plus 0.1 |log r| on the 2e-4 of the tokens of largest covariance",
+               "Cui et al. 2025 (2505.22617); verl loss_mode kl_cov with its defaults",
+               dict(_NO_REGION, rule="kl-cov", cov_ratio=2e-4, cov_kl_coef=0.1)),
+    # verl requires dro_beta and sets none; 0.05 is the value Tinker's DRO documentation passes.
+    "dro": ("-(A log p - (beta/2)(log r)^2), beta = 0.05", "DRO, Richemond et al. 2024 "
+            "(2405.19107); verl loss_mode dro", dict(_NO_REGION, rule="pg", kl_tau=0.025)),
+    # TRL 1.16 GRPOConfig.loss_type, each checked against GRPOTrainer._compute_loss. bnpo is ppo's
+    # point with a micro-batch normaliser (docs/library.md), not a point of its own.
+    "dr-grpo": ("PPO clip eps=0.2, sum over tokens / (sequences x constant length)",
+                "Dr. GRPO, Liu et al. 2025 (2503.20783); TRL loss_type dr_grpo",
+                dict(divergence="tv", estimator="sample", rule="clip", delta_low=0.1,
+                     delta_high=0.1, loss_agg_mode="seq-mean-token-sum-norm")),
+    # LUSPO changes only GSPO's aggregation (each sequence's loss times its length); the paper
+    # gives no clip range of its own, so GSPO's is kept.
+    "luspo": ("GSPO's sequence-ratio clip (eps 3e-4 / 4e-4), each sequence's loss times its length",
+              "LUSPO, Liu et al. 2026 (2602.05261); TRL loss_type luspo",
+              dict(divergence="tv", estimator="sample", rule="seq-clip", delta_low=1.5e-4,
+                   delta_high=2e-4, loss_agg_mode="seq-mean-token-sum")),
+    "vespo": ("-sg[phi(w)] A log p, phi(w) = w^k e^(lambda (1 - w)) of the sequence ratio w, "
+              "(k, lambda) = (2, 3) for A >= 0, (3, 2) for A < 0",
+              "VESPO (2602.10693); TRL loss_type vespo with its defaults",
+              dict(_NO_REGION, rule="gamma", k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)),
+    "prime-dppo-kl": ("directional mask on binary TV > 0.2, plus 1e-3 (log r)^2 on every token",
+                      "prime-rl's default loss (DPPO binary TV + Kimi K2.5's KL term)",
+                      dict(divergence="tv", estimator="binary", rule="mask", delta_low=0.2,
+                           delta_high=0.2, kl_tau=1e-3)),
+    # IcePop read as verl's bypass_pg_token_icepop (two policies: r = pi / mu): tokens with r
+    # outside [0.5, 5] get no gradient, the others -sg[r] A log p. truncation = 5 never binds on
+    # a kept token; it selects that sg[r] log p form of the loss.
+    "icepop": ("drop every token whose ratio pi/mu leaves [0.5, 5]; -sg[r] A log p on the others",
+               "IcePop (Ring-1T, 2510.18855); verl bypass_pg_token_icepop",
+               dict(divergence="tv", estimator="sample", rule="band", delta_low=0.25, delta_high=2.0,
+                    truncation=5.0)),
     # Our recommended default: DPPO's binary-TV point, a lower bound of the true TV that, unlike
     # PPO's single-sample ratio, lets rare tokens move (|p - q| <= delta instead of |r - 1| <= eps),
     # needs only the sampled token's log-prob (so it runs inside verl and TRL unchanged), and is

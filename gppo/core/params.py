@@ -32,6 +32,18 @@ PARAMS = MappingProxyType({
     "tau_pos": Param(1.0, "SAPO gate temperature for A>0"),
     "tau_neg": Param(1.05, "SAPO gate temperature for A<0"),
     "seq_reduce": Param("max", "reduce token divergences of a sequence by 'max' or 'mean'"),
+    "kl_tau": Param(None, "coefficient tau of the penalty tau (log r)^2 on every token (prime-rl's "
+                          "kl_tau; DRO's beta / 2); None disables"),
+    "cov_ratio": Param(0.0002, "fraction of the batch's tokens that Clip-Cov / KL-Cov select by the "
+                               "covariance (A - mean A)(log p - mean log p)"),
+    "cov_low": Param(1.0, "Clip-Cov: only tokens whose covariance lies in (cov_low, cov_high) are "
+                          "candidates"),
+    "cov_high": Param(5.0, "Clip-Cov: upper end of the candidates' covariance band"),
+    "cov_kl_coef": Param(0.1, "KL-Cov: coefficient of the penalty |log r| on the selected tokens"),
+    "k_pos": Param(2.0, "VESPO: power k of the gamma weight w^k e^(lambda (1 - w)) for A >= 0"),
+    "lambda_pos": Param(3.0, "VESPO: decay lambda of the gamma weight for A >= 0"),
+    "k_neg": Param(3.0, "VESPO: power k of the gamma weight for A < 0"),
+    "lambda_neg": Param(2.0, "VESPO: decay lambda of the gamma weight for A < 0"),
 })
 PARAM_FIELDS = tuple(PARAMS)
 PARAM_DEFAULTS = MappingProxyType({name: param.default for name, param in PARAMS.items()})

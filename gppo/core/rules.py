@@ -109,15 +109,89 @@ def _clipped(x: torch.Tensor, raw_log_x: torch.Tensor, adv: torch.Tensor, lo, hi
     return objective, blocked_hi | blocked_lo
 
 
+def _log_ratio_penalty(ctx: RuleContext) -> torch.Tensor | float:
+    """tau (log r)^2 on every token, tau = kl_tau (prime-rl's KL term; DRO's (beta / 2)(log r)^2);
+    0 when kl_tau is None."""
+    tau = ctx.config.kl_tau
+    return 0.0 if tau is None else tau * ctx.log_ratio.square()
+
+
+def _outside(ctx: RuleContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens outside the region above (r>1, D>delta_high) and below (r<1, D>delta_low)."""
+    est, lr, cfg = ctx.estimate(), ctx.raw_log_ratio, ctx.config
+    return (lr > 0) & (est > cfg.delta_high), (lr < 0) & (est > cfg.delta_low)
+
+
 def mask_rule(ctx: RuleContext) -> RuleOutput:
     """DPPO's directional mask: drop a token's gradient only when it is outside the region and the
-    update pushes it further out: (A>0, r>1, D>delta_high) or (A<0, r<1, D>delta_low)."""
-    est, lr, adv, cfg = ctx.estimate(), ctx.raw_log_ratio, ctx.adv, ctx.config
-    blocked = ((adv > 0) & (lr > 0) & (est > cfg.delta_high)) | (
-        (adv < 0) & (lr < 0) & (est > cfg.delta_low)
-    )
-    blocked = blocked | _dual_clipped(ctx)
+    update pushes it further out: (A>0, r>1, D>delta_high) or (A<0, r<1, D>delta_low); plus
+    kl_tau (log r)^2 on every token when set (prime-rl's default loss)."""
+    above, below = _outside(ctx)
+    blocked = ((ctx.adv > 0) & above) | ((ctx.adv < 0) & below) | _dual_clipped(ctx)
+    loss = _policy_gradient(ctx, keep=(~blocked).float()) + _log_ratio_penalty(ctx)
+    return RuleOutput(loss, blocked)
+
+
+def band_rule(ctx: RuleContext) -> RuleOutput:
+    """IcePop's band: drop every token outside the region, whatever the sign of A; IS-weighted
+    policy gradient on the others. With TV x sample the kept band is 1 - 2 delta_low <= r <=
+    1 + 2 delta_high."""
+    above, below = _outside(ctx)
+    blocked = above | below
     return RuleOutput(_policy_gradient(ctx, keep=(~blocked).float()), blocked)
+
+
+def pg_rule(ctx: RuleContext) -> RuleOutput:
+    """GPG / REINFORCE: -A log p, no importance weight and no region; with kl_tau, DRO's
+    -(A log p - (beta / 2)(log r)^2), tau = beta / 2."""
+    return RuleOutput(-ctx.adv * ctx.logp + _log_ratio_penalty(ctx), None)
+
+
+def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, x, 0.0).sum() / valid.sum()
+
+
+def clip_cov_rule(ctx: RuleContext) -> RuleOutput:
+    """Clip-Cov (2505.22617): PPO's clip, then detach max(1, floor(cov_ratio N)) tokens drawn
+    uniformly (torch.randperm, as verl draws them) among the unclipped tokens whose covariance
+    (A - mean A)(log p - mean log p) over the batch's N tokens lies in (cov_low, cov_high)."""
+    out, cfg, valid = clip_rule(ctx), ctx.config, ctx.valid
+    logp = ctx.logp.detach()
+    cov = (ctx.adv - _masked_mean(ctx.adv, valid)) * (logp - _masked_mean(logp, valid))
+    candidates = (valid & ~out.blocked & (cov > cfg.cov_low) & (cov < cfg.cov_high)).nonzero()
+    count = max(int(cfg.cov_ratio * int(valid.sum())), 1)
+    detached = torch.zeros_like(valid)
+    if len(candidates):
+        chosen = candidates[torch.randperm(len(candidates))[:count]]
+        detached[chosen[:, 0], chosen[:, 1]] = True
+    return RuleOutput(torch.where(detached, 0.0, out.loss), out.blocked | detached)
+
+
+def kl_cov_rule(ctx: RuleContext) -> RuleOutput:
+    """KL-Cov (2505.22617): -A r on every token, plus cov_kl_coef |log r| on the max(1,
+    floor(cov_ratio N)) tokens of largest covariance (A - mean A)(log p - mean log p) over the
+    batch's N tokens."""
+    cfg, valid = ctx.config, ctx.valid
+    adv, logp = ctx.adv[valid], ctx.logp.detach()[valid]
+    cov = (adv - adv.mean()) * (logp - logp.mean())
+    top = torch.topk(cov, max(1, int(len(cov) * cfg.cov_ratio))).indices
+    selected = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    selected[valid.reshape(-1).nonzero().squeeze(-1)[top]] = True
+    penalty = cfg.cov_kl_coef * ctx.log_ratio.abs() * selected.view_as(valid)
+    return RuleOutput(-ctx.adv * ctx.ratio + penalty, None)
+
+
+def gamma_rule(ctx: RuleContext) -> RuleOutput:
+    """VESPO (2602.10693): -sg[phi(w_i)] A log p, w_i = exp(sum_t log r_it) the sequence ratio,
+    phi(w) = w^k e^(lambda (1 - w)) (phi(1) = 1), (k, lambda) = (k_pos, lambda_pos) for A >= 0,
+    (k_neg, lambda_neg) for A < 0; computed as exp(k log w + lambda (1 - w))."""
+    cfg, adv = ctx.config, ctx.adv
+    log_w = torch.where(ctx.valid, ctx.log_ratio.detach(), 0.0).sum(-1, keepdim=True)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, torch.full_like(adv, cfg.k_pos), cfg.k_neg)
+    lam = torch.where(nonneg, torch.full_like(adv, cfg.lambda_pos), cfg.lambda_neg)
+    phi = torch.exp(k * log_w + lam * (1 - log_w.exp()))
+    return RuleOutput(-phi * adv * ctx.logp, None)
 
 
 def truncate_rule(ctx: RuleContext) -> RuleOutput:
@@ -196,6 +270,8 @@ class Rule:
     (a bool, or a function of the config for a rule whose parameters decide it: clip with DCPO
     bounds uses none). ratio_interval: it clips the sampled token's ratio, so the estimator must
     have a ratio interval. estimators: the only estimators it accepts (None: any).
+    advantage_linear: whether the per-token loss has l(w A) = w l(A) for every w >= 0 (a bool, or a
+    function of the config), so that a per-token weight can be folded into A (the verl plugin).
     """
 
     name: str
@@ -205,15 +281,27 @@ class Rule:
     ratio_interval: bool = False
     estimators: tuple[str, ...] | None = None
     summary: str = ""
+    advantage_linear: bool | Callable = True
 
     def needs_estimate(self, config) -> bool:
         return self.uses_estimate(config) if callable(self.uses_estimate) else self.uses_estimate
 
+    def is_advantage_linear(self, config) -> bool:
+        return self.advantage_linear(config) if callable(self.advantage_linear) else self.advantage_linear
+
 
 _DELTAS = ("delta_low", "delta_high")
+
+
+def _no_penalty(cfg) -> bool:
+    """The kl_tau penalty does not scale with A: a rule reading it is advantage-linear without it."""
+    return cfg.kl_tau is None
+
+
 RULES = Registry("rule")
 for _rule in (
-    Rule("mask", mask_rule, (*_DELTAS, "dual_clip", "truncation"), summary="DPPO's directional mask"),
+    Rule("mask", mask_rule, (*_DELTAS, "dual_clip", "truncation", "kl_tau"), advantage_linear=_no_penalty,
+         summary="DPPO's directional mask"),
     Rule("clip", clip_rule, (*_DELTAS, "clip_bounds", "dual_clip", "truncation"),
          uses_estimate=lambda cfg: cfg.clip_bounds != "dcpo", ratio_interval=True,
          summary="PPO clip of the ratio to the region's interval (or DCPO's bounds)"),
@@ -227,17 +315,29 @@ for _rule in (
          summary="GMPO geometric-mean sequence weight"),
     Rule("seq-mask", seq_mask_rule, ("delta_high", "seq_reduce", "truncation"),
          summary="Trust Region Masking: drop a sequence whose max (or mean) estimate exceeds delta_high"),
+    Rule("band", band_rule, (*_DELTAS, "truncation"),
+         summary="IcePop: drop every token outside the region, whatever the sign of A"),
+    Rule("pg", pg_rule, ("kl_tau",), uses_estimate=False, advantage_linear=_no_penalty,
+         summary="GPG / REINFORCE -A log p, no importance weight (DRO with kl_tau)"),
+    Rule("clip-cov", clip_cov_rule, (*_DELTAS, "cov_ratio", "cov_low", "cov_high"), ratio_interval=True,
+         advantage_linear=False,
+         summary="Clip-Cov: PPO clip, gradient detached on random tokens of high covariance"),
+    Rule("kl-cov", kl_cov_rule, ("cov_ratio", "cov_kl_coef"), uses_estimate=False, advantage_linear=False,
+         summary="KL-Cov: ratio PG, |log r| penalty on the tokens of highest covariance"),
+    Rule("gamma", gamma_rule, ("k_pos", "lambda_pos", "k_neg", "lambda_neg"), uses_estimate=False,
+         summary="VESPO's gamma weight of the sequence ratio"),
 ):
     RULES.add(_rule.name, _rule, builtin=True)
 
 
 def register_rule(name: str, *, params=(), uses_estimate: bool = True, ratio_interval: bool = False,
-                  estimators=None, summary: str = ""):
+                  estimators=None, summary: str = "", advantage_linear: bool = True):
     """Decorator registering a trust-region rule: fn(ctx: RuleContext) -> RuleOutput.
 
     ctx gives the per-token adv, valid, logp (differentiable), log_ratio, ratio, logq, estimate()
     (D-hat, when uses_estimate) and interval() (when ratio_interval), and ctx.config; `params` are
-    the GPPOConfig fields fn reads (e.g. ("delta_high", "truncation")).
+    the GPPOConfig fields fn reads (e.g. ("delta_high", "truncation")); advantage_linear=False
+    when the loss is not proportional to A (a penalty, a selection by A).
     """
     RULES.check_new(name)
     check_params(f"rule {name!r}", params)
@@ -250,6 +350,6 @@ def register_rule(name: str, *, params=(), uses_estimate: bool = True, ratio_int
             raise TypeError(f"register_rule({name!r}) decorates a function, got {type(fn).__name__}")
         RULES.add(name, Rule(name, fn, tuple(params), uses_estimate, ratio_interval,
                              None if estimators is None else tuple(estimators),
-                             summary or (fn.__doc__ or "").strip().split("\n")[0]))
+                             summary or (fn.__doc__ or "").strip().split("\n")[0], advantage_linear))
         return fn
     return decorate

@@ -26,7 +26,7 @@ sizes in `global_batch_info`) and rollout_is_weights [B,T] or None; nothing else
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from verl.trainer.ppo.core_algos import register_policy_loss
@@ -42,7 +42,14 @@ MODES = {"gppo": None, **{"gppo_" + name.replace("-", "_"): name
 # GPPOConfig fields settable under policy_loss. verl owns aggregation and the KL penalty; the
 # top-K / full fields and behavior_weight_cap need inputs verl does not pass to a policy loss.
 OVERRIDABLE = ("divergence", "alpha", "estimator", "rule", "delta_low", "delta_high", "anchor",
-               "truncation", "dual_clip", "clip_bounds", "tau_pos", "tau_neg", "seq_reduce")
+               "truncation", "dual_clip", "clip_bounds", "tau_pos", "tau_neg", "seq_reduce", "kl_tau",
+               "cov_ratio", "cov_low", "cov_high", "cov_kl_coef", "k_pos", "lambda_pos", "k_neg",
+               "lambda_neg")
+# verl's own PolicyLossConfig fields for its loss modes clip_cov, kl_cov and dro, which the gppo
+# modes do not read: changed under a gppo mode, they are refused with the gppo field to set instead.
+VERL_LOSS_FIELDS = {"clip_cov_ratio": "cov_ratio", "clip_cov_lb": "cov_low", "clip_cov_ub": "cov_high",
+                    "kl_cov_ratio": "cov_ratio", "ppo_kl_coef": "cov_kl_coef", "dro_beta": "kl_tau (= beta / 2)"}
+_VERL_DEFAULTS = {f.name: f.default for f in fields(PolicyLossConfig) if f.name in VERL_LOSS_FIELDS}
 
 # The TokenBatch fields this plugin fills from what verl passes a policy loss.
 PROVIDED_FIELDS = ("logp", "logp_behavior", "logp_old", "advantages", "mask")
@@ -71,6 +78,15 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
     tau_pos: Optional[float] = None
     tau_neg: Optional[float] = None
     seq_reduce: Optional[str] = None
+    kl_tau: Optional[float] = None
+    cov_ratio: Optional[float] = None
+    cov_low: Optional[float] = None
+    cov_high: Optional[float] = None
+    cov_kl_coef: Optional[float] = None
+    k_pos: Optional[float] = None
+    lambda_pos: Optional[float] = None
+    k_neg: Optional[float] = None
+    lambda_neg: Optional[float] = None
     bypass_mode: Optional[bool] = None
     use_v1: Optional[bool] = None
 
@@ -82,6 +98,13 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
                     f"policy_loss sets GPPO fields {ignored} but loss_mode={self.loss_mode!r} is not a "
                     f"gppo mode, so nothing would read them; use one of {sorted(MODES)}")
             return
+        changed = {name: getattr(self, name) for name in VERL_LOSS_FIELDS
+                   if getattr(self, name) != _VERL_DEFAULTS[name]}
+        if changed:
+            raise gppo.GPPOConfigError(
+                f"policy_loss sets verl's {changed}, which loss_mode={self.loss_mode!r} does not read; "
+                "set the gppo field instead: "
+                + ", ".join(f"{name} -> {VERL_LOSS_FIELDS[name]}" for name in changed))
         check_startup(self, self.gppo_config())
 
     @property
@@ -184,8 +207,8 @@ def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
     """verl policy-loss function: TokenBatch from verl's arguments, then gppo.policy_loss.
 
     old_log_prob is the anchor (module docstring). rollout_is_weights w >= 0 scale the advantages:
-    every GPPO rule's per-token loss has l(w A) = w l(A) for w >= 0 (its branch depends on sign(A)
-    only), which is verl's pg_losses * rollout_is_weights.
+    a rule whose per-token loss has l(w A) = w l(A) for w >= 0 (its branch depends on sign(A) only;
+    `Rule.advantage_linear`) then gives verl's pg_losses * rollout_is_weights; the others are refused.
     """
     policy_loss = getattr(config, "policy_loss", None)
     if not isinstance(policy_loss, GPPOPolicyLossConfig):
@@ -199,6 +222,11 @@ def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
         warnings.warn(f"gppo preset {policy_loss.preset_name!r} is defined with loss_agg_mode="
                       f"{preset_agg!r}; verl's actor.loss_agg_mode={loss_agg_mode!r} is used", stacklevel=2)
     if rollout_is_weights is not None:
+        if not gppo.RULES[cfg.rule].is_advantage_linear(cfg):
+            raise gppo.GPPOConfigError(
+                f"verl passed rollout_is_weights, which the plugin folds into the advantages, but the loss "
+                f"of rule {cfg.rule!r} here is not proportional to A (a penalty or a selection by A): "
+                "unset algorithm.rollout_correction.rollout_is, or use bypass_mode=true (anchor=behavior)")
         advantages = advantages * rollout_is_weights
     # verl passes one anchor; both anchor fields hold it and cfg.anchor says which one it is
     # (checked against bypass_mode at start-up).
