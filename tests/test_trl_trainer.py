@@ -7,7 +7,10 @@ TRL loss type -> equivalent GPPOTrainerConfig (also in docs/trl.md):
 | loss_type="dapo" (default), epsilon=0.2                 | gppo_preset="ppo"                                   |
 | loss_type="dapo", epsilon_high=0.28                     | gppo_preset="dapo"                                  |
 | loss_type="grpo"                                        | gppo_preset="grpo"                                  |
-| loss_type="dr_grpo"                                     | gppo_preset="ppo", loss_agg_mode seq-mean-token-sum-norm |
+| loss_type="dr_grpo"                                     | gppo_preset="dr-grpo"                               |
+| loss_type="bnpo" (one micro-batch per step)             | gppo_preset="ppo"                                   |
+| loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4 | gppo_preset="luspo" |
+| loss_type="vespo"                                       | gppo_preset="vespo"                                 |
 | loss_type="cispo", epsilon_high=5.0                     | gppo_preset="cispo"                                 |
 | loss_type="sapo"                                        | gppo_preset="sapo", loss_agg_mode seq-mean-token-mean |
 | loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4 | gppo_preset="gspo" |
@@ -34,9 +37,13 @@ EQUIVALENTS = {
     "ppo": ({}, dict(gppo_preset="ppo"), 0.5, "gppo/masked_frac"),
     "dapo": (dict(epsilon_high=0.28), dict(gppo_preset="dapo"), 0.5, "gppo/masked_frac"),
     "grpo": (dict(loss_type="grpo"), dict(gppo_preset="grpo"), 0.5, "gppo/masked_frac"),
-    "dr_grpo": (dict(loss_type="dr_grpo"),
-                dict(gppo_preset="ppo", gppo_overrides={"loss_agg_mode": "seq-mean-token-sum-norm"}),
-                0.5, "gppo/masked_frac"),
+    "dr_grpo": (dict(loss_type="dr_grpo"), dict(gppo_preset="dr-grpo"), 0.5, "gppo/masked_frac"),
+    # bnpo divides by the micro-batch's tokens, ppo (TRL's dapo) by the accumulation window's:
+    # the same with one micro-batch per optimizer step, as here
+    "bnpo": (dict(loss_type="bnpo"), dict(gppo_preset="ppo"), 0.5, "gppo/masked_frac"),
+    "luspo": (dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+              dict(gppo_preset="luspo"), 1e-3, "gppo/masked_frac"),
+    "vespo": (dict(loss_type="vespo"), dict(gppo_preset="vespo"), 0.5, None),
     "cispo": (dict(loss_type="cispo", epsilon_high=5.0), dict(gppo_preset="cispo"), 2.5,
               "gppo/truncated_frac"),
     "sapo": (dict(loss_type="sapo"),
