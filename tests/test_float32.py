@@ -328,3 +328,46 @@ def test_full_estimator_on_cuda_matches_float64(name, params):
     finite = torch.isfinite(exact)
     torch.testing.assert_close(got.double()[finite], exact[finite], rtol=1e-5, atol=2e-6)
     assert (got[~finite] == math.inf).all()
+
+
+NEW_RULE_PRESETS = ["gpg", "dro", "kl-cov", "clip-cov", "vespo", "prime-dppo-kl", "icepop", "dr-grpo", "luspo"]
+
+
+@pytest.mark.parametrize("name", NEW_RULE_PRESETS)
+def test_new_rules_in_float32_match_float64(name):
+    """The same batch rounded to float32: loss and gradient within float32 rounding of float64's
+    (the covariance selections of kl-cov and clip-cov pick the same tokens)."""
+    gen = torch.Generator().manual_seed(5)
+    logq = torch.log(torch.rand(6, 9, generator=gen, dtype=torch.float64) * 0.9 + 0.05)
+    logp = (logq + 0.3 * torch.randn(6, 9, generator=gen, dtype=torch.float64)).clamp(max=-1e-3)
+    adv = torch.randn(6, generator=gen, dtype=torch.float64)
+    mask = (torch.arange(9)[None] < torch.tensor([9, 3, 7, 1, 9, 5])[:, None]).double()
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        leaf = logp.to(dtype).requires_grad_(True)
+        batch = gppo.TokenBatch(logp=leaf, logp_behavior=logq.to(dtype), advantages=adv.to(dtype), mask=mask.to(dtype))
+        torch.manual_seed(0)
+        loss, _ = gppo.policy_loss(batch, gppo.preset(name, **({"cov_ratio": 0.2} if "cov" in name else {})))
+        (grad,) = torch.autograd.grad(loss, leaf)
+        results.append((loss.double(), grad.double()))
+    (loss64, grad64), (loss32, grad32) = results
+    assert grad64.abs().max() > 0
+    torch.testing.assert_close(loss32, loss64, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad32, grad64, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("log_ratio", [20.0, -20.0])
+def test_vespo_weight_at_extreme_sequence_ratios_in_float32(log_ratio):
+    """A sequence of 64 tokens each at the +-20 clamp: log w = +-1280, far beyond float32's exp
+    range. phi(w) = w^k e^(lambda (1 - w)) tends to 0 at both ends: the loss and gradient are 0
+    there, not NaN, and a moderate sequence beside it keeps its gradient."""
+    logq = torch.full((2, 64), -3.0)
+    logp = torch.cat([torch.full((1, 64), -3.0 + log_ratio), torch.full((1, 64), -3.0)]).clamp(max=0.0)
+    logq[0] = logp[0] - log_ratio
+    logp = logp.requires_grad_(True)
+    batch = gppo.TokenBatch(logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0, -1.0]),
+                            mask=torch.ones(2, 64))
+    loss, _ = gppo.policy_loss(batch, gppo.preset("vespo"))
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[0] == 0).all() and (grad[1] != 0).all()
