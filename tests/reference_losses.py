@@ -110,3 +110,19 @@ def luspo_loss(logp, logq, adv, mask, eps_low, eps_high):
     lengths = mask.sum(-1)
     s = torch.exp(((logp - logq) * mask).sum(-1) / lengths)
     return -(lengths * torch.min(s * adv, s.clamp(1 - eps_low, 1 + eps_high) * adv)).mean()
+
+
+def opsm_grpo_loss(logp, logq, adv, mask, eps, threshold):
+    """GRPO's clip with DeepSeek-V3.2's off-policy sequence mask (2512.02556, Eq. 9): a sequence
+    with A < 0 whose mean over its tokens of log mu - log pi exceeds the threshold is dropped;
+    mean over each sequence's tokens, then over sequences."""
+    losses = []
+    for i in range(logp.shape[0]):
+        n = int(mask[i].sum())
+        lp, lq = logp[i, :n], logq[i, :n]
+        r = (lp - lq).exp()
+        surrogate = torch.min(r * adv[i], r.clamp(1 - eps, 1 + eps) * adv[i])
+        drift = (lq - lp.detach()).mean()
+        keep = 0.0 if (adv[i] < 0 and drift > threshold) else 1.0
+        losses.append(-keep * surrogate.mean())
+    return torch.stack(losses).mean()

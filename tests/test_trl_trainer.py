@@ -11,6 +11,7 @@ TRL loss type -> equivalent GPPOTrainerConfig (also in docs/trl.md):
 | loss_type="bnpo" (one micro-batch per step)             | gppo_preset="ppo"                                   |
 | loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4 | gppo_preset="luspo" |
 | loss_type="vespo"                                       | gppo_preset="vespo"                                 |
+| loss_type="grpo", off_policy_mask_threshold=0.05        | gppo_preset="grpo", off_policy_threshold 0.05       |
 | loss_type="cispo", epsilon_high=5.0                     | gppo_preset="cispo"                                 |
 | loss_type="sapo"                                        | gppo_preset="sapo", loss_agg_mode seq-mean-token-mean |
 | loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4 | gppo_preset="gspo" |
@@ -44,6 +45,8 @@ EQUIVALENTS = {
     "luspo": (dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
               dict(gppo_preset="luspo"), 1e-3, "gppo/masked_frac"),
     "vespo": (dict(loss_type="vespo"), dict(gppo_preset="vespo"), 0.5, None),
+    "grpo+opsm": (dict(loss_type="grpo", off_policy_mask_threshold=0.05),
+                  dict(gppo_preset="grpo", gppo_overrides={"off_policy_threshold": 0.05}), 0.5, "gppo/masked_frac"),
     "cispo": (dict(loss_type="cispo", epsilon_high=5.0), dict(gppo_preset="cispo"), 2.5,
               "gppo/truncated_frac"),
     "sapo": (dict(loss_type="sapo"),

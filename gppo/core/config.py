@@ -119,6 +119,7 @@ class GPPOConfig:
     lambda_pos: float | None = _param("lambda_pos")
     k_neg: float | None = _param("k_neg")
     lambda_neg: float | None = _param("lambda_neg")
+    off_policy_threshold: float | None = _param("off_policy_threshold")
     kl_coef: float = _doc("coefficient beta of the KL penalty to the reference model",
                           default=0.0)
     kl_estimator: str = _doc("KL penalty estimator: k1, k2, k3 or full (exact, needs logits)",
@@ -222,6 +223,7 @@ _CHECKS = {
     "tau_neg": (lambda v: v > 0, "> 0"),
     "kl_tau": (lambda v: 0 < v < math.inf, "> 0 and finite, or None to disable the penalty"),
     "cov_ratio": (lambda v: 0 < v <= 1, "in (0, 1]: the fraction of tokens selected"),
+    "off_policy_threshold": (lambda v: 0 <= v < math.inf, ">= 0 and finite, or None to disable the mask"),
     "cov_low": (lambda v: not math.isnan(v), "a number (-inf: no lower end)"),
     "cov_high": (lambda v: not math.isnan(v), "a number (inf: no upper end)"),
     "cov_kl_coef": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),

@@ -44,6 +44,9 @@ PARAMS = MappingProxyType({
     "lambda_pos": Param(3.0, "VESPO: decay lambda of the gamma weight for A >= 0"),
     "k_neg": Param(3.0, "VESPO: power k of the gamma weight for A < 0"),
     "lambda_neg": Param(2.0, "VESPO: decay lambda of the gamma weight for A < 0"),
+    "off_policy_threshold": Param(None, "DeepSeek-V3.2's off-policy sequence mask: tokens with A < 0 "
+                                        "of a sequence whose mean log(mu / pi) exceeds it get no "
+                                        "gradient; None disables"),
 })
 PARAM_FIELDS = tuple(PARAMS)
 PARAM_DEFAULTS = MappingProxyType({name: param.default for name, param in PARAMS.items()})

@@ -97,6 +97,18 @@ def _dual_clipped(ctx: RuleContext) -> torch.Tensor:
     return (ctx.adv < 0) & (ctx.raw_log_ratio > math.log(c))
 
 
+def _off_policy_masked(ctx: RuleContext) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (2512.02556, Eq. 9): the A<0 tokens of sequences
+    whose mean_t log(mu / pi) exceeds off_policy_threshold, mu the rollout log-probs whatever the
+    anchor; none when the threshold is unset."""
+    threshold = ctx.config.off_policy_threshold
+    if threshold is None:
+        return torch.zeros_like(ctx.valid)
+    log_mu = ctx.batch.logp_behavior.to(ctx.logp.dtype)
+    drift = _sequence_mean(torch.where(ctx.valid, log_mu - ctx.logp.detach(), 0.0), ctx.valid)
+    return (ctx.adv < 0) & (drift > threshold)[:, None]
+
+
 def _clipped(x: torch.Tensor, raw_log_x: torch.Tensor, adv: torch.Tensor, lo, hi):
     """PPO's min(x A, clip(x, lo, hi) A) and the tokens it blocks, (A>0, x>hi) or (A<0, x<lo).
 
@@ -124,10 +136,11 @@ def _outside(ctx: RuleContext) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mask_rule(ctx: RuleContext) -> RuleOutput:
     """DPPO's directional mask: drop a token's gradient only when it is outside the region and the
-    update pushes it further out: (A>0, r>1, D>delta_high) or (A<0, r<1, D>delta_low); plus
-    kl_tau (log r)^2 on every token when set (prime-rl's default loss)."""
+    update pushes it further out: (A>0, r>1, D>delta_high) or (A<0, r<1, D>delta_low) (and
+    DeepSeek-V3.2's off-policy sequences with off_policy_threshold); plus kl_tau (log r)^2 on every
+    token when set (prime-rl's default loss)."""
     above, below = _outside(ctx)
-    blocked = ((ctx.adv > 0) & above) | ((ctx.adv < 0) & below) | _dual_clipped(ctx)
+    blocked = ((ctx.adv > 0) & above) | ((ctx.adv < 0) & below) | _dual_clipped(ctx) | _off_policy_masked(ctx)
     loss = _policy_gradient(ctx, keep=(~blocked).float()) + _log_ratio_penalty(ctx)
     return RuleOutput(loss, blocked)
 
@@ -201,14 +214,17 @@ def truncate_rule(ctx: RuleContext) -> RuleOutput:
 
 def clip_rule(ctx: RuleContext) -> RuleOutput:
     """PPO: -min(r A, clip(r, lo, hi) A), [lo, hi] the region's ratio interval (PPO: 1 -+ eps);
-    dual clip for A<0: -max(., c A). Same gradient as the mask rule on the same region."""
+    dual clip for A<0: -max(., c A); off_policy_threshold drops DeepSeek-V3.2's off-policy
+    sequences. Same gradient as the mask rule on the same region."""
     lo, hi = ctx.interval()
     r, adv = ctx.ratio, ctx.adv
     objective, blocked = _clipped(r, ctx.raw_log_ratio, adv, lo, hi)
     if ctx.config.dual_clip is not None:
         objective = torch.where(adv < 0, torch.maximum(objective, ctx.config.dual_clip * adv), objective)
         blocked = blocked | _dual_clipped(ctx)
-    return RuleOutput(-objective * _truncation_weight(r, ctx.config.truncation), blocked)
+    dropped = _off_policy_masked(ctx)
+    objective = torch.where(dropped, 0.0, objective)
+    return RuleOutput(-objective * _truncation_weight(r, ctx.config.truncation), blocked | dropped)
 
 
 def soft_rule(ctx: RuleContext) -> RuleOutput:
@@ -300,9 +316,10 @@ def _no_penalty(cfg) -> bool:
 
 RULES = Registry("rule")
 for _rule in (
-    Rule("mask", mask_rule, (*_DELTAS, "dual_clip", "truncation", "kl_tau"), advantage_linear=_no_penalty,
+    Rule("mask", mask_rule, (*_DELTAS, "dual_clip", "truncation", "kl_tau", "off_policy_threshold"),
+         advantage_linear=_no_penalty,
          summary="DPPO's directional mask"),
-    Rule("clip", clip_rule, (*_DELTAS, "clip_bounds", "dual_clip", "truncation"),
+    Rule("clip", clip_rule, (*_DELTAS, "clip_bounds", "dual_clip", "truncation", "off_policy_threshold"),
          uses_estimate=lambda cfg: cfg.clip_bounds != "dcpo", ratio_interval=True,
          summary="PPO clip of the ratio to the region's interval (or DCPO's bounds)"),
     Rule("soft", soft_rule, ("tau_pos", "tau_neg", "truncation"), uses_estimate=False,

@@ -44,10 +44,9 @@ VISION_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_
 # GRPOConfig fields that only TRL's own loss reads: gppo_preset / gppo_overrides replace them.
 TRL_LOSS_FIELDS = ("loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
                    "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
-                   "vespo_k_neg", "vespo_lambda_neg")
+                   "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")
 # GRPOConfig features implemented inside TRL's loss that GPPOTrainer does not apply.
-TRL_LOSS_FEATURES = ("top_entropy_quantile", "off_policy_mask_threshold", "entropy_coef",
-                     "use_adaptive_entropy")
+TRL_LOSS_FEATURES = ("top_entropy_quantile", "entropy_coef", "use_adaptive_entropy")
 
 
 @dataclass
