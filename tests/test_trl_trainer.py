@@ -147,7 +147,7 @@ def test_two_step_run_matches_grpo_trainer(tiny):
         assert torch.allclose(p, trl_p, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("preset", ["dppo-binary-tv", "dppo-topk-tv", "cispo", "gppo"])
+@pytest.mark.parametrize("preset", ["dppo-binary-tv", "dppo-topk-tv", "cispo", "gppo", "icepop"])
 def test_two_step_run_per_preset(tiny, preset):
     trainer = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, gppo_preset=preset)
     before = final_parameters(trainer)
@@ -155,9 +155,17 @@ def test_two_step_run_per_preset(tiny, preset):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     assert logs[1]["gppo/ratio/max"] > 1
-    metric = "gppo/truncated_frac" if preset == "cispo" else "gppo/masked_frac"
+    metric = "gppo/truncated_frac" if preset == "cispo" else "gppo/masked_frac"  # icepop: both
     assert metric in logs[1] and "entropy" in logs[1]
     assert any(not torch.equal(a, b) for a, b in zip(before, final_parameters(trainer)))
+
+
+@pytest.mark.parametrize("preset", list(gppo.PRESETS))
+def test_every_preset_is_accepted(tiny, preset):
+    """GPPOTrainerConfig builds every preset (rollout top-K comes from its own old-policy pass)."""
+    cfg = GPPOTrainerConfig(output_dir=str(tiny[2] / "cfg"), use_cpu=True, gppo_preset=preset,
+                            max_completion_length=8).gppo_config()
+    assert cfg.rule == gppo.PRESETS[preset].fields["rule"] and cfg.norm_length == 8
 
 
 def test_topk_pass_records_the_sampling_policy(tiny):
