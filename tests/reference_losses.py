@@ -54,8 +54,8 @@ def clip_cov_loss(logp, logq, adv, mask, eps, ratio, low, high, seed):
     r = (logp - logq).exp()
     a = adv[:, None].expand_as(r)
     surrogate = torch.min(r * a, r.clamp(1 - eps, 1 + eps) * a)
-    clipped = lambda i, t: (a[i, t] > 0 and r[i, t] > 1 + eps) or (a[i, t] < 0 and r[i, t] < 1 - eps)  # noqa: E731
-    candidates = [p for p, c in zip(positions, cov) if low < c.item() < high and not clipped(*p)]
+    clipped = ((a > 0) & (r > 1 + eps)) | ((a < 0) & (r < 1 - eps))
+    candidates = [p for p, c in zip(positions, cov) if low < c.item() < high and not clipped[p]]
     keep = torch.ones_like(logp)
     if candidates:
         torch.manual_seed(seed)
@@ -83,7 +83,7 @@ def prime_dppo_kl_loss(logp, logq, adv, mask, low, high, tau):
     pi - mu < -low; -A r on the others, plus tau (log r)^2 on every token."""
     diff = logp.exp() - logq.exp()
     a = adv[:, None].expand_as(logp)
-    masked = torch.where(a > 0, diff > high, torch.where(a < 0, diff < -low, torch.zeros_like(diff, dtype=torch.bool)))
+    masked = ((a > 0) & (diff > high)) | ((a < 0) & (diff < -low))
     log_r = logp - logq
     return token_mean(-a * log_r.exp() * (~masked) + tau * log_r**2, mask)
 

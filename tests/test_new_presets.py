@@ -74,7 +74,8 @@ def test_vespo(seed):
 def test_prime_dppo_kl(seed):
     batch, (logp, logq, adv, mask) = inputs(seed, spread=1.5)
     # radii 0.05 / 0.1 instead of 0.2 / 0.2: on this vocabulary few |pi - mu| reach 0.2
-    loss, grad, metrics = loss_and_grad(batch, gppo.preset("prime-dppo-kl", delta_low=0.05, delta_high=0.1))
+    cfg = gppo.preset("prime-dppo-kl", delta_low=0.05, delta_high=0.1)
+    loss, grad, metrics = loss_and_grad(batch, cfg)
     expected = ref.prime_dppo_kl_loss(logp, logq, adv, mask, 0.05, 0.1, 1e-3)
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
@@ -123,7 +124,8 @@ def test_off_policy_sequence_mask(seed):
     assert dropped.any() and ((adv < 0) & ~dropped).any()
     assert (grad[dropped] == 0).all()
     # on the mask rule it drops the same tokens: mask and clip agree on gradients
-    _, mask_grad, _ = loss_and_grad(batch, gppo.preset("grpo", rule="mask", off_policy_threshold=threshold))
+    mask_cfg = gppo.preset("grpo", rule="mask", off_policy_threshold=threshold)
+    _, mask_grad, _ = loss_and_grad(batch, mask_cfg)
     assert_same(grad, mask_grad)
 
 
@@ -157,7 +159,8 @@ def test_advantage_linearity_is_declared_by_the_rules():
     l(w A) = w l(A) (the verl plugin folds rollout weights into A only then)."""
     batch, _ = inputs(0, spread=1.0)
     overrides = {"clip-cov": dict(cov_ratio=0.1)}
-    for name in ["gpg", "dro", "kl-cov", "clip-cov", "vespo", "prime-dppo-kl", "icepop", "gppo", "ppo", "luspo"]:
+    names = ["gpg", "dro", "kl-cov", "clip-cov", "vespo", "prime-dppo-kl", "icepop", "gppo", "ppo", "luspo"]
+    for name in names:
         cfg = gppo.preset(name, **overrides.get(name, {}))
         losses = []
         for c in (1.0, 10.0):

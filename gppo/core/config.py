@@ -223,7 +223,8 @@ _CHECKS = {
     "tau_neg": (lambda v: v > 0, "> 0"),
     "kl_tau": (lambda v: 0 < v < math.inf, "> 0 and finite, or None to disable the penalty"),
     "cov_ratio": (lambda v: 0 < v <= 1, "in (0, 1]: the fraction of tokens selected"),
-    "off_policy_threshold": (lambda v: 0 <= v < math.inf, ">= 0 and finite, or None to disable the mask"),
+    "off_policy_threshold": (lambda v: 0 <= v < math.inf,
+                             ">= 0 and finite, or None to disable the mask"),
     "cov_low": (lambda v: not math.isnan(v), "a number (-inf: no lower end)"),
     "cov_high": (lambda v: not math.isnan(v), "a number (inf: no upper end)"),
     "cov_kl_coef": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
@@ -293,7 +294,8 @@ def _validate(cfg: GPPOConfig) -> None:
     if cfg.cov_low is not None and not cfg.cov_low < cfg.cov_high:
         raise GPPOConfigError(
             f"GPPOConfig.cov_low={cfg.cov_low} must be below cov_high={cfg.cov_high}: no covariance "
-            "would lie in (cov_low, cov_high), so no token could be selected; lower cov_low or raise cov_high")
+            "would lie in (cov_low, cov_high), so no token could be selected; lower cov_low or raise "
+            "cov_high")
     if cfg.uses_estimate:
         try:
             built = cfg.divergence_fn

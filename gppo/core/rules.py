@@ -140,7 +140,8 @@ def mask_rule(ctx: RuleContext) -> RuleOutput:
     DeepSeek-V3.2's off-policy sequences with off_policy_threshold); plus kl_tau (log r)^2 on every
     token when set (prime-rl's default loss)."""
     above, below = _outside(ctx)
-    blocked = ((ctx.adv > 0) & above) | ((ctx.adv < 0) & below) | _dual_clipped(ctx) | _off_policy_masked(ctx)
+    blocked = ((ctx.adv > 0) & above) | ((ctx.adv < 0) & below)
+    blocked = blocked | _dual_clipped(ctx) | _off_policy_masked(ctx)
     loss = _policy_gradient(ctx, keep=(~blocked).float()) + _log_ratio_penalty(ctx)
     return RuleOutput(loss, blocked)
 
@@ -303,7 +304,8 @@ class Rule:
         return self.uses_estimate(config) if callable(self.uses_estimate) else self.uses_estimate
 
     def is_advantage_linear(self, config) -> bool:
-        return self.advantage_linear(config) if callable(self.advantage_linear) else self.advantage_linear
+        linear = self.advantage_linear
+        return linear(config) if callable(linear) else linear
 
 
 _DELTAS = ("delta_low", "delta_high")
@@ -339,7 +341,8 @@ for _rule in (
     Rule("clip-cov", clip_cov_rule, (*_DELTAS, "cov_ratio", "cov_low", "cov_high"), ratio_interval=True,
          advantage_linear=False,
          summary="Clip-Cov: PPO clip, gradient detached on random tokens of high covariance"),
-    Rule("kl-cov", kl_cov_rule, ("cov_ratio", "cov_kl_coef"), uses_estimate=False, advantage_linear=False,
+    Rule("kl-cov", kl_cov_rule, ("cov_ratio", "cov_kl_coef"), uses_estimate=False,
+         advantage_linear=False,
          summary="KL-Cov: ratio PG, |log r| penalty on the tokens of highest covariance"),
     Rule("gamma", gamma_rule, ("k_pos", "lambda_pos", "k_neg", "lambda_neg"), uses_estimate=False,
          summary="VESPO's gamma weight of the sequence ratio"),

@@ -48,7 +48,8 @@ OVERRIDABLE = ("divergence", "alpha", "estimator", "rule", "delta_low", "delta_h
 # verl's own PolicyLossConfig fields for its loss modes clip_cov, kl_cov and dro, which the gppo
 # modes do not read: changed under a gppo mode, they are refused with the gppo field to set instead.
 VERL_LOSS_FIELDS = {"clip_cov_ratio": "cov_ratio", "clip_cov_lb": "cov_low", "clip_cov_ub": "cov_high",
-                    "kl_cov_ratio": "cov_ratio", "ppo_kl_coef": "cov_kl_coef", "dro_beta": "kl_tau (= beta / 2)"}
+                    "kl_cov_ratio": "cov_ratio", "ppo_kl_coef": "cov_kl_coef",
+                    "dro_beta": "kl_tau (= beta / 2)"}
 _VERL_DEFAULTS = {f.name: f.default for f in fields(PolicyLossConfig) if f.name in VERL_LOSS_FIELDS}
 
 # The TokenBatch fields this plugin fills from what verl passes a policy loss.
