@@ -17,6 +17,15 @@ from gppo.problem import Problem
 from gppo.tasks.base import Task
 
 
+SEED_STRIDE = 1_000_003  # a prime above any step count, so that (seed, index) pairs get distinct seeds
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of draw `index` of a run seeded `seed`: the data order of an epoch, the sampling and
+    shuffling of a step, the evaluations (a fixed index)."""
+    return seed * SEED_STRIDE + index
+
+
 class TaskSource:
     """An endless stream of freshly drawn task problems."""
 
@@ -44,7 +53,7 @@ class DatasetSource:
 
     def _permutation(self) -> list[int]:
         order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        random.Random(derived_seed(self.seed, self.epoch)).shuffle(order)
         return order
 
     def take(self, n: int) -> list[Problem]:

@@ -1,4 +1,5 @@
-"""The RL loop: rollout -> reward -> advantage -> GPPO update -> evaluation, with checkpoints.
+"""The RL loop: rollout (generated and scored by `gppo.trainer.generation`) -> pi_old and reference
+log-probs -> GPPO update -> evaluation, with checkpoints.
 
 Every random choice of step k is seeded from (seed, k) or restored from the checkpoint (the data
 order), so a run resumed from step k reaches the same parameters as an uninterrupted one.
@@ -22,24 +23,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import get_scheduler
 
 import gppo
-from gppo.advantages import group_advantages, informative_groups
 from gppo.evaluation import evaluate_problems
 from gppo.models.assets import embedded_checkpoint
 from gppo.models.loading import check_positions, load_model_and_tokenizer
 from gppo.prompts import PromptBuilder
 from gppo.options import load_yaml, resolve_device
 from gppo.rewards.pipeline import RewardPipeline, load_function
-from gppo.rollout import SamplingParams, make_engine
+from gppo.rollout import make_engine
 from gppo.threads import default_threads
-from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations, token_batch
+from gppo.trainer.batch import Rollout, policy_outputs, token_batch
 from gppo.trainer.checkpoint import (RunError, RunLock, atomic_write_text, latest_checkpoint, load_checkpoint,
                                      remove_stale_temps, save_checkpoint, save_final, set_aside, set_rng_state)
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
-from gppo.trainer.data import build_problem_set
+from gppo.trainer.data import build_problem_set, derived_seed
+from gppo.trainer.generation import RolloutGenerator, on_device, pad_to
 from gppo.trainer.logging import MetricsLog, accuracy_summary, plot_curves, storage_note
 from gppo.trainer.rollout_policy import DTYPES, OffPolicyQueue, RolloutPolicy, mismatch_metrics
-
-_SEED_STRIDE = 1_000_003
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -109,13 +108,13 @@ class Trainer:
 
         cfg = config.gppo_config()
         self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
-        self.top_k = self.loss_config.rollout_top_k
+        top_k = self.loss_config.rollout_top_k
 
         self.base_model_path = self._base_model_path()
         # data and reward functions first: a bad gold or reward file is named before the model loads
         self.problems = build_problem_set(config.task, config.data, config.eval_data, config.eval_size, config.seed,
                                           config.data_options(), need_answer=not config.reward_funcs)
-        self.rewards = RewardPipeline(
+        rewards = RewardPipeline(
             verifier=self.problems.verifier,
             user_functions=[(path, load_function(path)) for path in config.reward_funcs],
             weights=list(config.reward_weights), format_pattern=config.format_pattern,
@@ -139,16 +138,18 @@ class Trainer:
                                   model_path=checkpoint or self.base_model_path,
                                   device=self.device, batch_size=config.rollout_batch_size, seed=config.seed,
                                   dtype=rollout_dtype, kv_cache_gb=config.vllm_kv_cache_gb,
-                                  compile=config.compiles_vllm(), max_logprobs=max(self.top_k, 1),
+                                  compile=config.compiles_vllm(), max_logprobs=max(top_k, 1),
                                   top_p_masks=config.rollout_top_p < 1)
-        if self.top_k > self.engine.max_top_k_logprobs:
+        if top_k > self.engine.max_top_k_logprobs:
             raise ConfigError(
-                f"preset {config.preset!r} (estimator {self.loss_config.estimator!r}) needs mu's top-{self.top_k} "
+                f"preset {config.preset!r} (estimator {self.loss_config.estimator!r}) needs mu's top-{top_k} "
                 f"log-probs per token, but engine {config.engine!r} records at most "
                 f"{self.engine.max_top_k_logprobs}: lower --top_k or use another estimator")
 
         self.prompts = self._prompt_builder()
         self._check_prompts()
+        self.generator = RolloutGenerator(config, self.loss_config, self.problems.train, self.prompts, self.engine,
+                                          rewards, self.tokenizer, self.rollout_policy, self.device)
 
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         sequences = config.prompts_per_step * config.group_size
@@ -212,7 +213,6 @@ class Trainer:
         """Release the run directory (`train()` does it when it returns)."""
         self.lock.release()
 
-    # ------------------------------------------------------------------------------ rollout
     def _prompt_builder(self) -> PromptBuilder:
         try:
             return PromptBuilder(self.tokenizer, self.config.prompt_config())
@@ -230,73 +230,10 @@ class Trainer:
             lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]] if texts else []
             check_positions(self.model.config, lengths, self.config.max_new_tokens, where)
 
-    def _sample(self, problems, n: int, temperature: float, seed: int, top_k: int = 0):
-        params = SamplingParams(temperature=temperature, max_new_tokens=self.config.max_new_tokens, n=n,
-                                top_k_logprobs=top_k, seed=seed, top_p=self.config.rollout_top_p,
-                                record_kept_ids=self.config.rollout_top_p < 1)
-        return self.engine.generate([self.prompts(p.prompt) for p in problems], params)
-
+    # ------------------------------------------------------------------------------ rollout
     def rollout(self, step: int | None = None) -> tuple[Rollout | None, dict]:
-        """Sample, score and (with dynamic sampling) refill until prompts_per_step informative groups
-        (the batch of `step`, default the current one: its seed depends on it)."""
-        c = self.config
-        step = self.step if step is None else step
-        kept_gens, kept_rewards, all_rewards, all_accuracy, all_gens = [], [], [], [], []
-        warnings_count, rounds = 0, 0
-        start = time.time()
-        while True:
-            need = c.prompts_per_step - len(kept_rewards)
-            problems = self.problems.train.take(need)
-            seed = (c.seed * _SEED_STRIDE + step) * 64 + rounds
-            gens = self._sample(problems, c.group_size, c.temperature, seed, self.top_k)
-            repeated = [problems[g.prompt_index] for g in gens]
-            scored = self.rewards(repeated, [g.text for g in gens], [g.completion_ids for g in gens])
-            warnings_count += scored.warnings
-            rewards = torch.tensor(scored.rewards).view(need, c.group_size)
-            all_rewards.append(rewards)
-            all_accuracy.extend(scored.accuracy)
-            all_gens.extend(gens)
-            keep = informative_groups(rewards) if c.dynamic_sampling else torch.ones(need, dtype=torch.bool)
-            for group in keep.nonzero().flatten().tolist():
-                kept_rewards.append(rewards[group])
-                kept_gens.extend(gens[group * c.group_size:(group + 1) * c.group_size])
-            rounds += 1
-            if len(kept_rewards) == c.prompts_per_step or rounds > c.max_resample_rounds:
-                break
-        elapsed = time.time() - start
-        rewards = torch.cat(all_rewards)
-        lengths = torch.tensor([len(g.completion_ids) for g in all_gens], dtype=torch.float)
-        stats = {
-            "rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
-            "rollout/accuracy": sum(all_accuracy) / len(all_accuracy),
-            "rollout/zero_variance_groups": 1 - informative_groups(rewards).float().mean().item(),
-            "rollout/length_mean": lengths.mean().item(), "rollout/length_max": lengths.max().item(),
-            "rollout/truncated_frac": sum(g.finish_reason == "length" for g in all_gens) / len(all_gens),
-            "rollout/reward_fn_warnings": warnings_count, "rollout/rounds": rounds,
-            "rollout/groups_kept": len(kept_rewards),
-            "perf/rollout_tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
-        }
-        if not kept_rewards:
-            return None, stats
-        advantages = group_advantages(torch.stack(kept_rewards), c.advantage).flatten()
-        pad_id = self.tokenizer.pad_token_id
-        rollout = rollout_from_generations(kept_gens, advantages, pad_id, self.top_k)
-        if self.loss_config.estimator is not None and "full" in gppo.ESTIMATORS[self.loss_config.estimator].anchor:
-            rollout = dataclasses.replace(rollout, logp_behavior_full=self._behavior_distribution(rollout))
-        return rollout, stats
-
-    @torch.no_grad()
-    def _behavior_distribution(self, rollout: Rollout) -> torch.Tensor:
-        """mu's whole distribution [B,T,V] at every response position (estimator 'full'), from the
-        weights that sampled the rollout, i.e. the rollout policy now: kept with the rollout (on the
-        CPU, in the checkpoint with the batches sampled ahead), since with off_policy_steps > 0 those
-        weights are gone by the time the batch trains. Costs B*T*V values per batch in the queue."""
-        parts = []
-        for index in torch.arange(rollout.size).split(self.config.micro_batch_size):
-            sub = _on_device(rollout.select(index), self.device)
-            log_probs = policy_outputs(self.rollout_policy.model, sub, self.config.temperature).log_probs
-            parts.append(_pad_to(log_probs, rollout.token_ids.shape[1]).cpu())
-        return torch.cat(parts)
+        """The batch of `step` (default: the current one) and its rollout metrics: `RolloutGenerator`."""
+        return self.generator(self.step if step is None else step)
 
     @torch.no_grad()
     def prepare(self, rollout: Rollout) -> Rollout:
@@ -304,7 +241,7 @@ class Trainer:
         (anchor='old', and for the mismatch metrics when the engine samples from other weights
         than the trained ones) and the reference model's log-probs (KL penalty). mu's full
         distribution (estimator 'full') came with the rollout (`_behavior_distribution`)."""
-        rollout = _on_device(rollout, self.device)
+        rollout = on_device(rollout, self.device)
         cfg, temperature = self.loss_config, self.config.temperature
         need_old = (cfg.anchor == "old" or self.rollout_policy.is_copy or self.config.off_policy_steps > 0
                     or getattr(self.engine, "separate_weights", False))
@@ -316,22 +253,26 @@ class Trainer:
         for index in torch.arange(rollout.size, device=self.device).split(self.config.micro_batch_size):
             sub = rollout.select(index)
             if need_old:
-                out = policy_outputs(self.model, sub, temperature)
-                parts["logp_old"].append(_pad_to(out.logp, width))
+                old_full = cfg.anchor == "old" and cfg.estimator is not None and \
+                    "full" in gppo.ESTIMATORS[cfg.estimator].anchor
+                out = policy_outputs(self.model, sub, temperature, return_log_probs=old_full)
+                parts["logp_old"].append(pad_to(out.logp, width))
                 if out.topk_logp is not None:
-                    parts["topk_logp_old"].append(_pad_to(out.topk_logp, width))
+                    parts["topk_logp_old"].append(pad_to(out.topk_logp, width))
+                if old_full:
+                    parts["logp_old_full"].append(pad_to(out.log_probs, width))
             if need_ref:
-                ref = policy_outputs(self.ref_model, sub, temperature)
-                parts["logp_ref"].append(_pad_to(ref.logp, width))
+                ref = policy_outputs(self.ref_model, sub, temperature, return_log_probs=cfg.kl_estimator == "full")
+                parts["logp_ref"].append(pad_to(ref.logp, width))
                 if cfg.kl_estimator == "full":
-                    parts["logp_ref_full"].append(_pad_to(ref.log_probs, width))
+                    parts["logp_ref_full"].append(pad_to(ref.log_probs, width))
         return dataclasses.replace(rollout, **{k: torch.cat(v) for k, v in parts.items()})
 
     # ------------------------------------------------------------------------------ update
     def update(self, rollout: Rollout) -> dict:
         c = self.config
         averages, per_update = MeanOf(), MeanOf()
-        shuffle = torch.Generator().manual_seed(c.seed * _SEED_STRIDE + self.step)
+        shuffle = torch.Generator().manual_seed(derived_seed(c.seed, self.step))
         self.model.train()
         minibatches = (minibatch for _ in range(c.epochs)
                        for minibatch in torch.randperm(rollout.size, generator=shuffle).split(c.mini_batch_size))
@@ -365,7 +306,7 @@ class Trainer:
         total = 0.0
         for micro in minibatch.split(c.micro_batch_size):
             sub = rollout.select(micro)
-            outputs = policy_outputs(self.model, sub, c.temperature)
+            outputs = policy_outputs(self.model, sub, c.temperature, self.loss_config, entropy=True)
             for name, logp in (("the policy's", outputs.logp), ("the rollout's", sub.logp_behavior)):
                 bad = int((~logp.isfinite() & sub.response_mask.bool()).sum())
                 if bad:
@@ -407,7 +348,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         start = time.time()
-        rollout, metrics = self.pending.next(self.step, self.rollout)
+        rollout, metrics = self.pending.next(self.step, self.generator)
         if rollout is None:
             self.console.print(f"step {self.step + 1}: every group had equal rewards; no update")
         else:
@@ -429,14 +370,9 @@ class Trainer:
         """Held-out accuracy: greedy, and sampled avg@k / pass@k with k = eval_samples."""
         c = self.config
         heldout = self.problems.heldout
-        verifier = self.problems.verifier or self._reward_score
+        verifier = self.problems.verifier or self.generator.reward_score
         return evaluate_problems(self.engine, heldout, verifier, [self.prompts(p.prompt) for p in heldout],
-                                 c.eval_samples, c.temperature, c.max_new_tokens, seed=c.seed * _SEED_STRIDE + 7_777_777)
-
-    def _reward_score(self, problems, completions) -> list[float]:
-        """Held-out score of data without answers: the reward functions' weighted sum."""
-        ids = self.tokenizer(list(completions), add_special_tokens=False)["input_ids"]
-        return self.rewards(problems, completions, ids).accuracy
+                                 c.eval_samples, c.temperature, c.max_new_tokens, seed=derived_seed(c.seed, 7_777_777))
 
     # ------------------------------------------------------------------------------ main loop
     def train(self, stop_after: int | None = None) -> dict | None:
@@ -534,17 +470,6 @@ class Trainer:
 def _total_norm(parameters) -> float:
     """||theta||_2 over all parameters."""
     return torch.linalg.vector_norm(torch.stack([p.detach().float().norm() for p in parameters])).item()
-
-
-def _on_device(rollout: Rollout, device: torch.device) -> Rollout:
-    return dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(device)
-                                           for f in dataclasses.fields(rollout)
-                                           if isinstance(getattr(rollout, f.name), torch.Tensor)})
-
-
-def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    """A micro-batch trimmed to its longest response, padded back to the rollout's width T (dim 1)."""
-    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))
 
 
 def _progress_info(m: dict) -> str:

@@ -1,0 +1,151 @@
+"""Generate and score: the batch an RL step trains on (TRL's generate-and-score side).
+
+`RolloutGenerator(step)` samples group_size completions for each of prompts_per_step prompts and
+rewards them. With dynamic sampling (DAPO) the groups whose rewards are all equal are dropped and
+new prompts sampled in their place, for at most max_resample_rounds more rounds. The kept groups
+get group-relative advantages (`gppo.advantages`) and become a `Rollout`; for an estimator
+anchored on mu's whole distribution ('full') the rollout also carries that distribution. The
+`Trainer` takes it from there: pi_old and the reference's log-probs, the update.
+
+Round r of step k samples with seed derived_seed(seed, k) * 64 + r, so that a resumed run draws
+the completions an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import gppo
+from gppo.advantages import group_advantages, informative_groups
+from gppo.prompts import PromptBuilder
+from gppo.rewards.pipeline import RewardPipeline
+from gppo.rollout import Generation, RolloutEngine, SamplingParams
+from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations
+from gppo.trainer.config import TrainConfig
+from gppo.trainer.data import DatasetSource, TaskSource, derived_seed
+from gppo.trainer.rollout_policy import RolloutPolicy
+
+
+@dataclass
+class SampledGroups:
+    """Every group sampled for one step, over all rounds, and the groups kept for training."""
+
+    generations: list[Generation] = field(default_factory=list)  # every completion, group by group
+    rewards: list[torch.Tensor] = field(default_factory=list)  # per round: [groups, group_size]
+    accuracy: list[float] = field(default_factory=list)  # per completion: the verifier's score
+    reward_fn_warnings: int = 0
+    rounds: int = 0
+    kept_generations: list[Generation] = field(default_factory=list)
+    kept_rewards: list[torch.Tensor] = field(default_factory=list)  # per kept group: [group_size]
+
+
+def rollout_stats(sampled: SampledGroups, seconds: float) -> dict:
+    """The rollout/ metrics of a step, over every group sampled (kept or not), and the sampling
+    speed in completion tokens per second of the `seconds` it took."""
+    rewards = torch.cat(sampled.rewards)
+    gens = sampled.generations
+    lengths = torch.tensor([len(g.completion_ids) for g in gens], dtype=torch.float)
+    return {
+        "rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
+        "rollout/accuracy": sum(sampled.accuracy) / len(sampled.accuracy),
+        "rollout/zero_variance_groups": 1 - informative_groups(rewards).float().mean().item(),
+        "rollout/length_mean": lengths.mean().item(), "rollout/length_max": lengths.max().item(),
+        "rollout/truncated_frac": sum(g.finish_reason == "length" for g in gens) / len(gens),
+        "rollout/reward_fn_warnings": sampled.reward_fn_warnings, "rollout/rounds": sampled.rounds,
+        "rollout/groups_kept": len(sampled.kept_rewards),
+        "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
+    }
+
+
+class RolloutGenerator:
+    """The batch of each step, sampled by `engine` from the rollout policy and rewarded by
+    `rewards` (see the module docstring)."""
+
+    def __init__(self, config: TrainConfig, loss_config: gppo.GPPOConfig, source: TaskSource | DatasetSource,
+                 prompts: PromptBuilder, engine: RolloutEngine, rewards: RewardPipeline, tokenizer,
+                 rollout_policy: RolloutPolicy, device: torch.device):
+        self.config, self.loss_config, self.source, self.prompts = config, loss_config, source, prompts
+        self.engine, self.rewards, self.tokenizer = engine, rewards, tokenizer
+        self.rollout_policy, self.device = rollout_policy, device
+        self.top_k = loss_config.rollout_top_k
+
+    def __call__(self, step: int) -> tuple[Rollout | None, dict]:
+        """Step `step`'s batch (None when no group was kept) and its rollout metrics."""
+        start = time.time()
+        sampled = self._sample_groups(step)
+        stats = rollout_stats(sampled, time.time() - start)
+        if not sampled.kept_rewards:
+            return None, stats
+        advantages = group_advantages(torch.stack(sampled.kept_rewards), self.config.advantage).flatten()
+        rollout = rollout_from_generations(sampled.kept_generations, advantages, self.tokenizer.pad_token_id,
+                                           self.top_k)
+        if self.loss_config.estimator is not None and "full" in gppo.ESTIMATORS[self.loss_config.estimator].anchor:
+            rollout = dataclasses.replace(rollout, logp_behavior_full=self._behavior_distribution(rollout))
+        return rollout, stats
+
+    def _sample_groups(self, step: int) -> SampledGroups:
+        """Sample and reward groups until prompts_per_step are kept: every group, or with dynamic
+        sampling the informative ones, for at most max_resample_rounds rounds after the first."""
+        c = self.config
+        sampled = SampledGroups()
+        while True:
+            need = c.prompts_per_step - len(sampled.kept_rewards)
+            problems = self.source.take(need)
+            gens = self._generate(problems, seed=derived_seed(c.seed, step) * 64 + sampled.rounds)
+            repeated = [problems[g.prompt_index] for g in gens]
+            scored = self.rewards(repeated, [g.text for g in gens], [g.completion_ids for g in gens])
+            sampled.reward_fn_warnings += scored.warnings
+            rewards = torch.tensor(scored.rewards).view(need, c.group_size)
+            sampled.rewards.append(rewards)
+            sampled.accuracy.extend(scored.accuracy)
+            sampled.generations.extend(gens)
+            keep = informative_groups(rewards) if c.dynamic_sampling else torch.ones(need, dtype=torch.bool)
+            for group in keep.nonzero().flatten().tolist():
+                sampled.kept_rewards.append(rewards[group])
+                sampled.kept_generations.extend(gens[group * c.group_size:(group + 1) * c.group_size])
+            sampled.rounds += 1
+            if len(sampled.kept_rewards) == c.prompts_per_step or sampled.rounds > c.max_resample_rounds:
+                return sampled
+
+    def _generate(self, problems, seed: int) -> list[Generation]:
+        """group_size completions of each problem, with mu's top-K log-probs when the estimator reads them."""
+        c = self.config
+        params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, n=c.group_size,
+                                top_k_logprobs=self.top_k, seed=seed, top_p=c.rollout_top_p,
+                                record_kept_ids=c.rollout_top_p < 1)
+        return self.engine.generate([self.prompts(p.prompt) for p in problems], params)
+
+    @torch.no_grad()
+    def _behavior_distribution(self, rollout: Rollout) -> torch.Tensor:
+        """mu's whole distribution [B,T,V] at every response position (estimator 'full'), from the
+        weights that sampled the rollout, i.e. the rollout policy now: kept with the rollout (on the
+        CPU, in the checkpoint with the batches sampled ahead), since with off_policy_steps > 0 those
+        weights are gone by the time the batch trains. Costs B*T*V values per batch in the queue."""
+        parts = []
+        for index in torch.arange(rollout.size).split(self.config.micro_batch_size):
+            sub = on_device(rollout.select(index), self.device)
+            log_probs = policy_outputs(self.rollout_policy.model, sub, self.config.temperature,
+                                       return_log_probs=True).log_probs
+            parts.append(pad_to(log_probs, rollout.token_ids.shape[1]).cpu())
+        return torch.cat(parts)
+
+    def reward_score(self, problems, completions) -> list[float]:
+        """Held-out score of data without answers: the reward functions' weighted sum."""
+        ids = self.tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+        return self.rewards(problems, completions, ids).accuracy
+
+
+def on_device(rollout: Rollout, device: torch.device) -> Rollout:
+    """The rollout with its tensors on `device`."""
+    return dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(device)
+                                           for f in dataclasses.fields(rollout)
+                                           if isinstance(getattr(rollout, f.name), torch.Tensor)})
+
+
+def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """A micro-batch trimmed to its longest response, padded back to the rollout's width T (dim 1)."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))
