@@ -9,10 +9,11 @@ from pathlib import Path
 from gppo.data.benchmarks import BENCHMARKS, get_benchmark
 from gppo.evaluation import evaluate, evaluate_problems
 from gppo.models.loading import load_model_and_tokenizer
-from gppo.options import (CLI, ArgumentParser, ConfigError, Source, add_arguments, check, check_device, check_engine,
-                          option, refuse_ignored, resolve_device)
+from gppo.options import CLI, ArgumentParser, ConfigError, Source, add_arguments, check, option, refuse_ignored
 from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptBuilder, PromptConfig, check_prompt_template
-from gppo.rollout import ENGINES, make_engine
+from gppo.rollout import make_engine
+from gppo.rollout.options import (device_option, engine_option, refuse_vllm_options_without_vllm, resolve_device,
+                                  vllm_compile_option, vllm_kv_cache_option)
 from gppo.tasks import TASKS, get_task, heldout_problems
 
 TASK_TEMPERATURE, TASK_MAX_TOKENS = 1.0, 32  # --task defaults (benchmarks have their own protocol)
@@ -45,10 +46,10 @@ class EvalConfig:
                                     ge=1, example=1024)
     limit: int | None = option(None, "first N problems of each benchmark", ge=1, example=10)
     from_hub: bool = option(False, "load benchmarks through `datasets` from the Hub")
-    engine: str = option("hf", "rollout engine: hf or vllm (docs/vllm.md)", choices=ENGINES, check=check_engine)
-    vllm_kv_cache_gb: float = option(1.0, "vLLM's KV cache in GiB (of RAM on CPU, of GPU memory on a GPU)", gt=0)
-    vllm_compile: bool = option(False, "torch.compile vLLM's model instead of running it eagerly")
-    device: str = option("auto", "cpu, cuda, or auto", check=check_device)
+    engine: str = engine_option()
+    vllm_kv_cache_gb: float = vllm_kv_cache_option()
+    vllm_compile: bool = vllm_compile_option(False)
+    device: str = device_option()
     batch_size: int = option(16, "problems generated together", ge=1)
     seed: int = option(0, "random seed", ge=0)
     out: str = option("runs/eval", "output directory (resumable)")
@@ -80,8 +81,7 @@ class EvalConfig:
         if self.data and len(self.data) != len(self.benchmark):
             raise ConfigError(f"--data has {len(self.data)} files for {len(self.benchmark)} benchmarks: give one "
                               "per benchmark, in the same order")
-        if self.engine != "vllm":
-            refuse_ignored(self, ("vllm_kv_cache_gb", "vllm_compile"), "with --engine vllm")
+        refuse_vllm_options_without_vllm(self)
         if self.task:
             refuse_ignored(self, ("data", "from_hub", "limit", "top_p", "batch_size", "out"), "with --benchmark")
         else:

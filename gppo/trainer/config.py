@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import string
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -19,10 +18,11 @@ from gppo.advantages import ADVANTAGE_ESTIMATORS
 from gppo.core import ESTIMATORS, GPPOConfig, GPPOConfigError, closest, preset as build_preset
 from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptConfig, check_prompt_template
 from gppo.trainer.data import DataOptions
-from gppo.options import (CLI, ConfigError, Source, add_arguments, check, check_device, check_engine,
-                          gppo_overrides, load_yaml, option, refuse_ignored, refuse_unknown, yaml_source)
+from gppo.options import (CLI, ConfigError, Source, add_arguments, check, gppo_overrides, load_yaml, option,
+                          refuse_ignored, refuse_unknown, yaml_source)
 from gppo.rewards.pipeline import MAX_FAILURES, TIMEOUT_S, check_reward_weights, compile_format_pattern
-from gppo.rollout import ENGINES
+from gppo.rollout.options import (device_option, engine_option, refuse_vllm_options_without_vllm,
+                                  vllm_compile_option, vllm_kv_cache_option)
 from gppo.tasks import TASKS
 
 _opt = option
@@ -79,8 +79,7 @@ class TrainConfig:
                       "objective")
 
     # rollout
-    engine: str = _opt("hf", "rollout engine: hf (transformers) or vllm (CPU or GPU; install: docs/vllm.md)",
-                       "rollout", choices=ENGINES, check=check_engine)
+    engine: str = engine_option("rollout")
     prompts_per_step: int = _opt(32, "prompts per RL step", "rollout", ge=1)
     group_size: int = _opt(8, "completions sampled per prompt", "rollout", ge=2,
                            why="advantages are relative to the group")
@@ -92,13 +91,10 @@ class TrainConfig:
                                 "r = 1 before the first update. Not --top_p, the topp estimator's nucleus", "rollout",
                                 gt=0, le=1)
     rollout_batch_size: int = _opt(256, "sequences generated together", "rollout", ge=1)
-    vllm_kv_cache_gb: float = _opt(1.0, "vLLM's KV cache in GiB (of RAM on CPU, of GPU memory on a GPU; "
-                                   "engine vllm)", "rollout", gt=0)
-    vllm_compile: bool | None = _opt(None, "torch.compile vLLM's model instead of running it eagerly (engine "
-                                     "vllm; 1-2 min at start on a small CPU, then 1.5x faster fp32 sampling). "
-                                     "Unset: compile when the run may sample more than 50,000 tokens "
-                                     "(steps x prompts_per_step x group_size x max_new_tokens), where it pays off: "
-                                     "docs/vllm.md", "rollout")
+    vllm_kv_cache_gb: float = vllm_kv_cache_option("rollout")
+    vllm_compile: bool | None = vllm_compile_option(
+        None, f"compile when the run may sample more than {VLLM_COMPILE_TOKENS:,} tokens (steps x prompts_per_step x "
+        "group_size x max_new_tokens), where it pays off: docs/vllm.md", "rollout")
     rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(
         None, "dtype of the weights the engine samples from (default: --dtype): for hf a copy refreshed after "
         "every update, for vllm the dtype vLLM loads and runs the model in", "rollout")
@@ -164,7 +160,7 @@ class TrainConfig:
     # run
     output_dir: str | None = _opt(None, "run directory (default: runs/<task>-<preset>-s<seed>)", "run")
     seed: int = _opt(0, "random seed (data order, sampling, shuffling)", "run", ge=0)
-    device: str = _opt("auto", "cpu, cuda, or auto", "run", check=check_device)
+    device: str = device_option("run")
     dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "parameter dtype: float32, bfloat16 or float16",
                                                             "run")
     threads: int | None = _opt(None, "torch CPU threads (default: the cores not busy with other work)", "run", ge=1)
@@ -191,8 +187,7 @@ class TrainConfig:
             refuse_ignored(self, ["max_resample_rounds"], "with --dynamic_sampling true")
         if not self.reward_funcs:
             refuse_ignored(self, ["reward_fn_max_failures", "reward_fn_timeout"], "with --reward_funcs")
-        if self.engine != "vllm":
-            refuse_ignored(self, ["vllm_kv_cache_gb", "vllm_compile"], "with --engine vllm")
+        refuse_vllm_options_without_vllm(self)
         if self.lr_schedule in NO_WARMUP_SCHEDULES:
             refuse_ignored(self, ["warmup_steps"], "with a schedule that warms up (e.g. --lr_schedule "
                            "constant_with_warmup, linear, cosine)")

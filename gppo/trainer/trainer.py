@@ -27,9 +27,10 @@ from gppo.evaluation import evaluate_problems
 from gppo.models.assets import embedded_checkpoint
 from gppo.models.loading import check_positions, load_model_and_tokenizer
 from gppo.prompts import PromptBuilder
-from gppo.options import load_yaml, resolve_device
+from gppo.options import load_yaml
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import make_engine
+from gppo.rollout.options import resolve_device
 from gppo.threads import default_threads
 from gppo.trainer.batch import Rollout, policy_outputs, token_batch
 from gppo.trainer.checkpoint import (RunError, RunLock, atomic_write_text, latest_checkpoint, load_checkpoint,
