@@ -195,7 +195,7 @@ class TrainConfig:
             raise ConfigError(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
                               f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
                               "lower --overlong_buffer or raise --max_new_tokens")
-        self.gppo_config()  # validates the objective early
+        self._objective = self._build_objective()  # validated here, used by the trainer: built once
         self._check_rollout_knobs()
 
     def _check_rollout_knobs(self) -> None:
@@ -241,8 +241,16 @@ class TrainConfig:
                            self.eval_split)
 
     def gppo_config(self) -> GPPOConfig:
+        """The run's objective, built once when the config was validated (a config changed later is
+        built anew with `dataclasses.replace`)."""
+        return self._objective
+
+    def _build_objective(self) -> GPPOConfig:
+        """`preset` with the `loss` overrides; norm_length (the L of seq-mean-token-sum-norm)
+        defaults to max_new_tokens."""
         try:
-            return build_preset(self.preset, **self.loss)
+            return build_preset(self.preset, **{**self.loss,
+                                                "norm_length": self.loss.get("norm_length") or self.max_new_tokens})
         except GPPOConfigError as err:
             raise ConfigError(str(err)) from None
 

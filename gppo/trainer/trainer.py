@@ -107,8 +107,7 @@ class Trainer:
             raise ConfigError(f"{self.run_dir} has no usable checkpoint to resume from; start it again without "
                               f"--resume (the files of the stopped attempt are then moved to {self.run_dir}/aborted/)")
 
-        cfg = config.gppo_config()
-        self.loss_config = dataclasses.replace(cfg, norm_length=cfg.norm_length or config.max_new_tokens)
+        self.loss_config = config.gppo_config()
         top_k = self.loss_config.rollout_top_k
 
         self.base_model_path = self._base_model_path()
