@@ -24,6 +24,7 @@ from gppo.core import (
     RuleContext,
     RuleOutput,
     TokenBatch,
+    TokenStats,
     aggregate,
     divergence,
     estimate,
@@ -34,6 +35,7 @@ from gppo.core import (
     register_divergence,
     register_estimator,
     register_rule,
+    token_stats,
 )
 
 __version__ = "0.1.0"
@@ -41,6 +43,6 @@ __version__ = "0.1.0"
 __all__ = [
     "DIVERGENCES", "ESTIMATORS", "PRESETS", "RULES", "Divergence", "Estimator", "GPPOConfig",
     "GPPOConfigError", "GPPOInputError", "Preset", "Rule", "RuleContext", "RuleOutput", "TokenBatch",
-    "aggregate", "divergence", "estimate", "gather_logp", "policy_loss", "preset", "reference_kl",
-    "register_divergence", "register_estimator", "register_rule", "__version__",
+    "TokenStats", "aggregate", "divergence", "estimate", "gather_logp", "policy_loss", "preset", "reference_kl",
+    "register_divergence", "register_estimator", "register_rule", "token_stats", "__version__",
 ]

@@ -103,8 +103,8 @@ def run(case: Case, temperature=1.0, chunk_size=None, outputs=DIFFERENTIABLE, di
         topk_ids=case.topk_ids if "topk_logp" in outputs else None, kept_sizes=case.kept_sizes,
         kept_ids=case.kept_ids, entropy="entropy" in outputs,
         ref_log_probs=case.ref if "kl_ref_full" in outputs else None,
-        anchor_log_probs=case.anchor if "estimate_full" in outputs else None,
-        divergence=gppo.divergence(divergence) if "estimate_full" in outputs else None,
+        anchor_log_probs=case.anchor if "full_estimate" in outputs else None,
+        divergence=gppo.divergence(divergence) if "full_estimate" in outputs else None,
         return_log_probs=log_probs, chunk_size=chunk_size)
 
 
@@ -221,19 +221,21 @@ def test_float32_accuracy_at_a_50k_vocabulary():
 
 @pytest.mark.parametrize("name", ["kl", "tv", "rkl", "chi2", "hellinger", "js"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_estimate_full_matches_the_full_estimator(name, dtype):
+def test_full_estimate_matches_the_full_estimator(name, dtype):
     case = make_case(n=11, vocab=400, dtype=dtype, nucleus=True, seed=7)
     anchor = case.anchor.clone()
-    got = run(case, 0.7, 4, outputs=("logp", "estimate_full"), divergence=name).estimate_full
+    got = run(case, 0.7, 4, outputs=("logp", "full_estimate"), divergence=name).full_estimate
     assert not got.requires_grad and torch.equal(case.anchor, anchor)  # the input is left as it was
     logits = reference(case, 0.7)["logits"].detach()
     want = full_estimate(gppo.divergence(name), logits[None], case.anchor[None],
                          torch.ones(1, logits.shape[0]), chunk_size=5)[0]
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12)
+    # chi2 reaches ~30 on these logits: float32 sums in another order differ by a few ulps of it
+    rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-12, 1e-12)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_estimate_full_closed_forms_for_kl_and_tv(dtype):
+def test_full_estimate_closed_forms_for_kl_and_tv(dtype):
     """KL(mu || pi) = sum mu (log mu - log pi) and TV = (1/2) sum |pi - mu|, in float64."""
     case = make_case(n=11, vocab=400, dtype=dtype, nucleus=True, seed=8)
     log_pi = torch.log_softmax(reference(case, 0.7)["logits"].detach().double(), -1)
@@ -242,7 +244,7 @@ def test_estimate_full_closed_forms_for_kl_and_tv(dtype):
     closed = {"kl": torch.where(mu > 0, mu * (log_mu - log_pi), 0.0).sum(-1),
               "tv": 0.5 * (pi - mu).abs().sum(-1)}
     for name, want in closed.items():
-        got = run(case, 0.7, 3, outputs=("logp", "estimate_full"), divergence=name).estimate_full
+        got = run(case, 0.7, 3, outputs=("logp", "full_estimate"), divergence=name).full_estimate
         assert got.dtype == work(dtype)
         tol = 1e-5 if dtype == torch.float32 else 1e-12
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
@@ -287,7 +289,7 @@ def test_no_tokens():
     """A micro-batch without tokens: empty outputs, zero parameter gradients."""
     case = make_case(n=0, dtype=torch.float32)
     case.kept_sizes, case.kept_ids = (torch.zeros(0, dtype=torch.long) for _ in range(2))
-    stats = run(case, 0.7, 3, outputs=(*DIFFERENTIABLE, "estimate_full"), log_probs=True)
+    stats = run(case, 0.7, 3, outputs=(*DIFFERENTIABLE, "full_estimate"), log_probs=True)
     assert stats.logp.shape == (0,) and stats.topk_logp.shape == (0, 4) and stats.log_probs.shape == (0, 300)
     (stats.logp.sum() + stats.entropy.sum() + stats.kl_ref_full.sum()).backward()
     assert case.hidden.grad.shape == (0, 16) and not case.weight.grad.any() and not case.bias.grad.any()
@@ -320,7 +322,7 @@ def test_autograd_saves_no_n_by_v_tensor(nucleus):
     ref_log_probs it keeps is the caller's tensor itself, not a copy."""
     n, vocab, k = 24, 500, 4
     case = make_case(n=n, width=16, vocab=vocab, k=k, dtype=torch.float32, nucleus=nucleus, seed=13)
-    outputs = ("logp", "topk_logp", "entropy", "estimate_full")
+    outputs = ("logp", "topk_logp", "entropy", "full_estimate")
     saved = saved_shapes(lambda: run(case, 0.7, 5, outputs, log_probs=True))
     inputs = {x.data_ptr() for x in (case.hidden, case.weight, case.bias, case.token_ids,
                                      case.topk_ids, case.kept_sizes, case.kept_ids) if x is not None}

@@ -10,11 +10,12 @@ from gppo.core.loss import Q_BUCKETS, aggregate, estimate, policy_loss, q_bucket
 from gppo.core.params import PARAM_DEFAULTS
 from gppo.core.registry import closest
 from gppo.core.rules import RULES, Rule, RuleContext, RuleOutput, register_rule
+from gppo.core.token_stats import TokenStats, token_stats
 
 __all__ = [
     "DIVERGENCES", "ESTIMATORS", "PARAM_DEFAULTS", "PRESETS", "Q_BUCKETS", "RULES", "Divergence",
     "Estimator", "GPPOConfig", "GPPOConfigError", "GPPOInputError", "Preset", "Rule", "RuleContext",
-    "RuleOutput", "TokenBatch", "aggregate", "closest", "divergence", "drop_unused", "estimate",
+    "RuleOutput", "TokenBatch", "TokenStats", "aggregate", "closest", "divergence", "drop_unused", "estimate",
     "gather_logp", "policy_loss", "preset", "q_buckets", "reference_kl", "register_divergence",
-    "register_estimator", "register_rule",
+    "register_estimator", "register_rule", "token_stats",
 ]

@@ -3,8 +3,8 @@ one chunk of tokens at a time, never holding the [n, V] logits of all tokens.
 
 The logits z = hidden @ weight.T (+ bias) of a chunk are computed in the weight's dtype, as the
 model's output layer would, then cast to float32 (float64 for a float64 weight), divided by the
-temperature and, for top-p rollouts, set to finfo.min outside the nucleus S_t (pi = 0 there;
-`gppo.trainer.batch.kept_mask`). From them, per token:
+temperature and, for top-p rollouts, set to finfo.min outside the nucleus S_t (pi = 0 there, and
+p log p stays 0 rather than NaN). From them, per token:
 
     logp      = log pi(a)                                 d/dz = (onehot_a - pi) / T
     topk_logp = log pi(k) at topk_ids                     d/dz = (onehot_k - pi) / T
@@ -44,7 +44,7 @@ class TokenStats:
     topk_logp [n, K]: log pi at topk_ids (differentiable).
     entropy: -sum_v pi_v log pi_v (differentiable).
     kl_ref_full: KL(pi || ref) = sum_v pi_v (log pi_v - log ref_v) (differentiable).
-    estimate_full: D_f(pi || anchor) over the vocabulary (no gradient).
+    full_estimate: D_f(pi || anchor) over the vocabulary (no gradient).
     log_probs [n, V]: log pi (no gradient): an [n, V] output, the caller's memory cost.
     """
 
@@ -52,7 +52,7 @@ class TokenStats:
     topk_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     kl_ref_full: torch.Tensor | None = None
-    estimate_full: torch.Tensor | None = None
+    full_estimate: torch.Tensor | None = None
     log_probs: torch.Tensor | None = None
 
 
@@ -71,7 +71,7 @@ def token_stats(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Ten
     kept_sizes [n] long and kept_ids (the kept ids of all rows concatenated in row order): the
     top-p nucleus of each row, pi = 0 outside it (size 0 at padding). entropy=True: `entropy`.
     ref_log_probs [n, V]: the reference's log-distribution, `kl_ref_full`. anchor_log_probs [n, V]
-    with `divergence`: `estimate_full`, both rows normalised, `divergence.full_divergence`.
+    with `divergence`: `full_estimate`, both rows normalised, `divergence.full_divergence`.
     return_log_probs: `log_probs`. temperature <= 0 means 1. chunk_size: rows per chunk (default:
     [rows, V] logits of about 2**24 elements). ref_log_probs and anchor_log_probs get no gradient.
     """
@@ -294,7 +294,7 @@ def _check_inputs(hidden, weight, token_ids, bias, topk_ids, kept_sizes, kept_id
             raise GPPOInputError(f"token_stats: kept_sizes must be >= 0 and sum to len(kept_ids) = "
                                  f"{kept_ids.numel()}, got sum {total} (min {low})")
     if (anchor_log_probs is None) != (divergence is None):
-        raise GPPOInputError("token_stats: estimate_full needs anchor_log_probs and divergence "
+        raise GPPOInputError("token_stats: full_estimate needs anchor_log_probs and divergence "
                              "together; pass both or neither")
     if divergence is not None and not isinstance(divergence, Divergence):
         raise GPPOInputError(f"token_stats: divergence must be a gppo Divergence (e.g. "
