@@ -234,8 +234,9 @@ def test_top_p_training_forward_gives_ratio_one_and_exact_divergences(micro):
     rollout = rollout_from_generations(gens, torch.linspace(-1, 1, len(gens)), tok.pad_token_id, top_k=K)
     valid = rollout.response_mask.bool()
     with torch.no_grad():
-        out = policy_outputs(model, rollout, 0.8)
-        untruncated = policy_outputs(model, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8)
+        out = policy_outputs(model, rollout, 0.8, return_log_probs=True)
+        untruncated = policy_outputs(model, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8,
+                                     return_log_probs=True)
     torch.testing.assert_close(out.logp[valid], rollout.logp_behavior[valid], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.topk_logp.exp()[valid], rollout.topk_logp_behavior.exp()[valid], atol=1e-5, rtol=0)
     ratio_full_vocab = (untruncated.logp - rollout.logp_behavior).exp()[valid]
@@ -244,18 +245,19 @@ def test_top_p_training_forward_gives_ratio_one_and_exact_divergences(micro):
     rollout.logp_behavior_full = out.log_probs
     other = build_model(tok, seed=5, hidden=32, layers=1).eval()
     with torch.no_grad():
-        pi = policy_outputs(other, rollout, 0.8)
+        pi = policy_outputs(other, rollout, 0.8, gppo.preset("dppo-topk-tv", estimator="full"))
     batch = token_batch(rollout, pi)
     assert torch.isfinite(gppo.policy_loss(batch, gppo.preset("dppo-topk-tv", top_k=K))[0])
     full = gppo.estimate(gppo.preset("dppo-topk-tv", estimator="full"), batch)
     topk = gppo.estimate(gppo.preset("dppo-topk-tv", top_k=K), batch)
     with torch.no_grad():  # reference: full-vocabulary float64 softmax, masked to S by hand, renormalised
-        full_pi = policy_outputs(other, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8)
+        full_pi = policy_outputs(other, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8,
+                                 return_log_probs=True)
     in_s = torch.zeros_like(valid[..., None].expand(-1, -1, len(tok)))
     for row, g in enumerate(gens):
         for t, ids in enumerate(g.kept_ids):
             in_s[row, t, ids] = True
-    pi_s, mu_s = (torch.where(in_s, x.logits.double().softmax(-1), 0.0) for x in (full_pi, untruncated))
+    pi_s, mu_s = (torch.where(in_s, x.log_probs.double().exp(), 0.0) for x in (full_pi, untruncated))
     pi_s, mu_s = pi_s / pi_s.sum(-1, keepdim=True), mu_s / mu_s.sum(-1, keepdim=True)
     tv = 0.5 * (pi_s - mu_s).abs().sum(-1)
     torch.testing.assert_close(full.double()[valid], tv[valid], atol=1e-5, rtol=0)

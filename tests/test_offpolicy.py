@@ -135,7 +135,8 @@ def test_queue_serves_the_batch_sampled_k_steps_earlier_and_survives_a_state_rou
 def count_forwards(monkeypatch):
     calls = []
     original = gppo.trainer.trainer.policy_outputs
-    monkeypatch.setattr(gppo.trainer.trainer, "policy_outputs", lambda *a: calls.append(a[0]) or original(*a))
+    monkeypatch.setattr(gppo.trainer.trainer, "policy_outputs",
+                        lambda *a, **kw: calls.append(a[0]) or original(*a, **kw))
     return calls
 
 
@@ -194,8 +195,8 @@ def test_full_estimator_reads_mu_from_the_rollout_copy_and_pi_old_from_the_train
     rollout, _ = trainer.rollout()
     prepared = trainer.prepare(rollout)
     with torch.no_grad():
-        copy = policy_outputs(trainer.rollout_policy.model, rollout, 1.0)
-        trained = policy_outputs(trainer.model, rollout, 1.0)
+        copy = policy_outputs(trainer.rollout_policy.model, rollout, 1.0, return_log_probs=True)
+        trained = policy_outputs(trainer.model, rollout, 1.0, return_log_probs=True)
     assert torch.equal(prepared.logp_behavior_full, copy.log_probs)
     assert torch.equal(prepared.logp_old, trained.logp)
     assert not torch.equal(copy.log_probs, trained.log_probs)
@@ -222,7 +223,7 @@ def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(
         rollout = rollout.select(torch.arange(rollout.size))
         valid = rollout.response_mask.bool()
         with torch.no_grad():
-            sampler_outputs = policy_outputs(weights(max(0, t - k)), rollout, 1.0)
+            sampler_outputs = policy_outputs(weights(max(0, t - k)), rollout, 1.0, return_log_probs=True)
             sampler, current = sampler_outputs.logp, policy_outputs(weights(t), rollout, 1.0).logp
         torch.testing.assert_close(sampler[valid], rollout.logp_behavior[valid], atol=1e-5, rtol=0)
         if objective:

@@ -93,7 +93,7 @@ def test_training_forward_reproduces_the_rollout_log_probs(micro_model, temperat
     rollout = rollout_from_generations(gens, torch.zeros(len(gens)), tokenizer.pad_token_id, top_k=5)
     assert rollout.response_mask.sum(-1).tolist() == [len(g.completion_ids) for g in gens]
     with torch.no_grad():
-        out = policy_outputs(model, rollout, temperature)
+        out = policy_outputs(model, rollout, temperature, return_log_probs=True)
     valid = rollout.response_mask.bool()
     torch.testing.assert_close(out.logp[valid], rollout.logp_behavior[valid], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.topk_logp[valid], rollout.topk_logp_behavior[valid], atol=1e-5, rtol=0)

@@ -59,7 +59,7 @@ from gppo.options import CLI, ArgumentParser, add_arguments, check, given, optio
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, Trainer
-from gppo.trainer.batch import Rollout, response_logits
+from gppo.trainer.batch import ForwardOptions, Rollout, policy_outputs
 from gppo.trainer.config import add_config_arguments, config_values, from_dict
 from gppo.trainer.rollout_policy import DTYPES, RolloutPolicy
 
@@ -108,8 +108,10 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
     chunk = chunk or chunk_rows(rollout, mu_model.get_output_embeddings().weight.shape[0])
     for index in torch.arange(rollout.size, device=rollout.input_ids.device).split(chunk):
         sub = rollout.select(index)
-        log_mu = torch.log_softmax(response_logits(mu_model, sub, temperature).double(), -1)
-        log_pi = torch.log_softmax(response_logits(pi_model, sub, temperature).double(), -1)
+        # each sequence alone (no prompt sharing): the values do not depend on which rows share a pass
+        log_mu, log_pi = (policy_outputs(model, sub, temperature, return_log_probs=True,
+                                         options=ForwardOptions(share_prompt=False)).log_probs.double()
+                          for model in (mu_model, pi_model))
         vocab = log_mu.shape[-1]
         top_k = min(config.top_k or PARAM_DEFAULTS["top_k"], vocab)
         topk_logq, topk_ids = log_mu.topk(top_k, -1)

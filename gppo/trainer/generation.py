@@ -128,7 +128,8 @@ class RolloutGenerator:
         parts = []
         for index in torch.arange(rollout.size).split(self.config.micro_batch_size):
             sub = on_device(rollout.select(index), self.device)
-            log_probs = policy_outputs(self.rollout_policy.model, sub, self.config.temperature).log_probs
+            log_probs = policy_outputs(self.rollout_policy.model, sub, self.config.temperature,
+                                       return_log_probs=True).log_probs
             parts.append(pad_to(log_probs, rollout.token_ids.shape[1]).cpu())
         return torch.cat(parts)
 

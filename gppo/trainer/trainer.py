@@ -253,12 +253,16 @@ class Trainer:
         for index in torch.arange(rollout.size, device=self.device).split(self.config.micro_batch_size):
             sub = rollout.select(index)
             if need_old:
-                out = policy_outputs(self.model, sub, temperature)
+                old_full = cfg.anchor == "old" and cfg.estimator is not None and \
+                    "full" in gppo.ESTIMATORS[cfg.estimator].anchor
+                out = policy_outputs(self.model, sub, temperature, return_log_probs=old_full)
                 parts["logp_old"].append(pad_to(out.logp, width))
                 if out.topk_logp is not None:
                     parts["topk_logp_old"].append(pad_to(out.topk_logp, width))
+                if old_full:
+                    parts["logp_old_full"].append(pad_to(out.log_probs, width))
             if need_ref:
-                ref = policy_outputs(self.ref_model, sub, temperature)
+                ref = policy_outputs(self.ref_model, sub, temperature, return_log_probs=cfg.kl_estimator == "full")
                 parts["logp_ref"].append(pad_to(ref.logp, width))
                 if cfg.kl_estimator == "full":
                     parts["logp_ref_full"].append(pad_to(ref.log_probs, width))
@@ -302,7 +306,7 @@ class Trainer:
         total = 0.0
         for micro in minibatch.split(c.micro_batch_size):
             sub = rollout.select(micro)
-            outputs = policy_outputs(self.model, sub, c.temperature)
+            outputs = policy_outputs(self.model, sub, c.temperature, self.loss_config, entropy=True)
             for name, logp in (("the policy's", outputs.logp), ("the rollout's", sub.logp_behavior)):
                 bad = int((~logp.isfinite() & sub.response_mask.bool()).sum())
                 if bad:
