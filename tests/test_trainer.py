@@ -322,3 +322,42 @@ def test_default_threads_counts_the_cores_busy_in_proc_stat(monkeypatch):
     assert trainer_module._busy_cores(0.0) == pytest.approx(3.0)
     samples = iter(["cpu  1000 0 500 8000 500 0 0 0 0 0\n", "cpu  1010 0 500 8380 510 0 0 0 0 0\n"])
     assert trainer_module.default_threads(0.0) == 4  # 400 ticks, 390 idle: 0.1 busy core
+
+
+# ------------------------------------------------------------------------------ memory knobs
+def test_memory_knobs_change_the_update_only_by_rounding(micro_model, tmp_path):
+    """The same rollout and initial weights: gradient checkpointing with a 2-token logits chunk
+    (no prompt sharing), and bfloat16 mixed precision, give the default run's gradient (the first
+    within float32 rounding, the second within bfloat16's)."""
+    def gradient(name, **knobs):
+        trainer = Trainer(micro_config(micro_model, tmp_path / name, mini_batch_size=16, epochs=1, **knobs,
+                                       reward_funcs=["tests.reward_fns:length_bonus"]))
+        checkpointing = knobs.get("gradient_checkpointing", False)
+        assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules()) == checkpointing
+        assert trainer.forward_options.share_prompt == (not checkpointing)
+        grads = []  # the gradient the one optimizer step of the update applies
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()])))
+        trainer.update(trainer.prepare(rollout))
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters()) and len(grads) == 1
+        return grads[0]
+
+    sampler = Trainer(micro_config(micro_model, tmp_path / "sampler", reward_funcs=["tests.reward_fns:length_bonus"]))
+    rollout = sampler.rollout()[0]
+    default = gradient("default")
+    checkpointed = gradient("checkpointed", gradient_checkpointing=True, logits_chunk_size=2)
+    mixed = gradient("mixed", mixed_precision="bf16")
+    assert default.abs().max() > 0
+    torch.testing.assert_close(checkpointed, default, rtol=0, atol=1e-5 * default.abs().max().item())
+    assert torch.nn.functional.cosine_similarity(mixed, default, dim=0) > 0.99
+    assert not torch.equal(mixed, default)
+
+
+def test_mini_batches_hold_whole_groups():
+    from gppo.trainer.trainer import shuffled_groups
+
+    order = shuffled_groups(24, 4, torch.Generator().manual_seed(0))
+    assert sorted(order.tolist()) == list(range(24))
+    groups = order.view(6, 4)
+    assert (groups // 4 == groups[:, :1] // 4).all() and (groups % 4 == torch.arange(4)).all()
+    assert groups[:, 0].tolist() != sorted(groups[:, 0].tolist())  # the groups are shuffled

@@ -16,8 +16,8 @@ import gppo
 from gppo.models.embedded import build_model, build_tokenizer
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
-from gppo.trainer.batch import (ForwardOptions, completion_hidden_states, policy_outputs, rollout_from_generations,
-                                token_batch)
+from gppo.trainer.batch import (ForwardOptions, completion_hidden_states, enable_activation_checkpointing,
+                                policy_outputs, rollout_from_generations, token_batch)
 
 PROMPTS = ["1+2=", "345+678=", "9+99="]  # of different lengths: left padding
 
@@ -185,8 +185,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(micro):
     model.train()
     try:
         plain = loss_and_grads(model, batch(True), config)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         checkpointed = loss_and_grads(model, batch(False), config)
+        with pytest.raises(ValueError, match="share_prompt"):  # the layers would run without the prompt's cache
+            batch(True)()
     finally:
         model.gradient_checkpointing_disable()
         model.eval()

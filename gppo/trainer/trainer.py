@@ -32,7 +32,7 @@ from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import make_engine
 from gppo.rollout.options import resolve_device
 from gppo.threads import default_threads
-from gppo.trainer.batch import Rollout, policy_outputs, token_batch
+from gppo.trainer.batch import Rollout, enable_activation_checkpointing, policy_outputs, token_batch
 from gppo.trainer.checkpoint import (RunError, RunLock, atomic_write_text, latest_checkpoint, load_checkpoint,
                                      remove_stale_temps, save_checkpoint, save_final, set_aside, set_rng_state)
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
@@ -124,6 +124,9 @@ class Trainer:
         self.model, self.tokenizer = load_model_and_tokenizer(checkpoint or self.base_model_path,
                                                               dtype=_dtype(config.dtype))
         self.model.to(self.device)
+        if config.gradient_checkpointing:
+            enable_activation_checkpointing(self.model)
+        self.forward_options = config.forward_options()
         self.ref_model = None
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
@@ -255,14 +258,16 @@ class Trainer:
             if need_old:
                 old_full = cfg.anchor == "old" and cfg.estimator is not None and \
                     "full" in gppo.ESTIMATORS[cfg.estimator].anchor
-                out = policy_outputs(self.model, sub, temperature, return_log_probs=old_full)
+                out = policy_outputs(self.model, sub, temperature, return_log_probs=old_full,
+                                     options=self.forward_options)
                 parts["logp_old"].append(pad_to(out.logp, width))
                 if out.topk_logp is not None:
                     parts["topk_logp_old"].append(pad_to(out.topk_logp, width))
                 if old_full:
                     parts["logp_old_full"].append(pad_to(out.log_probs, width))
             if need_ref:
-                ref = policy_outputs(self.ref_model, sub, temperature, return_log_probs=cfg.kl_estimator == "full")
+                ref = policy_outputs(self.ref_model, sub, temperature, return_log_probs=cfg.kl_estimator == "full",
+                                     options=self.forward_options)
                 parts["logp_ref"].append(pad_to(ref.logp, width))
                 if cfg.kl_estimator == "full":
                     parts["logp_ref_full"].append(pad_to(ref.log_probs, width))
@@ -275,7 +280,7 @@ class Trainer:
         shuffle = torch.Generator().manual_seed(derived_seed(c.seed, self.step))
         self.model.train()
         minibatches = (minibatch for _ in range(c.epochs)
-                       for minibatch in torch.randperm(rollout.size, generator=shuffle).split(c.mini_batch_size))
+                       for minibatch in shuffled_groups(rollout.size, c.group_size, shuffle).split(c.mini_batch_size))
         all_zero = True
         for minibatch in minibatches:
             stats = self._optimizer_step(rollout, minibatch.to(self.device), averages)
@@ -306,7 +311,8 @@ class Trainer:
         total = 0.0
         for micro in minibatch.split(c.micro_batch_size):
             sub = rollout.select(micro)
-            outputs = policy_outputs(self.model, sub, c.temperature, self.loss_config, entropy=True)
+            outputs = policy_outputs(self.model, sub, c.temperature, self.loss_config, entropy=True,
+                                     options=self.forward_options)
             for name, logp in (("the policy's", outputs.logp), ("the rollout's", sub.logp_behavior)):
                 bad = int((~logp.isfinite() & sub.response_mask.bool()).sum())
                 if bad:
@@ -467,6 +473,15 @@ class Trainer:
 
 
 @torch.no_grad()
+def shuffled_groups(size: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
+    """A random order of the rollout's rows that keeps each group's rows together (rows
+    g * group_size ... (g + 1) * group_size - 1 are the completions of prompt g), as verl's
+    mini-batches do: a micro-batch then holds whole groups, whose prompt the forward runs once."""
+    assert size % group_size == 0, f"a rollout of {size} rows is not made of groups of {group_size}"
+    groups = torch.randperm(size // group_size, generator=generator)
+    return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
+
+
 def _total_norm(parameters) -> float:
     """||theta||_2 over all parameters."""
     return torch.linalg.vector_norm(torch.stack([p.detach().float().norm() for p in parameters])).item()
