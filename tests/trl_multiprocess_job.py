@@ -1,0 +1,61 @@
+"""Launched by tests/test_trl_multiprocess.py as `accelerate launch --cpu --num_processes 2
+tests/trl_multiprocess_job.py MODEL_DIR RESULT_FILE`: the same 2-step training run of TRL's
+GRPOTrainer (loss_type "dapo"), GPPOTrainer (gppo_preset "ppo") and GPPOTrainer (a top-K preset)
+in two CPU processes (gloo), with two micro-batches per optimizer step and
+one generation batch for both steps. Rank 0 saves each run's
+final weights and log history, and every rank's completion-token count per micro-batch, to
+RESULT_FILE for the test to compare."""
+
+import sys
+import tempfile
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from gppo.integrations.trl import GPPOTrainer, GPPOTrainerConfig
+from gppo.models.embedded import build_tokenizer
+
+PROMPTS = ["12+3=", "4*5=", "7-2=", "9+9=", "1+1=", "30/3=", "8-8=", "2*7="]
+RUNS = {
+    "trl-dapo": (GRPOTrainer, GRPOConfig, {}),
+    "gppo-ppo": (GPPOTrainer, GPPOTrainerConfig, dict(gppo_preset="ppo")),
+    "gppo-dppo-topk-tv": (GPPOTrainer, GPPOTrainerConfig, dict(gppo_preset="dppo-topk-tv",
+                                                              gppo_overrides={"top_k": 5})),
+}
+
+
+def reward(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+def run(model_dir: str, trainer_cls, config_cls, fields: dict, output_dir: str) -> dict:
+    # 2 processes x 2 micro-batches of 4 completions = 16 completions (4 prompts) per optimizer
+    # step; one generation batch of 4 micro-batches per process (all 8 prompts) serves both
+    # steps, so the second step's ratios are not 1 and TRL rescales its token count to a window.
+    args = config_cls(output_dir=output_dir, use_cpu=True, report_to="none", seed=0,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=4,
+                      num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
+                      learning_rate=5e-2, save_strategy="no", **fields)
+    trainer = trainer_cls(model=model_dir, reward_funcs=reward, args=args, processing_class=build_tokenizer(),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    trainer.train()
+    tokens = [int(batch["completion_mask"].sum()) for batch in trainer._buffered_inputs]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return dict(params=[p.detach().clone() for p in model.parameters()],
+                logs=trainer.state.log_history, tokens=gather_object([tokens]),
+                num_processes=trainer.accelerator.num_processes, backend=torch.distributed.get_backend())
+
+
+def main(model_dir: str, result_file: str) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as output_dir:
+        for name, (trainer_cls, config_cls, fields) in RUNS.items():
+            results[name] = run(model_dir, trainer_cls, config_cls, fields, output_dir)
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, result_file)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
