@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import gppo
@@ -21,8 +22,9 @@ def run(args) -> int:
     for name, p in gppo.PRESETS.items():
         cfg = gppo.preset(name)
         other = ", ".join(f"{k}={v}" for k, v in p.fields.items() if k not in point and v is not None)
-        table.add_row(name, str(cfg.divergence), str(cfg.estimator), cfg.rule,
-                      " / ".join("-" if d is None else f"{d:.4g}" for d in (cfg.delta_low, cfg.delta_high)), other,
-                      p.summary, p.source)
+        cells = (name, str(cfg.divergence), str(cfg.estimator), cfg.rule,
+                 " / ".join("-" if d is None else f"{d:.4g}" for d in (cfg.delta_low, cfg.delta_high)), other,
+                 p.summary, p.source)
+        table.add_row(*map(escape, cells))  # the texts are plain: "sg[min(r, 5)]" is no markup
     Console(width=200).print(table)
     return 0
