@@ -1,0 +1,245 @@
+"""The gppo loss inside verl 0.9.1's own actor training step, on CPU.
+
+verl's path, run unchanged: TrainingWorker.train_mini_batch -> FSDPEngineWithLMHead (FSDP2, gloo)
+-> forward_step / prepare_model_outputs -> verl.workers.utils.losses.ppo_loss -> the policy-loss
+function registered for actor.policy_loss.loss_mode. The actor config is composed from
+examples/verl/config/gppo_trainer.yaml and instantiated as verl's trainer does; the batch goes
+through verl's left_right_2_no_padding and the non-tensor fields RayPPOTrainer._update_actor sets.
+tests/verl_cpu_shim.py holds what CPU needs (device platform, engine lookup, process group).
+
+The optimiser is SGD with lr 1 and no clipping, so that the weight change of one step is minus the
+gradient (Adam's first step is lr * sign(g): it would hide gradient differences). Each world size
+runs in fresh processes (1 process, then 2 ranks splitting the batch as verl's dispatch does), every
+loss mode in turn from the same initial weights. Checked:
+- gppo_ppo (dual_clip=3) updates the weights exactly as verl's vanilla (clip_ratio 0.2, c = 3);
+- gppo_ppo and gppo_dppo_binary_kl update them by -lr * grad of gppo.policy_loss written on the
+  plain Hugging Face model (independent of verl: padded batch, the preset, token-mean);
+- 2 ranks (verl's global token count and FSDP's gradient average) give the 1-process update;
+- gppo_dppo_binary_kl's update differs from vanilla's (the comparison can fail).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+for _module in ("verl", "hydra", "peft", "uvicorn", "fastapi"):  # engine_workers imports the last three
+    pytest.importorskip(_module)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "examples" / "verl" / "config"
+# loss_mode -> policy_loss fields (vanilla's settings are verl's defaults: clip_ratio 0.2, clip_ratio_c 3)
+# The embedded model's probabilities are near 1/55, so a ratio of e^(+-0.5) moves the binary KL by
+# ~0.004: delta 0.002 instead of 0.05 makes the DPPO mask keep some tokens and drop others.
+DPPO_FIELDS = {"delta_low": 0.002, "delta_high": 0.002}
+MODES = {"vanilla": {}, "gppo_ppo": {"dual_clip": 3.0}, "gppo_dppo_binary_kl": DPPO_FIELDS}
+PRESETS = {"gppo_ppo": ("ppo", {"dual_clip": 3.0}), "gppo_dppo_binary_kl": ("dppo-binary-kl", DPPO_FIELDS)}
+BATCH, PROMPT_LEN, RESPONSE_LEN, MICRO_BATCH = 8, 6, 10, 2
+
+
+def make_batch(model_dir) -> dict[str, torch.Tensor]:
+    """verl's padded rollout batch: left-padded prompts, right-padded responses of ragged lengths,
+    old_log_probs = the model's log-probs + N(0, 0.5^2) noise (ratios on both sides of the clip
+    range), one advantage of either sign per sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt_mask = torch.arange(PROMPT_LEN) >= PROMPT_LEN - torch.randint(2, PROMPT_LEN + 1, (BATCH, 1), generator=gen)
+    response_mask = torch.arange(RESPONSE_LEN) < torch.randint(3, RESPONSE_LEN + 1, (BATCH, 1), generator=gen)
+    prompts = torch.randint(3, vocab, (BATCH, PROMPT_LEN), generator=gen) * prompt_mask
+    responses = torch.randint(3, vocab, (BATCH, RESPONSE_LEN), generator=gen) * response_mask
+    input_ids = torch.cat([prompts, responses], 1)
+    attention_mask = torch.cat([prompt_mask, response_mask], 1).long()
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logp = response_log_probs(model, input_ids, attention_mask, position_ids, responses).detach()
+    old = (logp + 0.5 * torch.randn(logp.shape, generator=gen)) * response_mask
+    adv = torch.randn(BATCH, 1, generator=gen).expand(BATCH, RESPONSE_LEN) * response_mask
+    return dict(prompts=prompts, responses=responses, input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids, response_mask=response_mask.float(), old_log_probs=old,
+                advantages=adv.contiguous())
+
+
+def response_log_probs(model, input_ids, attention_mask, position_ids, responses):
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, PROMPT_LEN - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, responses[..., None])[..., 0]
+
+
+def reference_update(model_dir, batch, mode):
+    """-grad of gppo.policy_loss (token-mean over the whole batch) on the Hugging Face model."""
+    import gppo
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    preset, fields = PRESETS[mode]
+    logp = response_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                              batch["responses"])
+    tokens = gppo.TokenBatch(logp=logp, logp_behavior=batch["old_log_probs"], logp_old=batch["old_log_probs"],
+                             advantages=batch["advantages"], mask=batch["response_mask"].bool())
+    loss, _ = gppo.policy_loss(tokens, gppo.preset(preset, loss_agg_mode="token-mean", **fields))
+    loss.backward()
+    return {name: -p.grad for name, p in model.named_parameters()}
+
+
+# ---- the engine side, run in fresh processes: python -m tests.test_verl_engine DIR RANK WORLD PORT ----
+
+def actor_config(model_dir, mode, fields):
+    """ActorConfig as ActorRolloutRefWorker.init_model builds it, from the shipped gppo_trainer config."""
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor = "actor_rollout_ref.actor"
+    overrides = [
+        "hydra.searchpath=[pkg://verl.trainer.config]",
+        f"actor_rollout_ref.model.path={model_dir}",
+        # CPU: sdpa instead of flash-attn; padded batches (packed ones need flash-attn's varlen kernel)
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        f"{actor}.strategy=fsdp2", f"{actor}.fsdp_config.model_dtype=fp32",
+        *(f"+{actor}.fsdp_config.mixed_precision.{k}=fp32" for k in ("param_dtype", "reduce_dtype", "buffer_dtype")),
+        f"{actor}.use_torch_compile=false", f"{actor}.entropy_coeff=0", f"{actor}.use_kl_loss=false",
+        f"{actor}.ppo_mini_batch_size={BATCH}", f"{actor}.ppo_micro_batch_size_per_gpu={MICRO_BATCH}",
+        f"{actor}.optim.optimizer=SGD", f"{actor}.optim.lr=1.0", f"{actor}.optim.weight_decay=0",
+        f"{actor}.optim.clip_grad=1e9",
+        f"{actor}.policy_loss.loss_mode={mode}",
+        *(f"{actor}.policy_loss.{k}={v}" for k, v in fields.items()),
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose(config_name="gppo_trainer", overrides=overrides)
+    config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    config.model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    return config
+
+
+def full_weights(module):
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in module.state_dict().items()}
+
+
+def train_one_step(model_dir, batch, mode, fields, rank, world):
+    from functools import partial
+
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    config = actor_config(model_dir, mode, fields)
+    worker_config = TrainingWorkerConfig(model_type="language_model", model_config=config.model_config,
+                                         engine_config=config.engine, optimizer_config=config.optim,
+                                         checkpoint_config=config.checkpoint)
+    worker_config.engine_config.use_dynamic_bsz = False
+    worker_config.engine_config.micro_batch_size_per_gpu = MICRO_BATCH
+    worker = TrainingWorker(config=worker_config)
+    worker.reset()
+    worker.set_loss_fn(partial(ppo_loss, config=config))
+    before = full_weights(worker.engine.module)
+
+    per_rank = BATCH // world  # verl's dispatch hands each data-parallel rank a contiguous chunk
+    chunk = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
+    data = left_right_2_no_padding(tu.get_tensordict(chunk, {"temperature": 1.0}))
+    tu.assign_non_tensor(data, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                         global_batch_size=BATCH, mini_batch_size=BATCH, epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    metrics = tu.get(worker.train_mini_batch(data), "metrics")
+    metrics = {k: [float(x) for x in v] if isinstance(v, list) else float(v)
+               for k, v in metrics.items() if not k.startswith("perf")}
+    return before, full_weights(worker.engine.module), metrics
+
+
+def engine_main(workdir, rank, world, port):
+    from tests import verl_cpu_shim
+
+    verl_cpu_shim.install(rank=rank, world_size=world, port=port)
+    torch.set_num_threads(1)
+    batch = torch.load(Path(workdir) / "batch.pt")
+    results = {}
+    for mode, fields in MODES.items():
+        before, after, metrics = train_one_step(Path(workdir) / "model", batch, mode, fields, rank, world)
+        results[mode] = {"before": before, "after": after, "metrics": metrics}
+    if rank == 0:
+        torch.save(results, Path(workdir) / f"world{world}.pt")
+    torch.distributed.destroy_process_group()
+
+
+# ---- the tests ----
+
+def run_engine(workdir, world):
+    from tests.verl_cpu_shim import free_port
+
+    port = str(free_port())
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_verl_engine", str(workdir), str(rank), str(world),
+                               port], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-6000:]
+    return torch.load(Path(workdir) / f"world{world}.pt")
+
+
+@pytest.fixture(scope="module")
+def engine(micro_model, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("verl_engine")
+    os.symlink(micro_model, workdir / "model")
+    batch = make_batch(micro_model)
+    torch.save(batch, workdir / "batch.pt")
+    return {"batch": batch, "model": micro_model, 1: run_engine(workdir, 1), 2: run_engine(workdir, 2)}
+
+
+def update(run, mode):
+    return {k: run[mode]["after"][k] - run[mode]["before"][k] for k in run[mode]["before"]}
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def scale(u):
+    return max(v.abs().max().item() for v in u.values())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gppo_ppo_step_equals_verl_vanilla(engine, world):
+    run = engine[world]
+    assert max_diff(run["gppo_ppo"]["before"], run["vanilla"]["before"]) == 0
+    clipped = run["vanilla"]["metrics"]["actor/pg_clipfrac"]
+    assert all(0 < c < 1 for c in clipped), clipped  # both branches of the clip occur
+    ours, verl = update(run, "gppo_ppo"), update(run, "vanilla")
+    assert scale(verl) > 1e-3
+    assert max_diff(ours, verl) <= 1e-6 * scale(verl), max_diff(ours, verl)
+    assert run["gppo_ppo"]["metrics"]["loss"] == pytest.approx(run["vanilla"]["metrics"]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", list(PRESETS))
+@pytest.mark.parametrize("world", [1, 2])
+def test_engine_step_is_minus_the_gppo_gradient(engine, mode, world):
+    reference = reference_update(engine["model"], engine["batch"], mode)
+    got = update(engine[world], mode)
+    shared = [k for k in reference if k in got]
+    assert len(shared) == len(reference)
+    got, reference = {k: got[k] for k in shared}, {k: reference[k] for k in shared}
+    assert max_diff(got, reference) <= 1e-5 * scale(reference), (max_diff(got, reference), scale(reference))
+
+
+def test_second_preset_trains_and_differs_from_vanilla(engine):
+    run = engine[1]
+    metrics = run["gppo_dppo_binary_kl"]["metrics"]
+    loss = metrics["loss"]
+    assert all(torch.isfinite(torch.tensor(v)) for v in loss), loss
+    assert all(0 < m < 1 for m in metrics["gppo/masked_frac"]), metrics["gppo/masked_frac"]
+    ours, verl = update(run, "gppo_dppo_binary_kl"), update(run, "vanilla")
+    assert scale(ours) > 1e-3
+    assert max_diff(ours, verl) > 1e-2 * scale(verl)
+
+
+if __name__ == "__main__":
+    engine_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
