@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 
 from gppo.core.batch import TokenBatch, require
-from gppo.core.divergences import Divergence, log1mexp, upcast, work_dtype
+from gppo.core.divergences import Divergence
+from gppo.core.numerics import log1mexp, upcast, work_dtype
 from gppo.core.regions import bisect_interval, cell_interval, sample_interval
 from gppo.core.params import check_params
 from gppo.core.registry import Registry

@@ -12,7 +12,7 @@ import torch
 
 from gppo.core.batch import GPPOInputError, TokenBatch, require, validate
 from gppo.core.config import GPPOConfig
-from gppo.core.divergences import upcast
+from gppo.core.numerics import upcast
 from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, run_estimator, vocabulary_pass
 from gppo.core.rules import RULES, RuleContext
 
