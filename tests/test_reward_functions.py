@@ -5,6 +5,7 @@ that stop the run with their text instead of silently scoring 0."""
 import math
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -151,10 +152,9 @@ class Scripted:
 @pytest.mark.parametrize("fn, first", [
     (reward_fns.raises, "the call raised RuntimeError: this reward function is broken"),
     (reward_fns.half_nan, "sample 1 gave nan"),
-    (Scripted([1.0, None]), "sample 1 gave None"),
-    (Scripted([1.0, "n/a"]), "sample 1 gave 'n/a' (ValueError: "),
+    (Scripted([None, "n/a"]), "sample 1 gave 'n/a' (ValueError: "),
     (Scripted([[1.0], 1e9]), "sample 0 gave [1.0] (TypeError: "),
-], ids=["raises", "nan", "None", "text", "list"])
+], ids=["raises", "nan", "text", "list"])
 def test_the_warning_shows_the_first_failure(fn, first):
     with pytest.warns(RuntimeWarning, match=r"samples gave no finite reward .*; they get 0\. The first: ") as caught:
         score(pipeline(fn, max_failures=0))
@@ -163,13 +163,13 @@ def test_the_warning_shows_the_first_failure(fn, first):
 
 @pytest.mark.parametrize("values, last, cause", [
     (["n/a", "n/a"], "sample 0 gave 'n/a' (ValueError: ", ValueError),
-    ([None, None], "sample 0 gave None", None),
+    ([None, math.inf], "sample 1 gave inf", None),
     ([math.nan, math.inf], "sample 0 gave nan", None),
 ])
 def test_a_function_failing_on_every_sample_stops_the_run_as_one_that_raises(values, last, cause):
     p = pipeline(Scripted(*[values] * 3), max_failures=3)
     for _ in range(2):
-        with pytest.warns(RuntimeWarning, match="2 of 2 samples"):
+        with pytest.warns(RuntimeWarning, match=f"{sum(v is not None for v in values)} of 2 samples"):
             assert score(p) == [0.0, 0.0]
     with pytest.raises(RewardFunctionError, match=r"reward function flaky failed on 3 calls in a row, the last with "
                                                   r"no usable value from any of its 2 samples, the first: ") as err:
@@ -184,13 +184,28 @@ def test_a_function_failing_on_every_sample_stops_the_run_as_one_that_raises(val
 def test_raising_calls_and_calls_without_a_usable_value_make_one_row_that_a_usable_value_ends():
     down = ConnectionError("the grading service is down")
     p = pipeline(Scripted(down, [None, None], [1.0, None], down, [math.nan, None], [0.5, 0.5], down, [None, None],
-                          down), max_failures=3)
+                          down, down), max_failures=3)
     with pytest.warns(RuntimeWarning):
-        outcomes = [score(p) for _ in range(8)]  # some samples scored on calls 2 and 5: never 3 failures in a row
-    assert outcomes == [[0.0, 0.0]] * 2 + [[1.0, 0.0]] + [[0.0, 0.0]] * 2 + [[0.5, 0.5]] + [[0.0, 0.0]] * 2
+        # usable values on calls 3 and 6 end the rows; a call of None alone (2, 8) neither ends nor extends one
+        outcomes = [score(p) for _ in range(9)]
+    assert outcomes == [[0.0, 0.0]] * 2 + [[1.0, 0.0]] + [[0.0, 0.0]] * 2 + [[0.5, 0.5]] + [[0.0, 0.0]] * 3
     with pytest.raises(RewardFunctionError, match="failed on 3 calls in a row, the last with ConnectionError: the "
                                                   "grading service is down"):
         score(p)
+
+
+def test_none_is_a_reward_that_does_not_apply_as_in_trl():
+    """TRL's convention: a function returns None where it does not apply (a code reward on a math
+    prompt); that adds 0 and is no failure, however often. A sample no reward applies to warns."""
+    code_only = Scripted(*[[None, 0.5]] * 4)
+    mixed = RewardPipeline(None, [("code", code_only), ("math", Scripted(*[[1.0, None]] * 4))], max_failures=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [score(mixed) for _ in range(4)] == [[1.0, 0.5]] * 4
+    alone = pipeline(Scripted(*[[None, None]] * 4), max_failures=3)
+    for _ in range(4):
+        with pytest.warns(RuntimeWarning, match="2 of 2 samples have no reward: every reward function returned None"):
+            assert score(alone) == [0.0, 0.0]
 
 
 def test_a_function_that_does_not_return_in_time_is_an_error_naming_it():

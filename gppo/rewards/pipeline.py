@@ -10,12 +10,16 @@ directory too): see `load_function`. `prompts` are the data's prompts (text or c
 before the prompt template, `answer` the reference answers, and `columns` every other data column
 (from `problem.metadata["columns"]`; None for a problem without that column).
 
-Failures: a value that is NaN/None/beyond +-MAX_REWARD, or that float() cannot convert, gives 0
+None is TRL's "this function does not apply to this sample" (e.g. a code reward on a math
+prompt): it adds 0 to that sample's reward (TRL's nansum over functions) and is no failure; a
+sample that no reward applies to (no verifier, every function None) gets 0 and a warning.
+Failures: a value that is NaN/beyond +-MAX_REWARD, or that float() cannot convert, gives 0
 for that sample and a counted warning naming the first failure (the sample, its value, the
 exception). A failing call, one that raises (or returns no list of one value per completion) or
-whose every value is unusable, gives 0 for every sample and that warning; `max_failures` failing
-calls in a row stop the run with a `RewardFunctionError` carrying the last one's text (0: never
-stop); a call with one usable value ends the row. A call that does not return within `timeout_s`
+whose values are all unusable or None (at least one unusable), gives 0 for every sample and that
+warning; `max_failures` failing calls in a row stop the run with a `RewardFunctionError` carrying
+the last one's text (0: never stop); a call with one usable value ends the row, a call of None
+alone neither ends nor extends it. A call that does not return within `timeout_s`
 seconds is a `RewardFunctionError` at once. The timeout needs no signal (signal.alarm fails
 outside the main thread, and rollouts may run in a background thread): the call runs in a daemon
 worker thread and the caller stops waiting at the deadline. A hung thread cannot be killed; it is
@@ -230,17 +234,23 @@ class RewardPipeline:
         columns = {name: [c.get(name) for c in data_columns] for name in names}
         columns.update({"prompts": [p.prompt for p in problems], "completions": list(completions),
                         "completion_ids": [list(c) for c in completion_ids], "answer": [p.answer for p in problems]})
+        applies = [self.verifier is not None] * n  # some reward applies to sample i
         for (name, fn), weight in zip(self.user_functions, user_weights):
-            values, bad, first = self._call_user(name, fn, columns, n)
+            values, bad, first, applied = self._call_user(name, fn, columns, n)
             result.warnings += bad
             if bad:
                 warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward within "
-                              f"+-{MAX_REWARD:g} (raised, NaN, None or too large); they get 0. The first: {first}",
-                              RuntimeWarning, stacklevel=2)
+                              f"+-{MAX_REWARD:g} (raised, NaN, not a number or too large); they get 0. The first: "
+                              f"{first}", RuntimeWarning, stacklevel=2)
             result.components[name] = values
             totals = [t + weight * v for t, v in zip(totals, values)]
+            applies = [a or b for a, b in zip(applies, applied)]
         if self.verifier is None:
             result.accuracy = totals
+        if not all(applies):
+            warnings.warn(f"{applies.count(False)} of {n} samples have no reward: every reward function returned "
+                          f"None (does not apply) for them, the first sample {applies.index(False)}; they get 0. "
+                          "Give every sample at least one reward that applies", RuntimeWarning, stacklevel=2)
         if self._format is not None:
             bonus = [self.format_reward * bool(self._format.fullmatch(c.strip())) for c in completions]
             result.components["format"] = bonus
@@ -257,11 +267,12 @@ class RewardPipeline:
         result.rewards = totals
         return result
 
-    def _call_user(self, name: str, fn: Callable, columns: dict, n: int) -> tuple[list[float], int, str]:
-        """The function's values (0 where unusable), how many samples were unusable and the first
-        failure in words; raises RewardFunctionError after max_failures failing calls in a row (module
-        docstring) or at the timeout."""
-        clean, bad, first, cause = [], 0, "", None
+    def _call_user(self, name: str, fn: Callable, columns: dict, n: int
+                   ) -> tuple[list[float], int, str, list[bool]]:
+        """The function's values (0 where unusable or None), how many samples were unusable, the first
+        failure in words, and where it applied (not None); raises RewardFunctionError after
+        max_failures failing calls in a row (module docstring) or at the timeout."""
+        clean, bad, first, cause, applied = [], 0, "", None, [True] * n
         try:
             values = list(self._call_with_timeout(name, fn, columns))
             if len(values) != n:
@@ -274,9 +285,13 @@ class RewardPipeline:
             first = f"the call raised {last}"
         else:
             for i, value in enumerate(values):
+                if value is None:  # does not apply to this sample
+                    clean.append(0.0)
+                    applied[i] = False
+                    continue
                 error = None
                 try:
-                    v = math.nan if value is None else float(value)
+                    v = float(value)
                 except Exception as err:  # noqa: BLE001 - the user's value: any error is reported in words
                     v, error = math.nan, err
                 if math.isfinite(v) and abs(v) <= MAX_REWARD:
@@ -289,9 +304,11 @@ class RewardPipeline:
                     if error is not None:
                         first, cause = f"{first} ({type(error).__name__}: {error})", error
             last = f"no usable value from any of its {n} samples, the first: {first}"
-        if not (n and bad == n):
+        usable = n - bad - applied.count(False)
+        if usable or not n:
             self._failures[name] = 0
-            return clean, bad, first
+        if usable or not bad:
+            return clean, bad, first, applied
         self._failures[name] += 1
         if self.max_failures and self._failures[name] >= self.max_failures:
             hint = ""
@@ -303,7 +320,7 @@ class RewardPipeline:
                 f"reward function {describe_function(name, fn)} failed on {self._failures[name]} calls in a "
                 f"row, the last with {last}{hint}; fix it (GPPO_DEBUG=1 shows its traceback), or raise "
                 "--reward_fn_max_failures (0: never stop)") from cause
-        return clean, bad, first
+        return clean, bad, first, applied
 
     def _call_with_timeout(self, name: str, fn: Callable, columns: dict):
         """fn(**columns), in a daemon thread waited on for timeout_s seconds (0: in this thread)."""

@@ -131,8 +131,10 @@ class TrainConfig:
                                   "and refill with new prompts", "rewards and advantages")
     max_resample_rounds: int = _opt(4, "dynamic sampling: extra rollout rounds per step at most",
                                     "rewards and advantages", ge=0)
-    reward_fn_max_failures: int = _opt(MAX_FAILURES, "stop the run when a reward function raises on this many "
-                                       "calls in a row (each failing call gives 0; 0: never stop)",
+    reward_fn_max_failures: int = _opt(MAX_FAILURES, "stop the run when a reward function fails on this many "
+                                       "calls in a row: it raises, or returns no usable value (NaN, not a number, too "
+                                       "large; None means 'does not apply', as in TRL, and is no failure); each failing "
+                                       "call gives 0; 0: never stop",
                                        "rewards and advantages", ge=0)
     reward_fn_timeout: float = _opt(TIMEOUT_S, "seconds a reward function call may take before the run stops "
                                     "(calls run in a worker thread; 0: no limit, called in the calling thread)",
