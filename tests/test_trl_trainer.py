@@ -18,10 +18,14 @@ TRL loss type -> equivalent GPPOTrainerConfig (also in docs/trl.md):
 | beta=0.04, use_bias_correction_kl=False (k3 KL)         | beta=0.04, use_bias_correction_kl=False             |
 """
 
+import sys
+
 import pytest
 import torch
 
 pytest.importorskip("trl")
+
+import gppo.integrations.trl as gppo_trl  # noqa: E402
 
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -208,3 +212,72 @@ def test_config_refuses_what_it_would_ignore(tiny):
     assert (point.divergence, point.delta_high, point.kl_coef, point.rule) == ("hellinger", 0.2, 0.01, "mask")
     with pytest.raises(TypeError, match="GPPOTrainerConfig"):
         GPPOTrainer(model=tiny[0], reward_funcs=reward, args=GRPOConfig(output_dir=path, use_cpu=True))
+
+
+class FullLogitsReference(GPPOTrainer):
+    """The top-K passes computed from full [B,T,V] float32 logits (log_softmax of the model's own
+    logits): the reference for GPPOTrainer's token_stats passes, which never make them."""
+
+    def _completion_log_probs(self, model, inputs, rows=slice(None)):
+        completion_ids = inputs["completion_ids"][rows]
+        input_ids = torch.cat([inputs["prompt_ids"][rows], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
+        with self.accelerator.autocast():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                           logits_to_keep=completion_ids.size(1) + 1, use_cache=False).logits[:, :-1]
+        return torch.log_softmax(logits.float() / self.temperature, dim=-1)
+
+    def _policy_topk(self, model, inputs):
+        log_probs = self._completion_log_probs(model, inputs)
+        logp, topk_logp = gppo.gather_logp(log_probs, inputs["completion_ids"], inputs["gppo_topk_ids"])
+        return logp, topk_logp, -(log_probs.exp() * log_probs).sum(-1).detach()
+
+    def _sampling_topk(self, output, rows):
+        log_probs = self._completion_log_probs(self.model, output, rows)
+        values, ids = log_probs.topk(self.gppo.rollout_top_k, dim=-1)
+        return ids, values, log_probs.gather(-1, output["completion_ids"][rows, :, None]).squeeze(-1)
+
+
+def small_chunks(monkeypatch, rows: int, vocab: int) -> None:
+    """token_stats' default chunk (and GPPOTrainer's no-grad top-K chunk) at `rows` tokens."""
+    monkeypatch.setattr(sys.modules["gppo.core.token_stats"], "CHUNK_ELEMENTS", rows * vocab)
+    monkeypatch.setattr(gppo_trl, "CHUNK_ELEMENTS", rows * vocab)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_topk_passes_equal_full_logits(tiny, monkeypatch, bf16):
+    """GPPOTrainer's top-K passes (gppo.token_stats on the last hidden states, chunks of 3 tokens,
+    through the model's own forward) against full float32 logits: the no-grad pass's top-K ids,
+    values and sampled-token log-probs, then the training loss, every parameter's gradient and TRL's
+    entropy metric. bf16=True: TRL's default autocast, whose bfloat16 logits both paths share."""
+    fields = dict(gppo_preset="dppo-topk-tv", gppo_overrides={"top_k": 4}, bf16=bf16)
+    ours = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, **fields)
+    reference = make_trainer(tiny, FullLogitsReference, GPPOTrainerConfig, **fields)
+    small_chunks(monkeypatch, 3, len(tiny[1]))
+    inputs = handcrafted_inputs(ours, tiny[1], 0.0, 0.0)
+    valid = inputs["completion_mask"].bool()
+    old = {}
+    for trainer in (ours, reference):  # the old policy at temperature 0.3: ratios reach the mask
+        trainer.temperature = 0.3
+        with torch.no_grad():
+            old[trainer] = trainer._sampling_topk(inputs, slice(None))
+        trainer.temperature = 1.0
+    (ids, values, logp), (ref_ids, ref_values, ref_logp) = old[ours], old[reference]
+    assert torch.equal(ids[valid], ref_ids[valid])
+    assert torch.allclose(values[valid], ref_values[valid], rtol=0, atol=1e-6)
+    assert torch.allclose(logp[valid], ref_logp[valid], rtol=0, atol=1e-6)
+    assert not ids[~valid].any() and not values[~valid].any() and not logp[~valid].any()
+    inputs.update(gppo_topk_ids=ref_ids, gppo_topk_logp_old=ref_values, gppo_logp_old=ref_logp)
+
+    loss, grads = loss_and_grads(ours, inputs)
+    ref_loss, ref_grads = loss_and_grads(reference, inputs)
+    assert 0 < ours._metrics["train"]["gppo/masked_frac"][-1] < 1
+    assert max(g.abs().max() for g in ref_grads) > 0
+    assert torch.allclose(loss, ref_loss, rtol=0, atol=1e-6), (loss, ref_loss)
+    # float32: equal up to float32 rounding. bf16: autocast's backward of the output layer runs in
+    # bfloat16, token_stats' accumulates the weight gradient in float32: equal up to bfloat16's 2**-8
+    atol = 1e-2 * max(g.abs().max() for g in ref_grads) if bf16 else 1e-6
+    for g, ref_g in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(g, ref_g, rtol=1e-5, atol=atol), (g - ref_g).abs().max()
+    assert ours._metrics["train"]["entropy"][-1] == pytest.approx(reference._metrics["train"]["entropy"][-1],
+                                                                  abs=1e-5)

@@ -14,8 +14,11 @@ Which log-probs play which role (all at TRL's sampling temperature):
 - top-K (estimators whose registry entry needs rollout top-K: topk, topp): TRL records no top-K, so
   right after generation this trainer runs one extra no-grad forward of the model that generated
   (the old-policy pass it controls) and keeps that distribution's top-K ids and log-probs; the
-  training forward then gathers the current policy's log-probs at those ids from full logits. With transformers' `generate` that distribution
-  is mu. With vLLM it is pi_old (TRL asks vLLM for the sampled token's log-prob only), so top-K
+  training forward then computes the current policy's log-probs at those ids. Both passes run the
+  model's own forward with the output layer's forward replaced by `gppo.token_stats` on the last
+  hidden states of the completion tokens, one chunk of tokens at a time: no [B,T,V] logits, and
+  DDP / FSDP / DeepSpeed see an ordinary forward of the model they wrap. With transformers'
+  `generate` that distribution is mu. With vLLM it is pi_old (TRL asks vLLM for the sampled token's log-prob only), so top-K
   needs anchor='old' there; anchor='behavior' is refused.
 Aggregation normalisers reproduce TRL's: token-mean divides by the accumulation window's token count
 (TRL's "dapo" normaliser), the sequence modes by its sequence count, and seq-mean-token-sum-norm's
@@ -25,6 +28,7 @@ length defaults to max_completion_length (TRL's "dr_grpo").
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -32,7 +36,9 @@ from accelerate.utils import gather_object
 from trl import GRPOConfig, GRPOTrainer
 
 import gppo
+from gppo.core.token_stats import CHUNK_ELEMENTS
 from gppo.options import ConfigError, Source, gppo_overrides
+from gppo.trainer.batch import decoder_and_output_layer
 
 # TokenBatch fields GPPOTrainer fills: the sampled token's log-probs (both anchors) and ids, the
 # top-K of its own old-policy pass when the estimator needs rollout top-K, the reference's log-probs.
@@ -124,6 +130,21 @@ def parse_overrides(overrides: dict | str | None) -> dict:
         raise gppo.GPPOConfigError(str(err)) from None
 
 
+@contextmanager
+def replaced_forward(module: torch.nn.Module, forward):
+    """`module(...)` calls `forward` instead of the module's own forward (its hooks still run: FSDP
+    and DeepSpeed ZeRO-3 gather its parameters around the call and for its backward)."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
 class GPPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer with the GPPO loss. Takes GRPOTrainer's arguments, with
     `args=GPPOTrainerConfig(...)`; metrics are logged as gppo/<name>."""
@@ -144,18 +165,76 @@ class GPPOTrainer(GRPOTrainer):
                 "which GRPOTrainer does not request; use gppo_overrides={'anchor': 'old'} (top-K of the "
                 "old-policy pass) or a binary estimator")
 
-    def _completion_log_probs(self, model, inputs, rows: slice = slice(None)) -> torch.Tensor:
-        """log_softmax(logits / temperature) [B,T,V] at the completion positions (text-only models)."""
+    def _output_layer_pass(self, model, inputs, rows: slice, compute) -> torch.Tensor:
+        """Run `model`'s own forward (the wrapped one under DDP / FSDP / DeepSpeed, so that gradient
+        sync and parameter gathering happen as usual) on the prompt + completion `rows`, with the
+        output layer's forward replaced for this call by compute(hidden [B,T,H], weight, bias) ->
+        [B,T,C]: it receives the last hidden states that predict the completion tokens and the
+        output layer's (gathered) parameters, in autocast's dtype when the forward autocasts (TRL's
+        bf16 / fp16: the logits' precision of TRL's own passes), and its result comes back as the
+        model's `logits`. No [B,T,V] logits are made (text-only models)."""
         if any(inputs.get(key) is not None for key in VISION_KEYS):
             raise gppo.GPPOConfigError("top-K estimators in GPPOTrainer support text-only models")
+        _, head = decoder_and_output_layer(self.accelerator.unwrap_model(model))
         completion_ids = inputs["completion_ids"][rows]
         input_ids = torch.cat([inputs["prompt_ids"][rows], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
-        length = completion_ids.size(1)
-        with self.accelerator.autocast():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                           logits_to_keep=length + 1, use_cache=False).logits[:, :-1]
-        return torch.log_softmax(logits.float() / self.temperature, dim=-1)
+
+        def forward(hidden):  # logits_to_keep = T + 1: the last position predicts past the completion
+            weight, bias = head.weight, head.bias
+            device = hidden.device.type
+            if torch.is_autocast_enabled(device):  # the output layer in the precision autocast runs it
+                dtype = torch.get_autocast_dtype(device)
+                weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+            return compute(hidden[:, :-1], weight, bias)
+
+        with replaced_forward(head, forward), self.accelerator.autocast():
+            return model(input_ids=input_ids, attention_mask=attention_mask,
+                         logits_to_keep=completion_ids.size(1) + 1, use_cache=False).logits
+
+    def _policy_topk(self, model, inputs):
+        """(logp [B,T], topk_logp [B,T,K] at inputs["gppo_topk_ids"], entropy [B,T] detached) of the
+        policy at the completion tokens (0 at padding), by gppo.token_stats from the last hidden
+        states, one chunk of tokens at a time (its backward recomputes each chunk's logits)."""
+        valid = inputs["completion_mask"].bool()
+        topk_ids = inputs["gppo_topk_ids"]
+        top_k = topk_ids.size(-1)
+
+        def compute(hidden, weight, bias):
+            stats = gppo.token_stats(hidden[valid], weight, inputs["completion_ids"][valid], bias=bias,
+                                     temperature=self.temperature, topk_ids=topk_ids[valid], entropy=True)
+            values = torch.cat([stats.logp[:, None], stats.topk_logp, stats.entropy.detach()[:, None]], 1)
+            return values.new_zeros((*valid.shape, top_k + 2)).index_put((valid,), values)
+
+        values = self._output_layer_pass(model, inputs, slice(None), compute)
+        return values[..., 0], values[..., 1:-1], values[..., -1]
+
+    def _sampling_topk(self, output, rows: slice):
+        """(topk_ids [B,T,K], topk_logp [B,T,K], logp [B,T]) of the generating weights at the
+        completion `rows` of a generation batch (0 at padding), without gradient: the top-K of
+        log_softmax(logits / temperature), from gppo.token_stats's log-distribution of one chunk of
+        tokens at a time (the numerics of the training pass, at most a chunk of [tokens, V])."""
+        valid = output["completion_mask"][rows].bool()
+        completion_ids = output["completion_ids"][rows][valid]
+        top_k = self.gppo.rollout_top_k
+        found = {}
+
+        def compute(hidden, weight, bias):
+            hidden = hidden[valid]
+            ids = hidden.new_zeros((len(hidden), top_k), dtype=torch.long)
+            values = hidden.new_zeros((len(hidden), top_k + 1), dtype=torch.float32)
+            step = max(1, CHUNK_ELEMENTS // weight.size(0))
+            for start in range(0, len(hidden), step):
+                chunk = slice(start, start + step)
+                stats = gppo.token_stats(hidden[chunk], weight, completion_ids[chunk], bias=bias,
+                                         temperature=self.temperature, return_log_probs=True)
+                topk_logp, ids[chunk] = stats.log_probs.topk(top_k, dim=-1)
+                values[chunk] = torch.cat([stats.logp[:, None], topk_logp], 1)
+            found["ids"] = ids.new_zeros((*valid.shape, top_k)).index_put((valid,), ids)
+            return values.new_zeros((*valid.shape, top_k + 1)).index_put((valid,), values)
+
+        values = self._output_layer_pass(self.model, output, rows, compute)
+        return found["ids"], values[..., 1:], values[..., 0]
 
     def _generate_and_score_completions(self, inputs):
         """TRL's generation batch, plus the generating policy's top-K for estimators topk / topp."""
@@ -166,12 +245,9 @@ class GPPOTrainer(GRPOTrainer):
         chunk = self.args.per_device_train_batch_size
         with torch.no_grad():
             for start in range(0, output["completion_ids"].size(0), chunk):
-                rows = slice(start, start + chunk)
-                log_probs = self._completion_log_probs(self.model, output, rows)
-                values, indices = log_probs.topk(self.gppo.rollout_top_k, dim=-1)
-                ids.append(indices)
-                topk_logp.append(values)
-                token_logp.append(log_probs.gather(-1, output["completion_ids"][rows, :, None]).squeeze(-1))
+                for values, parts in zip(self._sampling_topk(output, slice(start, start + chunk)),
+                                         (ids, topk_logp, token_logp), strict=True):
+                    parts.append(values)
         output["gppo_topk_ids"] = torch.cat(ids)
         output["gppo_topk_logp_old"] = torch.cat(topk_logp)
         output["gppo_logp_old"] = torch.cat(token_logp)
@@ -185,10 +261,8 @@ class GPPOTrainer(GRPOTrainer):
             mask = mask * inputs["tool_mask"]
         topk_ids = topk_logp = topk_logp_old = None
         if cfg.rollout_top_k:
-            log_probs = self._completion_log_probs(model, inputs)
             topk_ids = inputs["gppo_topk_ids"]
-            logp, topk_logp = gppo.gather_logp(log_probs, completion_ids, topk_ids)
-            entropies = -(log_probs.exp() * log_probs).sum(-1).detach()
+            logp, topk_logp, entropies = self._policy_topk(model, inputs)
             logp_old, topk_logp_old = inputs["gppo_logp_old"], inputs["gppo_topk_logp_old"]
         else:
             input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
