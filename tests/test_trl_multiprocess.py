@@ -1,9 +1,10 @@
 """GPPOTrainer across processes: `accelerate launch --num_processes 2` on CPU (gloo) runs
 tests/trl_multiprocess_job.py, which trains TRL's GRPOTrainer (loss_type "dapo"), GPPOTrainer
 (gppo_preset "ppo", its equivalent, docs/trl.md) and GPPOTrainer with a top-K preset for 2
-optimizer steps of 2 micro-batches each, both from one generation batch. The completions end at different lengths, so the two
-processes and the micro-batches hold different token counts: GPPOTrainer ends at TRL's weights only
-if it normalises across processes and accumulation steps as TRL does."""
+optimizer steps of 2 micro-batches each, both from one generation batch. The completions end at
+different lengths, so the two processes and the micro-batches hold different token counts:
+GPPOTrainer ends at TRL's weights only if it normalises across processes and accumulation steps
+as TRL does."""
 
 import os
 import socket

@@ -18,8 +18,8 @@ Which log-probs play which role (all at TRL's sampling temperature):
   model's own forward with the output layer's forward replaced by `gppo.token_stats` on the last
   hidden states of the completion tokens, one chunk of tokens at a time: no [B,T,V] logits, and
   DDP / FSDP / DeepSpeed see an ordinary forward of the model they wrap. With transformers'
-  `generate` that distribution is mu. With vLLM it is pi_old (TRL asks vLLM for the sampled token's log-prob only), so top-K
-  needs anchor='old' there; anchor='behavior' is refused.
+  `generate` that distribution is mu. With vLLM it is pi_old (TRL asks vLLM for the sampled
+  token's log-prob only), so top-K needs anchor='old' there; anchor='behavior' is refused.
 Aggregation normalisers reproduce TRL's: token-mean divides by the accumulation window's token count
 (TRL's "dapo" normaliser), the sequence modes by its sequence count, and seq-mean-token-sum-norm's
 length defaults to max_completion_length (TRL's "dr_grpo").
