@@ -32,6 +32,7 @@ class GPPOConfigError(ValueError):
 ANCHORS = ("behavior", "old")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "full")
+BEHAVIOR_WEIGHT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's names
 CLIP_BOUNDS = ("region", "dcpo")
 SEQ_REDUCES = ("max", "mean")
 
@@ -127,6 +128,13 @@ class GPPOConfig:
     behavior_weight_cap: float | None = _doc(
         "anchor='old' only: multiply each token's loss by sg[min(pi_old/mu, cap)] to correct the "
         "rollout/training mismatch (truncated IS); None disables", default=None)
+    behavior_weight_floor: float | None = _doc(
+        "anchor='old' only: lower end of the behavior weight's band (TRL's "
+        "vllm_importance_sampling_clip_min); None: no lower end", default=None)
+    behavior_weight_mode: str = _doc(
+        "how the weight pi_old/mu meets the band [floor, cap] (TRL's vllm_importance_sampling_mode): "
+        + ", ".join(BEHAVIOR_WEIGHT_MODES) + "; sequence_* use the sequence's product of token "
+        "ratios, *_mask weight 0 outside the band", default="token_truncate")
     full_chunk_size: int = _doc("tokens per chunk of estimator 'full' and of the entropy metric "
                                 "(memory: one chunk of [chunk, V] beyond the logits)", default=512)
 
@@ -234,9 +242,31 @@ _CHECKS = {
     "lambda_neg": (lambda v: 0 < v < math.inf, "> 0 and finite (lambda = 0 would leave w^k unbounded)"),
     "kl_coef": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     "behavior_weight_cap": (lambda v: v > 0, "> 0"),
+    "behavior_weight_floor": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     "norm_length": (lambda v: v >= 1, ">= 1"),
     "full_chunk_size": (lambda v: v >= 1, ">= 1"),
 }  # comparisons are False for NaN, so NaN is refused everywhere
+
+
+def _check_behavior_weight(cfg: GPPOConfig) -> None:
+    cap, floor = cfg.behavior_weight_cap, cfg.behavior_weight_floor
+    if cap is None and floor is None:
+        if cfg.behavior_weight_mode != "token_truncate":
+            raise GPPOConfigError(
+                f"GPPOConfig.behavior_weight_mode={cfg.behavior_weight_mode!r} has no band to apply: set "
+                "behavior_weight_cap and/or behavior_weight_floor (TRL's vllm_importance_sampling_clip_max "
+                "/ _min), or leave the mode at 'token_truncate'")
+        return
+    if cfg.anchor != "old":
+        name = "behavior_weight_cap" if cap is not None else "behavior_weight_floor"
+        raise GPPOConfigError(
+            f"GPPOConfig.{name} corrects pi_old vs mu and needs anchor='old'; with "
+            "anchor='behavior' the ratio already uses mu (use truncation to cap it)"
+        )
+    if floor is not None and cap is not None and not floor <= cap:
+        raise GPPOConfigError(
+            f"GPPOConfig.behavior_weight_floor={floor} must be <= behavior_weight_cap={cap}: the band "
+            "[floor, cap] would be empty; lower the floor or raise the cap")
 
 
 def _validate(cfg: GPPOConfig) -> None:
@@ -245,6 +275,7 @@ def _validate(cfg: GPPOConfig) -> None:
     _choice(cfg, "anchor", ANCHORS)
     _choice(cfg, "loss_agg_mode", LOSS_AGG_MODES)
     _choice(cfg, "kl_estimator", KL_ESTIMATORS)
+    _choice(cfg, "behavior_weight_mode", BEHAVIOR_WEIGHT_MODES)
     for name, choices in (("clip_bounds", CLIP_BOUNDS), ("seq_reduce", SEQ_REDUCES)):
         if getattr(cfg, name) is not None:
             _choice(cfg, name, choices)
@@ -303,11 +334,7 @@ def _validate(cfg: GPPOConfig) -> None:
             raise GPPOConfigError(f"GPPOConfig.divergence: {err}") from None
         for name in built.params:  # unset divergence parameters take the divergence's defaults
             setattr(cfg, name, getattr(built, name))
-    if cfg.behavior_weight_cap is not None and cfg.anchor != "old":
-        raise GPPOConfigError(
-            "GPPOConfig.behavior_weight_cap corrects pi_old vs mu and needs anchor='old'; with "
-            "anchor='behavior' the ratio already uses mu (use truncation to cap it)"
-        )
+    _check_behavior_weight(cfg)
 
 
 def _set_defaults(cfg: GPPOConfig, names) -> None:

@@ -12,8 +12,8 @@ import torch
 
 from gppo.core.batch import GPPOInputError, TokenBatch, require, validate
 from gppo.core.config import GPPOConfig
-from gppo.core.numerics import upcast
 from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, run_estimator, vocabulary_pass
+from gppo.core.numerics import upcast
 from gppo.core.rules import RULES, RuleContext
 
 # mu-probability buckets of the sampled token: the low-probability over-penalisation that
@@ -115,6 +115,27 @@ def estimate(config: GPPOConfig, batch: TokenBatch) -> torch.Tensor:
     return run_estimator(config, batch)
 
 
+def behavior_weight(batch: TokenBatch, config: GPPOConfig, valid: torch.Tensor) -> torch.Tensor:
+    """sg[w], w = pi_old/mu per token, or per sequence (prod_t, broadcast to its tokens) in the
+    sequence_* modes, met with the band [behavior_weight_floor, behavior_weight_cap] as
+    behavior_weight_mode says: *_truncate clamps w into it, *_mask sets w = 0 outside it (TRL's
+    vllm_importance_sampling_mode; docs/design.md section 1)."""
+    log_w = torch.where(valid, upcast(batch.logp_old) - upcast(batch.logp_behavior), 0.0).detach()
+    level, how = config.behavior_weight_mode.split("_")
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+    w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    floor, cap = config.behavior_weight_floor, config.behavior_weight_cap
+    if how == "truncate":
+        return w.clamp(min=floor, max=cap)
+    outside = torch.zeros_like(valid)
+    if floor is not None:
+        outside = outside | (w < floor)
+    if cap is not None:
+        outside = outside | (w > cap)
+    return torch.where(outside, 0.0, w)
+
+
 def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | None = None,
                 num_sequences: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The GPPO loss (scalar, to minimise) and its metrics.
@@ -151,10 +172,8 @@ def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | No
     )
     out = RULES.lookup(config.rule).loss(ctx)
     per_token = out.loss
-    if config.behavior_weight_cap is not None:
-        behavior_log_ratio = (upcast(batch.logp_old) - upcast(batch.logp_behavior)).clamp(
-            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        per_token = per_token * behavior_log_ratio.exp().clamp(max=config.behavior_weight_cap).detach()
+    if config.behavior_weight_cap is not None or config.behavior_weight_floor is not None:
+        per_token = per_token * behavior_weight(batch, config, valid)
     agg = dict(mode=config.loss_agg_mode, norm_length=config.norm_length, num_tokens=num_tokens,
                num_sequences=num_sequences)
     pg_loss = aggregate(per_token, ctx.valid, **agg)
