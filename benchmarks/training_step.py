@@ -6,15 +6,18 @@ quantities chunk by chunk, one forward per distinct prompt).
                    a TokenBatch carrying the logits (entropy metric), policy_loss, backward
     chunked:       policy_outputs(..., share_prompt=False), token_batch, policy_loss, backward
     shared:        the same with share_prompt=True (the default)
+    checkpointed:  chunked, with transformers' activation checkpointing (--gradient_checkpointing)
+    bf16:          shared, the forward under bfloat16 autocast (--mixed_precision bf16)
 
 Memory: each (case, size) runs in a fresh subprocess; "extra MB" is the peak RSS of one step
 (ru_maxrss) minus the RSS before it (the model, its gradients from a warm-up step, torch). Speed:
 the cases alternate step by step in one process, so that all see the same load on a shared
-machine; "ms" is the median over --repeats, "ratio" the logits path's median divided by the
+machine; "ms" is the median over --repeats, the ratio the first case's median (logits: 0.1) divided by the
 case's (> 1: faster than 0.1). Runs by hand:
 
     python benchmarks/training_step.py memory                  # tiny Qwen2, V = 151,936, T = 1k-4k
     python benchmarks/training_step.py speed --model smollm2   # the README quickstart's micro-batch
+    python benchmarks/training_step.py memory --model smollm2 --tokens 1024 --cases shared checkpointed
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import subprocess
 import sys
 import time
 
-CASES = ("logits", "chunked", "shared")
+CASES = ("logits", "chunked", "shared", "checkpointed", "bf16")
 
 
 def _rss_bytes() -> int:
@@ -92,12 +95,23 @@ def step(case: str, model, rollout, config, temperature: float = 0.7) -> float:
         batch = gppo.TokenBatch(logp=logp, logp_behavior=rollout.logp_behavior, advantages=rollout.advantages,
                                 mask=rollout.response_mask, logits=logits)
     else:
-        outputs = policy_outputs(model, rollout, temperature, config, entropy=True,
-                                 options=ForwardOptions(share_prompt=case == "shared"))
+        options = ForwardOptions(share_prompt=case in ("shared", "bf16"),
+                                 autocast=torch.bfloat16 if case == "bf16" else None)
+        outputs = policy_outputs(model, rollout, temperature, config, entropy=True, options=options)
         batch = token_batch(rollout, outputs)
     loss, _ = gppo.policy_loss(batch, config)
     loss.backward()
     return loss.item()
+
+
+def prepared(case: str, model, vocab: int):
+    """(model in training mode, with activation checkpointing for that case, vocab)."""
+    from gppo.trainer.batch import enable_activation_checkpointing
+
+    model.train()
+    if case == "checkpointed":
+        enable_activation_checkpointing(model)
+    return model, vocab
 
 
 def memory_one(case: str, model_name: str, vocab: int, prompts: int, group: int, prompt_len: int,
@@ -107,7 +121,7 @@ def memory_one(case: str, model_name: str, vocab: int, prompts: int, group: int,
     import gppo
 
     torch.set_num_threads(1)
-    model, vocab = build(model_name, vocab)
+    model, vocab = prepared(case, *build(model_name, vocab))
     rollout = make_rollout(vocab, prompts, group, prompt_len, completion_len)
     config = gppo.preset("dppo-binary-tv")
     small = make_rollout(vocab, 1, 1, 4, 4)
@@ -123,19 +137,22 @@ def memory_one(case: str, model_name: str, vocab: int, prompts: int, group: int,
 def memory(args) -> None:
     print(f"model {args.model}, {args.prompts} x {args.group} sequences, prompt {args.prompt_len} tokens; "
           "extra MB = peak RSS of one step above the RSS before it")
-    print(f"{'tokens':>7} | " + " | ".join(f"{c + ' MB':>12}" for c in CASES) + " | logits/shared")
+    cases = args.cases
+    print(f"{'tokens':>7} | " + " | ".join(f"{c + ' MB':>15}" for c in cases)
+          + (" | logits/shared" if {"logits", "shared"} <= set(cases) else ""))
     for completion_len in args.tokens:
         row = {}
-        for case in CASES:
+        for case in cases:
             cmd = [sys.executable, __file__, "_memory_one", case, args.model, str(args.vocab), str(args.prompts),
                    str(args.group), str(args.prompt_len), str(completion_len)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"{case} at {completion_len} tokens failed:\n{done.stderr[-2000:]}")
             row[case] = json.loads(done.stdout.strip().splitlines()[-1])
-        cells = " | ".join(f"{row[c]['extra_mb']:>12.0f}" for c in CASES)
-        print(f"{completion_len:>7} | {cells} | {row['logits']['extra_mb'] / max(row['shared']['extra_mb'], 1):>12.1f}",
-              flush=True)
+        cells = " | ".join(f"{row[c]['extra_mb']:>15.0f}" for c in cases)
+        if {"logits", "shared"} <= set(cases):
+            cells += f" | {row['logits']['extra_mb'] / max(row['shared']['extra_mb'], 1):>13.1f}"
+        print(f"{completion_len:>7} | {cells}", flush=True)
 
 
 def speed(args) -> None:
@@ -144,24 +161,26 @@ def speed(args) -> None:
     import gppo
 
     torch.set_num_threads(args.threads)
-    model, vocab = build(args.model, args.vocab)
-    model.train()
+    models = {case: prepared(case, *build(args.model, args.vocab)) for case in args.cases}  # same seed: same weights
+    vocab = next(iter(models.values()))[1]
     rollout = make_rollout(vocab, args.prompts, args.group, args.prompt_len, args.tokens[0])
     config = gppo.preset("dppo-binary-tv")
-    times = {case: [] for case in CASES}
+    times = {case: [] for case in args.cases}
     for repeat in range(args.repeats + 1):
-        for case in CASES:
+        for case in args.cases:
+            model = models[case][0]
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             step(case, model, rollout, config)
             if repeat:  # the first round warms up
                 times[case].append(time.perf_counter() - start)
-    base = statistics.median(times["logits"])
+    base_case = args.cases[0]
+    base = statistics.median(times[base_case])
     print(f"model {args.model}, {args.prompts} prompts x {args.group} completions, prompt {args.prompt_len} + "
           f"completion {args.tokens[0]} tokens, {args.threads} thread(s), median of {args.repeats}")
-    for case in CASES:
+    for case in args.cases:
         median = statistics.median(times[case])
-        print(f"{case:>8}: {1000 * median:8.0f} ms   logits/{case} {base / median:5.2f}")
+        print(f"{case:>12}: {1000 * median:8.0f} ms   {base_case}/{case} {base / median:5.2f}")
 
 
 def main() -> None:
@@ -180,6 +199,8 @@ def main() -> None:
     parser.add_argument("--prompt_len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
+                        help="what to run (speed: ratios against the first)")
     args = parser.parse_args()
     defaults = ({"tokens": [1024, 2048, 4096], "prompts": 1, "group": 1, "prompt_len": 32} if args.what == "memory"
                 else {"tokens": [64], "prompts": 2, "group": 8, "prompt_len": 60})
