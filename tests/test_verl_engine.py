@@ -140,6 +140,7 @@ def train_one_step(model_dir, batch, mode, fields, rank, world):
     worker_config.engine_config.micro_batch_size_per_gpu = MICRO_BATCH
     worker = TrainingWorker(config=worker_config)
     worker.reset()
+    assert worker.engine.get_data_parallel_size() == world
     worker.set_loss_fn(partial(ppo_loss, config=config))
     before = full_weights(worker.engine.module)
 

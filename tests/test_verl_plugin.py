@@ -246,6 +246,21 @@ def test_entry_point_registers_every_mode():
         assert mode in POLICY_LOSS_REGISTRY
 
 
+@pytest.mark.parametrize("version", ["0.9.0", "0.10.0", "0.10.0rc1", "1.0.0", "unknown"])
+def test_other_verl_versions_are_refused(version):
+    from gppo.integrations.verl import check_verl_version
+
+    with pytest.raises(ImportError, match=rf"verl >=0\.9\.1,<0\.10 .*found verl {version}.*pip install"):
+        check_verl_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.9.1", "0.9.4", "0.9.2.post1"])
+def test_verl_0_9_is_accepted(version):
+    from gppo.integrations.verl import check_verl_version
+
+    check_verl_version(version)
+
+
 def test_startup_refuses_topk_estimators():
     for mode in ("gppo_dppo_topk_tv", "gppo_dppo_topk_kl"):
         with pytest.raises(gppo.GPPOConfigError, match="top-K token ids"):

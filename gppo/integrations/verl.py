@@ -7,6 +7,9 @@ All of them call `gppo.policy_loss` unchanged. Their settings live in `GPPOPolic
 (`actor_rollout_ref.actor.policy_loss._target_`), validated when verl builds its ActorConfig at
 start-up (in the driver's `validate_config`, then in every actor worker).
 
+Version: verl >=0.9.1,<0.10 (the [verl] extra's pin); any other version is refused on import with
+the install line (`check_verl_version`).
+
 Loading: verl imports each `verl.plugins` entry point when `verl` is imported and only logs a
 failure at debug level. Hydra imports this module again to instantiate `GPPOPolicyLossConfig`, and
 that import is unguarded, so a broken install fails at start-up with its traceback.
@@ -29,10 +32,36 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from verl.trainer.ppo.core_algos import register_policy_loss
-from verl.workers.config import PolicyLossConfig
+import verl
+from packaging.version import InvalidVersion, Version
 
 import gppo
+
+# The verl versions whose policy-loss interface this module is written against (pyproject's [verl]
+# extra): verl.workers.utils.losses.ppo_loss's arguments, PolicyLossConfig's fields, the bypass-mode
+# substitution and global_batch_info, all read from verl 0.9.1 and tested with it.
+SUPPORTED_VERL = (Version("0.9.1"), Version("0.10"))
+
+
+def check_verl_version(version: str) -> None:
+    """Refuse a verl outside SUPPORTED_VERL, naming the version found and the install line."""
+    low, high = SUPPORTED_VERL
+    try:
+        parsed = Version(Version(version).base_version)  # 0.10.0rc1 counts as 0.10.0
+    except InvalidVersion:
+        parsed = None
+    if parsed is None or not low <= parsed < high:
+        raise ImportError(
+            f"gppo's verl plugin supports verl >={low},<{high} (tested with 0.9.1), found verl {version}: "
+            f"the policy-loss interface it registers into differs in other versions. Install "
+            f"pip install 'verl>={low},<{high}' (pip install 'gppo[verl]' pins it), or a gppo release "
+            "written for your verl")
+
+
+check_verl_version(verl.__version__)
+
+from verl.trainer.ppo.core_algos import register_policy_loss  # noqa: E402
+from verl.workers.config import PolicyLossConfig  # noqa: E402
 
 DEFAULT_PRESET = "gppo"
 # loss_mode -> preset; None: the preset is `policy_loss.preset`.

