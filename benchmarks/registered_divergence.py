@@ -1,7 +1,7 @@
 """Cost of a divergence registered from its generator alone, against a built-in closed form.
 
-A registered divergence computes its cell terms in float64 from the generator (gppo.core.divergences
-.GeneratorDivergence); the built-ins use float32-stable closed forms. This times D_f over the whole
+A registered divergence computes its cell terms in float64 from the generator
+(gppo.core.registered_divergences.GeneratorDivergence); the built-ins use float32-stable closed forms. This times D_f over the whole
 vocabulary (what the `full` estimator computes per token) for the built-in chi2, the same generator
 registered by hand, and triangular discrimination, plus the first (uncached) call of the tight TV
 bound that gppo.theory uses.
