@@ -69,6 +69,8 @@ def test_runs_on_two_gloo_processes_with_unequal_token_counts(runs):
         assert (run["num_processes"], run["backend"]) == (2, "gloo")
         counts = [count for rank in run["tokens"] for count in rank]
         assert len(counts) == 8 and len(set(counts)) > 1, counts  # 2 ranks x 4 micro-batches
+        # the gradients were synchronised: both ranks end at the same weights
+        assert run["digests"][0] == pytest.approx(run["digests"][1], rel=1e-6), run["digests"]
 
 
 def test_gppo_ppo_ends_at_trl_dapo_weights(runs):

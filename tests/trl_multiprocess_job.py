@@ -1,10 +1,10 @@
-"""Launched by tests/test_trl_multiprocess.py as `accelerate launch --cpu --num_processes 2
-tests/trl_multiprocess_job.py MODEL_DIR RESULT_FILE`: the same 2-step training run of TRL's
-GRPOTrainer (loss_type "dapo"), GPPOTrainer (gppo_preset "ppo") and GPPOTrainer (a top-K preset)
-in two CPU processes (gloo), with two micro-batches per optimizer step and
-one generation batch for both steps. Rank 0 saves each run's
-final weights and log history, and every rank's completion-token count per micro-batch, to
-RESULT_FILE for the test to compare."""
+"""Launched by tests/test_trl_multiprocess.py as `accelerate launch --multi_gpu --num_processes 2
+tests/trl_multiprocess_job.py MODEL_DIR RESULT_FILE` (torchrun's launcher; use_cpu=True makes the
+process group gloo): the same 2-step training run of TRL's GRPOTrainer (loss_type "dapo"),
+GPPOTrainer (gppo_preset "ppo") and GPPOTrainer (a top-K preset) in two CPU processes, two
+micro-batches per optimizer step, one generation batch for both steps. Rank 0 saves to RESULT_FILE,
+for each run: its final weights and log history, and every rank's completion-token count per
+micro-batch and weight digest (sum, sum of squares)."""
 
 import sys
 import tempfile
@@ -43,7 +43,9 @@ def run(model_dir: str, trainer_cls, config_cls, fields: dict, output_dir: str) 
     trainer.train()
     tokens = [int(batch["completion_mask"].sum()) for batch in trainer._buffered_inputs]
     model = trainer.accelerator.unwrap_model(trainer.model)
+    flat = torch.cat([p.detach().flatten().double() for p in model.parameters()])
     return dict(params=[p.detach().clone() for p in model.parameters()],
+                digests=gather_object([(flat.sum().item(), flat.square().sum().item())]),
                 logs=trainer.state.log_history, tokens=gather_object([tokens]),
                 num_processes=trainer.accelerator.num_processes, backend=torch.distributed.get_backend())
 
