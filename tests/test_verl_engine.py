@@ -37,15 +37,21 @@ CONFIG_DIR = ROOT / "examples" / "verl" / "config"
 # The embedded model's probabilities are near 1/55, so a ratio of e^(+-0.5) moves the binary KL by
 # ~0.004: delta 0.002 instead of 0.05 makes the DPPO mask keep some tokens and drop others.
 DPPO_FIELDS = {"delta_low": 0.002, "delta_high": 0.002}
-MODES = {"vanilla": {}, "gppo_ppo": {"dual_clip": 3.0}, "gppo_dppo_binary_kl": DPPO_FIELDS}
-PRESETS = {"gppo_ppo": ("ppo", {"dual_clip": 3.0}), "gppo_dppo_binary_kl": ("dppo-binary-kl", DPPO_FIELDS)}
-BATCH, PROMPT_LEN, RESPONSE_LEN, MICRO_BATCH = 8, 6, 10, 2
+TOPK_FIELDS = {"delta_low": 0.002, "delta_high": 0.002}
+MODES = {"vanilla": {}, "gppo_ppo": {"dual_clip": 3.0}, "gppo_dppo_binary_kl": DPPO_FIELDS,
+         "gppo_dppo_topk_kl": {"topk_source": "batch", **TOPK_FIELDS}}
+PRESETS = {"gppo_ppo": ("ppo", {"dual_clip": 3.0}), "gppo_dppo_binary_kl": ("dppo-binary-kl", DPPO_FIELDS),
+           "gppo_dppo_topk_kl": ("dppo-topk-kl", TOPK_FIELDS)}
+BATCH, PROMPT_LEN, RESPONSE_LEN, MICRO_BATCH, TOP_K = 8, 6, 10, 2, 20
 
 
 def make_batch(model_dir) -> dict[str, torch.Tensor]:
     """verl's padded rollout batch: left-padded prompts, right-padded responses of ragged lengths,
-    old_log_probs = the model's log-probs + N(0, 0.5^2) noise (ratios on both sides of the clip
-    range), one advantage of either sign per sequence."""
+    one advantage of either sign per sequence. mu = softmax(the model's logits + N(0, 0.5^2) per
+    entry) (ratios on both sides of the clip range): old_log_probs = log mu of the sampled tokens;
+    mu's top-K ids and log-probs in teacher_ids / teacher_logprobs [B, S, K], entry p for the token
+    at p + 1 (the plugin's carriage, gppo.integrations.verl.TOPK_IDS_KEY). The response tokens are
+    drawn uniformly, not from mu: the losses and their references take them as given."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -58,18 +64,26 @@ def make_batch(model_dir) -> dict[str, torch.Tensor]:
     input_ids = torch.cat([prompts, responses], 1)
     attention_mask = torch.cat([prompt_mask, response_mask], 1).long()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    logp = response_log_probs(model, input_ids, attention_mask, position_ids, responses).detach()
-    old = (logp + 0.5 * torch.randn(logp.shape, generator=gen)) * response_mask
+    with torch.no_grad():
+        logits = response_logits(model, input_ids, attention_mask, position_ids)
+    log_mu = torch.log_softmax(logits + 0.5 * torch.randn(logits.shape, generator=gen), -1)
+    old = log_mu.gather(-1, responses[..., None])[..., 0] * response_mask
+    top_logp, top_ids = log_mu.topk(TOP_K, dim=-1)
+    sequence_ids = torch.zeros(BATCH, PROMPT_LEN + RESPONSE_LEN, TOP_K, dtype=torch.long)
+    sequence_logp = torch.zeros(BATCH, PROMPT_LEN + RESPONSE_LEN, TOP_K)
+    sequence_ids[:, PROMPT_LEN - 1:-1] = top_ids * response_mask[..., None]
+    sequence_logp[:, PROMPT_LEN - 1:-1] = top_logp * response_mask[..., None]
     adv = torch.randn(BATCH, 1, generator=gen).expand(BATCH, RESPONSE_LEN) * response_mask
     return dict(prompts=prompts, responses=responses, input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids, response_mask=response_mask.float(), old_log_probs=old,
-                advantages=adv.contiguous())
+                advantages=adv.contiguous(), teacher_ids=sequence_ids, teacher_logprobs=sequence_logp,
+                mu_topk_ids=top_ids, mu_topk_logp=top_logp)
 
 
-def response_log_probs(model, input_ids, attention_mask, position_ids, responses):
+def response_logits(model, input_ids, attention_mask, position_ids):
+    """[B, R, V] float32 logits of the distributions that predict the response tokens."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, PROMPT_LEN - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, responses[..., None])[..., 0]
+    return logits[:, PROMPT_LEN - 1:-1].float()
 
 
 def reference_update(model_dir, batch, mode):
@@ -79,10 +93,13 @@ def reference_update(model_dir, batch, mode):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     preset, fields = PRESETS[mode]
-    logp = response_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                              batch["responses"])
-    tokens = gppo.TokenBatch(logp=logp, logp_behavior=batch["old_log_probs"], logp_old=batch["old_log_probs"],
-                             advantages=batch["advantages"], mask=batch["response_mask"].bool())
+    log_pi = torch.log_softmax(response_logits(model, batch["input_ids"], batch["attention_mask"],
+                                               batch["position_ids"]), -1)
+    tokens = gppo.TokenBatch(logp=log_pi.gather(-1, batch["responses"][..., None])[..., 0],
+                             logp_behavior=batch["old_log_probs"], advantages=batch["advantages"],
+                             mask=batch["response_mask"].bool(), token_ids=batch["responses"],
+                             topk_ids=batch["mu_topk_ids"], topk_logp=log_pi.gather(-1, batch["mu_topk_ids"]),
+                             topk_logp_behavior=batch["mu_topk_logp"])
     loss, _ = gppo.policy_loss(tokens, gppo.preset(preset, loss_agg_mode="token-mean", **fields))
     loss.backward()
     return {name: -p.grad for name, p in model.named_parameters()}
@@ -109,7 +126,8 @@ def actor_config(model_dir, mode, fields):
         f"{actor}.optim.optimizer=SGD", f"{actor}.optim.lr=1.0", f"{actor}.optim.weight_decay=0",
         f"{actor}.optim.clip_grad=1e9",
         f"{actor}.policy_loss.loss_mode={mode}",
-        *(f"{actor}.policy_loss.{k}={v}" for k, v in fields.items()),
+        # ++: topk_source is not among the fields examples/verl/config/gppo_trainer.yaml declares
+        *(f"++{actor}.policy_loss.{k}={v}" for k, v in fields.items()),
     ]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="gppo_trainer", overrides=overrides)
@@ -124,8 +142,11 @@ def full_weights(module):
 
 
 def train_one_step(model_dir, batch, mode, fields, rank, world):
+    """One train_mini_batch of TrainingWorker; for the top-K mode the worker's loss function is the
+    plugin's topk_ppo_loss and the batch asks verl's engine for its logits processor."""
     from functools import partial
 
+    from gppo.integrations.verl import topk_ppo_loss
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
@@ -141,13 +162,15 @@ def train_one_step(model_dir, batch, mode, fields, rank, world):
     worker = TrainingWorker(config=worker_config)
     worker.reset()
     assert worker.engine.get_data_parallel_size() == world
-    worker.set_loss_fn(partial(ppo_loss, config=config))
+    topk = "topk_source" in fields
+    worker.set_loss_fn(partial(topk_ppo_loss if topk else ppo_loss, config=config))
     before = full_weights(worker.engine.module)
 
     per_rank = BATCH // world  # verl's dispatch hands each data-parallel rank a contiguous chunk
-    chunk = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()}
+    chunk = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()
+             if not k.startswith("mu_") and (topk or not k.startswith("teacher_"))}
     data = left_right_2_no_padding(tu.get_tensordict(chunk, {"temperature": 1.0}))
-    tu.assign_non_tensor(data, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+    tu.assign_non_tensor(data, calculate_entropy=False, distillation_use_topk=topk, distillation_only=False,
                          global_batch_size=BATCH, mini_batch_size=BATCH, epochs=1, seed=0,
                          dataloader_kwargs={"shuffle": False}, compute_loss=True)
     metrics = tu.get(worker.train_mini_batch(data), "metrics")
@@ -240,6 +263,18 @@ def test_second_preset_trains_and_differs_from_vanilla(engine):
     ours, verl = update(run, "gppo_dppo_binary_kl"), update(run, "vanilla")
     assert scale(ours) > 1e-3
     assert max_diff(ours, verl) > 1e-2 * scale(verl)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_topk_estimator_trains_through_the_engine_logits_processor(engine, world):
+    """gppo_dppo_topk_kl with mu's top-K in the batch: the mask keeps some tokens and drops others,
+    and the update differs from the binary estimator's (the top-K estimate is another number)."""
+    run = engine[world]
+    metrics = run["gppo_dppo_topk_kl"]["metrics"]
+    assert all(0 < m < 1 for m in metrics["gppo/masked_frac"]), metrics["gppo/masked_frac"]
+    ours, binary = update(run, "gppo_dppo_topk_kl"), update(run, "gppo_dppo_binary_kl")
+    assert scale(ours) > 1e-3
+    assert max_diff(ours, binary) > 1e-2 * scale(binary)
 
 
 if __name__ == "__main__":

@@ -263,10 +263,45 @@ def test_verl_0_9_is_accepted(version):
 
 def test_startup_refuses_topk_estimators():
     for mode in ("gppo_dppo_topk_tv", "gppo_dppo_topk_kl"):
-        with pytest.raises(gppo.GPPOConfigError, match="top-K token ids"):
+        with pytest.raises(gppo.GPPOConfigError, match="top-K token ids.*topk_source=batch.*topk_ppo_loss"):
             gppo_policy_loss(mode)
     with pytest.raises(gppo.GPPOConfigError, match="estimator 'full'"):
         gppo_policy_loss("gppo", estimator="full")
+    with pytest.raises(gppo.GPPOConfigError, match="estimator 'full'"):
+        gppo_policy_loss("gppo", estimator="full", topk_source="batch")
+
+
+def test_topk_from_the_batch_is_accepted_where_the_loss_function_can_feed_it():
+    """topk_source=batch (tests/test_verl_engine.py trains with it): accepted with the rollout
+    anchor; pi_old's top-K (anchor old) is fed by nothing; other values and non-gppo modes refused."""
+    assert gppo_policy_loss("gppo_dppo_topk_kl", topk_source="batch").gppo_config().estimator == "topk"
+    gppo_policy_loss("gppo", estimator="topp", top_p=0.9, topk_source="batch")
+    with pytest.raises(gppo.GPPOConfigError, match="topk_logp_old"):
+        GPPOPolicyLossConfig(loss_mode="gppo_dppo_topk_kl", anchor="old", bypass_mode=False, use_v1=True,
+                             topk_source="batch")
+    with pytest.raises(gppo.GPPOConfigError, match="topk_source='vllm'.*'batch'"):
+        gppo_policy_loss("gppo_dppo_topk_kl", topk_source="vllm")
+    with pytest.raises(gppo.GPPOConfigError, match=r"\['topk_source'\].*not a gppo mode"):
+        GPPOPolicyLossConfig(loss_mode="vanilla", topk_source="batch")
+
+
+def test_topk_policy_loss_outside_topk_ppo_loss_says_how_to_feed_it():
+    old, logp, adv, mask = random_batch(0.1)
+    config = actor_config(gppo_policy_loss("gppo_dppo_topk_kl", topk_source="batch"))
+    with pytest.raises(gppo.GPPOInputError, match="topk_ppo_loss"):
+        get_policy_loss_fn("gppo_dppo_topk_kl")(old, logp, adv, mask, "token-mean", config)
+
+
+def test_metric_keys_do_not_depend_on_the_micro_batch():
+    """verl aggregates a metric over micro-batches and ranks only if every one reports it: a
+    micro-batch whose advantages are all negative reports the keys of a mixed one."""
+    old, logp, adv, mask = random_batch(0.7)
+    config = actor_config(gppo_policy_loss("gppo_dppo_binary_tv", delta_low=0.01, delta_high=0.01))
+    fn = get_policy_loss_fn("gppo_dppo_binary_tv")
+    _, mixed = fn(old, logp, adv, mask, "token-mean", config)
+    _, negative = fn(old, logp, -adv.abs(), mask, "token-mean", config)
+    assert 0 < mixed["gppo/masked_frac"] < 1
+    assert sorted(mixed) == sorted(negative)
 
 
 def test_startup_refuses_a_weight_between_two_anchors():

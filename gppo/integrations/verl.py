@@ -21,19 +21,25 @@ sizes in `global_batch_info`) and rollout_is_weights [B,T] or None; nothing else
   algorithm.rollout_correction.bypass_mode=true (anchor='behavior', gppo's default), the
   recomputed pi_old otherwise (anchor='old'); the two must agree, checked at start-up;
 - estimators that read more than the sampled token's log-probs (topk / topp / full, per the
-  estimator registry) are refused at start-up (no top-K, no logits reach the loss);
+  estimator registry) are refused at start-up (no top-K, no logits reach the loss), except topk /
+  topp when the caller's batch carries mu's top-K (policy_loss.topk_source=batch) and the actor's
+  loss function is `topk_ppo_loss`, which gathers pi at those ids in the engine's logits processor
+  (verl's rollout records no top-K: docs/verl.md says what is missing for main_ppo);
 - aggregation, KL to the reference and entropy stay verl's: actor.loss_agg_mode and
   loss_scale_factor, actor.use_kl_loss / kl_loss_coef, actor.entropy_coeff.
 """
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import verl
 from packaging.version import InvalidVersion, Version
+
+import torch
 
 import gppo
 
@@ -69,11 +75,12 @@ MODES = {"gppo": None, **{"gppo_" + name.replace("-", "_"): name
                            for name in gppo.PRESETS if name != DEFAULT_PRESET}}
 
 # GPPOConfig fields settable under policy_loss. verl owns aggregation and the KL penalty; the
-# top-K / full fields and behavior_weight_cap need inputs verl does not pass to a policy loss.
+# full estimator's fields and behavior_weight_cap need inputs verl does not pass to a policy loss
+# (top_k / top_p serve the top-K estimators with topk_source=batch).
 OVERRIDABLE = ("divergence", "alpha", "estimator", "rule", "delta_low", "delta_high", "anchor",
-               "truncation", "dual_clip", "clip_bounds", "tau_pos", "tau_neg", "seq_reduce", "kl_tau",
-               "cov_ratio", "cov_low", "cov_high", "cov_kl_coef", "k_pos", "lambda_pos", "k_neg",
-               "lambda_neg", "off_policy_threshold")
+               "top_k", "top_p", "truncation", "dual_clip", "clip_bounds", "tau_pos", "tau_neg",
+               "seq_reduce", "kl_tau", "cov_ratio", "cov_low", "cov_high", "cov_kl_coef", "k_pos",
+               "lambda_pos", "k_neg", "lambda_neg", "off_policy_threshold")
 # verl's own PolicyLossConfig fields for its loss modes clip_cov, kl_cov and dro, which the gppo
 # modes do not read: changed under a gppo mode, they are refused with the gppo field to set instead.
 VERL_LOSS_FIELDS = {"clip_cov_ratio": "cov_ratio", "clip_cov_lb": "cov_low", "clip_cov_ub": "cov_high",
@@ -83,15 +90,29 @@ _VERL_DEFAULTS = {f.name: f.default for f in fields(PolicyLossConfig) if f.name 
 
 # The TokenBatch fields this plugin fills from what verl passes a policy loss.
 PROVIDED_FIELDS = ("logp", "logp_behavior", "logp_old", "advantages", "mask")
+# ... and those `topk_ppo_loss` adds when the batch carries mu's top-K (policy_loss.topk_source=batch).
+TOPK_FIELDS = ("token_ids", "topk_ids", "topk_logp", "topk_logp_behavior")
+TOPK_SOURCES = (None, "batch")
+# mu's top-K travels in verl's batch under the keys of a teacher's top-K: [B, S, K] over the whole
+# padded sequence, entry p holding the distribution that predicts token p + 1 (verl's layout for
+# teacher_ids / teacher_logprobs, which left_right_2_no_padding turns into nested tensors and the
+# engine's logits processor reads). Top-K distillation therefore cannot run in the same batch.
+TOPK_IDS_KEY, TOPK_LOGPROBS_KEY = "teacher_ids", "teacher_logprobs"
+TOPK_CHUNK = 4096  # tokens per logsumexp in topk_ppo_loss's logits processor (memory: chunk x V floats)
+_TOPK_OUTPUT = "gppo/topk_logp_{}"  # model_output keys: pi's log-prob at mu's k-th entry
+_rollout_topk: contextvars.ContextVar = contextvars.ContextVar("gppo_rollout_topk", default=None)
 
 
 @dataclass
 class GPPOPolicyLossConfig(PolicyLossConfig):
     """verl's PolicyLossConfig plus the GPPO fields (null keeps the preset's value).
 
-    `bypass_mode` and `use_v1` restate algorithm.rollout_correction.bypass_mode and trainer.use_v1
-    (examples/verl/config/gppo_trainer.yaml interpolates them) so that the anchor can be checked
-    here, at start-up.
+    `topk_source=batch` declares that each training batch carries mu's top-K (TOPK_IDS_KEY,
+    TOPK_LOGPROBS_KEY) and that the actor's loss function is `topk_ppo_loss`: verl's own rollout
+    records no top-K, so only a caller that fills them (driving verl's TrainingWorker with its
+    own rollouts) can set it. `bypass_mode` and `use_v1` restate
+    algorithm.rollout_correction.bypass_mode and trainer.use_v1 (examples/verl/config/gppo_trainer.yaml
+    interpolates them) so that the anchor can be checked here, at start-up.
     """
 
     preset: Optional[str] = None
@@ -102,6 +123,8 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
     delta_low: Optional[float] = None
     delta_high: Optional[float] = None
     anchor: Optional[str] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
     truncation: Optional[float] = None
     dual_clip: Optional[float] = None
     clip_bounds: Optional[str] = None
@@ -118,12 +141,14 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
     k_neg: Optional[float] = None
     lambda_neg: Optional[float] = None
     off_policy_threshold: Optional[float] = None
+    topk_source: Optional[str] = None
     bypass_mode: Optional[bool] = None
     use_v1: Optional[bool] = None
 
     def __post_init__(self):
         if self.loss_mode not in MODES:
-            ignored = [name for name in ("preset", *OVERRIDABLE) if getattr(self, name) is not None]
+            ignored = [name for name in ("preset", "topk_source", *OVERRIDABLE)
+                       if getattr(self, name) is not None]
             if ignored:
                 raise gppo.GPPOConfigError(
                     f"policy_loss sets GPPO fields {ignored} but loss_mode={self.loss_mode!r} is not a "
@@ -161,19 +186,32 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
 
 
 def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> None:
-    """Refuse what verl cannot feed: top-K/full estimators, a weight pi_old/mu (verl passes one
-    anchor), and an anchor that old_log_prob is not."""
+    """Refuse what verl cannot feed: top-K/full estimators (top-K unless the batch carries it), a
+    weight pi_old/mu (verl passes one anchor), and an anchor that old_log_prob is not."""
     mode = policy_loss.loss_mode
-    missing = missing_fields(cfg.estimator, cfg.anchor)
+    if policy_loss.topk_source not in TOPK_SOURCES:
+        raise gppo.GPPOConfigError(
+            f"policy_loss.topk_source={policy_loss.topk_source!r}: use null (verl's rollout, which records "
+            "no top-K) or 'batch' (your rollouts put mu's top-K in the batch, docs/verl.md)")
+    missing = missing_fields(cfg.estimator, cfg.anchor, policy_loss.topk_source)
     if missing:
         est = gppo.ESTIMATORS[cfg.estimator]
-        what = ("mu's top-K token ids and log-probs at every response position"
-                if est.needs_rollout_topk else f"the TokenBatch fields {missing}")
-        runnable = [name for name in gppo.ESTIMATORS if not missing_fields(name, cfg.anchor)]
+        runnable = [name for name in gppo.ESTIMATORS
+                    if not missing_fields(name, cfg.anchor, policy_loss.topk_source)]
+        if est.needs_rollout_topk and policy_loss.topk_source is None:
+            raise gppo.GPPOConfigError(
+                f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs mu's top-K token ids "
+                "and log-probs at every response position; verl 0.9's rollout records only the sampled "
+                "token's log-prob, and its ppo_loss passes a policy loss nothing more. Use an estimator "
+                f"among {' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv instead of "
+                "gppo_dppo_topk_tv; or, when you drive verl's TrainingWorker with rollouts that record "
+                "mu's top-K, set policy_loss.topk_source=batch and use gppo.integrations.verl.topk_ppo_loss "
+                "as the actor's loss function (docs/verl.md)")
         raise gppo.GPPOConfigError(
-            f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs {what}; verl 0.9 "
-            f"passes a policy loss only the sampled token's log-probs. Use an estimator among "
-            f"{' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv instead of gppo_dppo_topk_tv")
+            f"loss_mode={mode!r} uses estimator {cfg.estimator!r} with anchor {cfg.anchor!r}, which needs "
+            f"the TokenBatch fields {missing}; verl passes a policy loss only the sampled token's "
+            f"log-probs{' and mu' + chr(39) + 's top-K' if policy_loss.topk_source else ''}. Use an "
+            f"estimator among {' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv")
     if cfg.behavior_weight_cap is not None:
         raise gppo.GPPOConfigError(
             f"loss_mode={mode!r} weights each token by sg[min(pi_old/mu, {cfg.behavior_weight_cap:g})] "
@@ -206,11 +244,13 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
             "is on (verl.trainer.ppo.rollout_corr_helper.apply_bypass_mode)")
 
 
-def missing_fields(estimator: str | None, anchor: str) -> list[str]:
-    """The TokenBatch fields `estimator` reads (per the registry) that verl does not provide."""
+def missing_fields(estimator: str | None, anchor: str, topk_source: str | None = None) -> list[str]:
+    """The TokenBatch fields `estimator` reads (per the registry) that verl does not provide
+    (with topk_source='batch': that `topk_ppo_loss` does not provide either)."""
     if estimator is None:
         return []
-    return [f for f in gppo.ESTIMATORS[estimator].batch_fields(anchor) if f not in PROVIDED_FIELDS]
+    provided = PROVIDED_FIELDS + (TOPK_FIELDS if topk_source == "batch" else ())
+    return [f for f in gppo.ESTIMATORS[estimator].batch_fields(anchor) if f not in provided]
 
 
 def global_normalizers(info: dict, loss_agg_mode: str) -> tuple[float | None, float | None]:
@@ -261,12 +301,80 @@ def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
         advantages = advantages * rollout_is_weights
     # verl passes one anchor; both anchor fields hold it and cfg.anchor says which one it is
     # (checked against bypass_mode at start-up).
+    topk = {}
+    if cfg.estimator is not None and gppo.ESTIMATORS[cfg.estimator].needs_rollout_topk:
+        topk = _rollout_topk.get()
+        if topk is None:
+            raise gppo.GPPOInputError(
+                f"estimator {cfg.estimator!r} needs mu's top-K, which reaches the policy loss only "
+                "through gppo.integrations.verl.topk_ppo_loss (the actor's loss function in place of "
+                "verl's ppo_loss) with the batch carrying it (docs/verl.md)")
+        recorded = topk["topk_ids"].shape[-1]
+        if cfg.top_k is not None and recorded < cfg.top_k:
+            raise gppo.GPPOInputError(
+                f"the batch carries mu's top-{recorded} but top_k={cfg.top_k}: record at least "
+                f"{cfg.top_k} log-probs per token in the rollout, or set policy_loss.top_k={recorded}")
     batch = gppo.TokenBatch(logp=log_prob, logp_behavior=old_log_prob, logp_old=old_log_prob,
-                            advantages=advantages, mask=response_mask)
+                            advantages=advantages, mask=response_mask, **topk)
     num_tokens, num_sequences = global_normalizers(config.global_batch_info, loss_agg_mode)
     loss, metrics = gppo.policy_loss(batch, cfg, num_tokens=num_tokens, num_sequences=num_sequences)
     # verl logs the loss itself (actor/pg_loss, summed over micro-batches); the rest are means.
-    return loss, {f"gppo/{name}": value for name, value in metrics.items() if name != "loss/policy"}
+    # verl's Metric.aggregate_dp needs every key in every micro-batch of every rank, so the masked
+    # fractions of sub-groups (masked_frac/adv_pos, /adv_neg, /q[...]), which gppo leaves out
+    # where the micro-batch has no token of the group, are not reported.
+    return loss, {f"gppo/{name}": value for name, value in metrics.items()
+                  if name != "loss/policy" and not name.startswith("masked_frac/")}
+
+
+def topk_ppo_loss(config, model_output=None, data=None, dp_group=None, student_logits=None):
+    """The actor's loss function for the top-K / nucleus estimators, in place of verl's ppo_loss
+    (`TrainingWorker.set_loss_fn(functools.partial(topk_ppo_loss, config=actor_config))`).
+
+    verl's FSDP engine calls the loss function twice per micro-batch when the batch's non-tensor
+    `distillation_use_topk` is true (the hook of its top-K distillation):
+    - with `student_logits` [1, N, V] (all N packed tokens, temperature applied): returns, per
+      recorded entry k, pi's log-prob at mu's k-th token id as a [1, N] tensor (the hook takes
+      per-token values only): logits[id] - logsumexp(logits), one chunk of tokens at a time;
+    - with `model_output`: lays those out as [B, T, K], takes mu's top-K ids and log-probs from the
+      batch (TOPK_IDS_KEY, TOPK_LOGPROBS_KEY) and the sampled ids (`responses`), and runs verl's
+      own ppo_loss, whose gppo policy loss reads them (entropy, KL and aggregation stay verl's).
+    """
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    if student_logits is not None:
+        ids = data[TOPK_IDS_KEY].values().unsqueeze(0).long()  # [1, N, K]
+        if get_ulysses_sequence_parallel_world_size() > 1:  # the engine's logits are this rank's slice
+            ids = slice_input_tensor(ids, dim=1)
+        if ids.shape[:2] != student_logits.shape[:2]:
+            raise gppo.GPPOInputError(
+                f"batch[{TOPK_IDS_KEY!r}] has {ids.shape[1]} packed positions but the logits "
+                f"{student_logits.shape[1]}: mu's top-K must be [B, S, K] over the padded prompt + "
+                "response, like input_ids")
+        picked = torch.empty(ids.shape, dtype=torch.float32, device=student_logits.device)
+        for start in range(0, ids.shape[1], TOPK_CHUNK):
+            chunk = student_logits[:, start:start + TOPK_CHUNK].float()
+            picked[:, start:start + TOPK_CHUNK] = (chunk.gather(-1, ids[:, start:start + TOPK_CHUNK])
+                                                   - torch.logsumexp(chunk, -1, keepdim=True))
+        return {_TOPK_OUTPUT.format(k): picked[..., k] for k in range(ids.shape[-1])}
+    if model_output is None or _TOPK_OUTPUT.format(0) not in model_output:
+        raise gppo.GPPOInputError(
+            "topk_ppo_loss got no top-K log-probs from the engine: set the batch's non-tensor "
+            "distillation_use_topk=True (verl's engine then calls the loss function as its logits "
+            f"processor) and put mu's top-K in batch[{TOPK_IDS_KEY!r}] / batch[{TOPK_LOGPROBS_KEY!r}]")
+    recorded = data[TOPK_IDS_KEY].values().shape[-1]
+    responses = data["responses"]
+    topk = {"token_ids": responses.to_padded_tensor(0) if responses.is_nested else responses,
+            "topk_ids": no_padding_2_padding(data[TOPK_IDS_KEY], data).long(),
+            "topk_logp_behavior": no_padding_2_padding(data[TOPK_LOGPROBS_KEY], data).float(),
+            "topk_logp": torch.stack([no_padding_2_padding(model_output[_TOPK_OUTPUT.format(k)], data)
+                                      for k in range(recorded)], -1)}
+    token = _rollout_topk.set(topk)
+    try:
+        return ppo_loss(config, model_output, data, dp_group)
+    finally:
+        _rollout_topk.reset(token)
 
 
 for _mode in MODES:
