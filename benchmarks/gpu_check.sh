@@ -211,7 +211,11 @@ elif [[ $MODE == cpu ]]; then
   row verl-main-ppo 120 "tail -c 300" verl_validate "${VERL_ARGS[@]}"
 elif ! has vllm || ((SMOL_OK == 0)); then
   skip verl-main-ppo "needs vllm and SmolLM2 (rows above)"
+elif [[ $MODE != dry ]] && has trl; then
+  skip verl-main-ppo "TRL is installed: verl 0.9.1's FSDP engine then fails to build (docs/verl.md); use a venv without trl"
 else
+  has flash_attn || VERL_ARGS+=(  # no flash-attn: sdpa on padded batches (packing needs flash-attn)
+    +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false)
   SMOL_DIR='<the HF copy of smollm2: gppo.rollout.vllm.vllm_model_dir>'
   if [[ $MODE != dry ]]; then
     SMOL_DIR=$("$PY" -c "from gppo.rollout.vllm import vllm_model_dir; print(vllm_model_dir('smollm2'))")
