@@ -285,6 +285,31 @@ def test_topk_from_the_batch_is_accepted_where_the_loss_function_can_feed_it():
         GPPOPolicyLossConfig(loss_mode="vanilla", topk_source="batch")
 
 
+def test_topk_logits_processor_is_log_softmax_at_mu_ids(monkeypatch):
+    """topk_ppo_loss as verl's logits processor: per recorded entry k, a [1, N] tensor equal to
+    log_softmax(logits)[id_k], computed over chunks of tokens (7 here, so that chunks have a ragged
+    end) with gradients into the logits."""
+    import gppo.integrations.verl as plugin
+
+    monkeypatch.setattr(plugin, "TOPK_CHUNK", 7)
+    gen = torch.Generator().manual_seed(0)
+    lengths, vocab, k = torch.tensor([5, 9, 3]), 11, 4
+    logits = torch.randn(1, int(lengths.sum()), vocab, generator=gen, requires_grad=True)
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(int(lengths.sum()))])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    data = {plugin.TOPK_IDS_KEY: torch.nested.nested_tensor_from_jagged(ids, offsets)}
+    out = plugin.topk_ppo_loss(config=None, data=data, student_logits=logits)
+    got = torch.stack([out[f"gppo/topk_logp_{j}"] for j in range(k)], -1)
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[None])
+    assert sorted(out) == [f"gppo/topk_logp_{j}" for j in range(k)] and got.shape == (1, int(lengths.sum()), k)
+    assert torch.allclose(got, expected, atol=1e-6)
+    (grad,) = torch.autograd.grad(got.sum(), logits)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
+    assert torch.allclose(grad, expected_grad, atol=1e-6)
+    with pytest.raises(gppo.GPPOInputError, match="distillation_use_topk=True"):
+        plugin.topk_ppo_loss(config=None, model_output={"log_probs": None}, data=data)
+
+
 def test_topk_policy_loss_outside_topk_ppo_loss_says_how_to_feed_it():
     old, logp, adv, mask = random_batch(0.1)
     config = actor_config(gppo_policy_loss("gppo_dppo_topk_kl", topk_source="batch"))
