@@ -208,7 +208,7 @@ if ! has verl; then
   skip verl-main-ppo "verl missing: pip install 'gppo[verl]' 'verl[vllm]==0.9.1'"
 elif [[ $MODE == cpu ]]; then
   row verl-data 120 "tail -1" verl_data
-  row verl-main-ppo 120 "tail -c 300" verl_validate "${VERL_ARGS[@]}"
+  row verl-main-ppo 120 "tail -1" verl_validate "${VERL_ARGS[@]}"
 elif ! has vllm || ((SMOL_OK == 0)); then
   skip verl-main-ppo "needs vllm and SmolLM2 (rows above)"
 elif [[ $MODE != dry ]] && has trl; then
