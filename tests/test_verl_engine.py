@@ -196,17 +196,32 @@ def engine_main(workdir, rank, world, port):
 
 # ---- the tests ----
 
-def run_engine(workdir, world):
+def run_engine(workdir, world, limit_s=600):
+    """The ranks in subprocesses (logs in workdir); a rank that fails ends the others, whose
+    collectives would otherwise wait for it."""
+    import time
+
     from tests.verl_cpu_shim import free_port
 
     port = str(free_port())
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_verl_engine", str(workdir), str(rank), str(world),
-                               port], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, out[-6000:]
+    logs = [Path(workdir) / f"world{world}-rank{rank}.log" for rank in range(world)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_verl_engine", str(workdir), str(rank),
+                                           str(world), port], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + limit_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.5)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for proc, log in zip(procs, logs):
+        assert proc.returncode == 0, log.read_text()[-6000:]
     return torch.load(Path(workdir) / f"world{world}.pt")
 
 

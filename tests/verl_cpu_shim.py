@@ -18,6 +18,7 @@ process-wide singletons. Nothing in gppo imports this module.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import types
@@ -147,5 +148,6 @@ def install(rank: int = 0, world_size: int = 1, port: int | None = None) -> None
     import verl.models.transformers.monkey_patch as monkey_patch
 
     monkey_patch.is_trl_available = lambda: False
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    if not torch.distributed.is_initialized():  # a peer that died surfaces in 2 minutes, not gloo's 30
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
+                                             timeout=datetime.timedelta(seconds=120))
