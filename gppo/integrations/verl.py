@@ -36,10 +36,9 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Optional
 
+import torch
 import verl
 from packaging.version import InvalidVersion, Version
-
-import torch
 
 import gppo
 
@@ -59,9 +58,9 @@ def check_verl_version(version: str) -> None:
     if parsed is None or not low <= parsed < high:
         raise ImportError(
             f"gppo's verl plugin supports verl >={low},<{high} (tested with 0.9.1), found verl {version}: "
-            f"the policy-loss interface it registers into differs in other versions. Install "
-            f"pip install 'verl>={low},<{high}' (pip install 'gppo[verl]' pins it), or a gppo release "
-            "written for your verl")
+            f"the policy-loss interface it registers into differs in other versions. Run "
+            f"pip install 'verl>={low},<{high}' (pip install 'gppo[verl]' pins it), or use a gppo "
+            "release written for your verl")
 
 
 check_verl_version(verl.__version__)
