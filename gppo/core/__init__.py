@@ -11,10 +11,10 @@ from gppo.core.params import PARAM_DEFAULTS
 from gppo.core.registered_divergences import register_divergence
 from gppo.core.registry import closest
 from gppo.core.rules import RULES, Rule, RuleContext, RuleOutput, register_rule
-from gppo.core.token_stats import TokenStats, token_stats
+from gppo.core.token_stats import CHUNK_ELEMENTS, TokenStats, token_stats
 
 __all__ = [
-    "DIVERGENCES", "ESTIMATORS", "PARAM_DEFAULTS", "PRESETS", "Q_BUCKETS", "RULES", "Divergence",
+    "CHUNK_ELEMENTS", "DIVERGENCES", "ESTIMATORS", "PARAM_DEFAULTS", "PRESETS", "Q_BUCKETS", "RULES", "Divergence",
     "Estimator", "GPPOConfig", "GPPOConfigError", "GPPOInputError", "Preset", "Rule", "RuleContext",
     "RuleOutput", "TokenBatch", "TokenStats", "aggregate", "closest", "divergence", "drop_unused", "estimate",
     "gather_logp", "policy_loss", "preset", "q_buckets", "reference_kl", "register_divergence",

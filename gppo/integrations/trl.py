@@ -36,7 +36,7 @@ from accelerate.utils import gather_object
 from trl import GRPOConfig, GRPOTrainer
 
 import gppo
-from gppo.core.token_stats import CHUNK_ELEMENTS
+from gppo.core import CHUNK_ELEMENTS
 from gppo.options import ConfigError, Source, gppo_overrides
 from gppo.trainer.batch import decoder_and_output_layer
 
