@@ -1,30 +1,23 @@
-"""Freed tensor memory back to the OS: glibc's mmap threshold, fixed (Linux).
+"""Freed tensor memory back to the OS after each update (glibc's malloc_trim, Linux).
 
-glibc serves an allocation below its mmap threshold from heaps that it seldom returns to the OS,
-and raises the threshold (up to 32 MiB) whenever a larger mmapped block is freed. A training step
-allocates and frees megabyte-sized activations in every micro-batch; once the threshold has risen
-they come from the heap, and the freed space stays resident. On the README quickstart
-(SmolLM2-135M) the update then ended holding 4.7 GB of RSS, of which 2.1 GB was free memory, and
-peaked at 5.2 GB; with the threshold fixed at 1 MiB it ends at 2.9 GB and peaks at 4.7 GB
-(docs/results.md §8c). A fixed threshold also turns glibc's raising off. Tensors of 1 MiB or more
-are then mapped and unmapped: a page fault per page touched, negligible beside the arithmetic that
-fills them.
+glibc serves allocations below its mmap threshold from heaps, and raises that threshold (up to
+32 MiB) whenever a larger mapped block is freed; a training step's megabyte-sized activations then
+come from the heap, and what they free stays resident. On the README quickstart (SmolLM2-135M) an
+update left 4.7 GB of RSS behind, 2.1 GB of it free. `malloc_trim(0)` hands the free pages back
+(ms; the next update faults them in again, once). Fixing the threshold at 1 MiB instead lowered the
+update's peak by 0.5 GB but made the update 30 % slower (every activation mapped and faulted in
+anew; docs/results.md §15), so the heap is kept during the update and trimmed after it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-MMAP_THRESHOLD_BYTES = 1 << 20
 
-
-def return_freed_memory_to_os() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB for this process; False where it does not apply
-    (not Linux, not glibc) or where MALLOC_MMAP_THRESHOLD_ already sets it (the user's choice wins)."""
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+def release_free_memory() -> bool:
+    """Return the C heap's free pages to the OS; False where there is no glibc malloc_trim."""
+    if not sys.platform.startswith("linux"):
         return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the C library this process runs on
-    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the C library this process runs on
+    return trim is not None and trim(0) == 1

@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 
-from gppo.allocator import return_freed_memory_to_os
 from gppo.commands import COMMANDS
 from gppo.core import closest
 
@@ -40,7 +39,6 @@ def _raise_terminated(signum, frame):
 def run_command(name: str, argv: list[str]) -> int:
     """Parse `argv` with the command's parser and run it; every expected error is one line on stderr."""
     module = importlib.import_module(f"gppo.commands.{name}")
-    return_freed_memory_to_os()
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return module.run(module.parser().parse(argv))

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import get_scheduler
 
 import gppo
+from gppo.allocator import release_free_memory
 from gppo.evaluation import evaluate_problems
 from gppo.models.assets import embedded_checkpoint
 from gppo.models.loading import check_positions, load_model_and_tokenizer
@@ -290,6 +291,7 @@ class Trainer:
             all_zero = all_zero and stats["grad_norm"] == 0
         self._check_zero_gradients(all_zero and bool(rollout.advantages.ne(0).any()))
         self.model.eval()
+        release_free_memory()  # the activations' freed heap pages, before sampling and evaluation
         return {**averages.result("loss/"), **per_update.result("optim/")}
 
     def sync_rollout_weights(self) -> None:
