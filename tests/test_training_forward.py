@@ -174,14 +174,18 @@ def test_shared_prompt_forward_equals_the_whole_forward(micro, max_new_tokens):
     assert_grads_close(shared_grads, whole_grads)
 
 
+def batch_with(model, rollout, config, **options):
+    """A function building the TokenBatch of `rollout` with these ForwardOptions."""
+    return lambda: token_batch(rollout, policy_outputs(model, rollout, 0.8, config, options=ForwardOptions(**options)))
+
+
 def test_gradient_checkpointing_gives_the_same_gradients(micro):
     model, _ = micro
     rollout = make_rollout(micro)
     config = gppo.preset("dppo-topk-tv", top_k=5)
 
     def batch(share):
-        return lambda: token_batch(rollout, policy_outputs(model, rollout, 0.8, config,
-                                                           options=ForwardOptions(share_prompt=share)))
+        return batch_with(model, rollout, config, share_prompt=share)
     model.train()
     try:
         plain = loss_and_grads(model, batch(True), config)
@@ -202,12 +206,9 @@ def test_bfloat16_autocast_keeps_float32_weights_and_gradients(micro):
     model, _ = micro
     rollout = make_rollout(micro)
     config = gppo.preset("dppo-topk-tv", top_k=5)
-
-    def batch(dtype):
-        return lambda: token_batch(rollout, policy_outputs(model, rollout, 0.8, config,
-                                                           options=ForwardOptions(autocast=dtype)))
-    full_loss, _, full_grads = loss_and_grads(model, batch(None), config)
-    mixed_loss, _, mixed_grads = loss_and_grads(model, batch(torch.bfloat16), config)
+    full_loss, _, full_grads = loss_and_grads(model, batch_with(model, rollout, config), config)
+    mixed_loss, _, mixed_grads = loss_and_grads(model, batch_with(model, rollout, config, autocast=torch.bfloat16),
+                                                config)
     assert all(g.dtype == torch.float32 for g in mixed_grads.values())
     assert mixed_loss.dtype == torch.float32
     torch.testing.assert_close(mixed_loss, full_loss, rtol=0.05, atol=0.02)
