@@ -49,6 +49,7 @@ def run_gppo(steps: int, threads: int, out: Path) -> float:
 def run_trl(steps: int, threads: int, out: Path) -> float:
     import torch
     from datasets import Dataset
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     from gppo.models.loading import load_model_and_tokenizer
@@ -65,7 +66,11 @@ def run_trl(steps: int, threads: int, out: Path) -> float:
     def verifier(prompts, completions, **_):
         return [task.score(by_answer[p[-1]["content"]], c[-1]["content"]) for p, c in zip(prompts, completions)]
 
-    model, tokenizer = load_model_and_tokenizer("smollm2", dtype=torch.float32)
+    # transformers' Trainer refuses a model loaded from GGUF as quantized: save it and load it back
+    gguf_model, tokenizer = load_model_and_tokenizer("smollm2", dtype=torch.float32)
+    gguf_model.save_pretrained(out / "smollm2")
+    del gguf_model
+    model = AutoModelForCausalLM.from_pretrained(out / "smollm2", dtype=torch.float32)
     args = GRPOConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=MINI // MICRO,
         steps_per_generation=PROMPTS * GROUP // MICRO, num_generations=GROUP, max_completion_length=TOKENS,
