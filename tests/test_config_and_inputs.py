@@ -10,7 +10,7 @@ import gppo
 EXPECTED_PRESETS = {"ppo", "grpo", "dapo", "dppo-binary-tv", "dppo-binary-kl", "dppo-topk-tv",
                     "dppo-topk-kl", "ripo", "gspo", "gmpo", "cispo", "pg-is", "minirl", "sapo", "dcpo", "trm",
                     "gppo", "gpg", "clip-cov", "kl-cov", "dro", "dr-grpo", "luspo", "vespo", "prime-dppo-kl",
-                    "icepop"}
+                    "icepop", "cppo", "drpo"}
 
 
 def small_batch(**changes):

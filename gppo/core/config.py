@@ -35,6 +35,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 BEHAVIOR_WEIGHT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's names
 CLIP_BOUNDS = ("region", "dcpo")
 SEQ_REDUCES = ("max", "mean")
+PREFIX_BUDGET_MODES = ("fixed", "p90")
 
 
 def _users(name: str) -> list[str]:
@@ -121,6 +122,10 @@ class GPPOConfig:
     k_neg: float | None = _param("k_neg")
     lambda_neg: float | None = _param("lambda_neg")
     off_policy_threshold: float | None = _param("off_policy_threshold")
+    position_weight_min: float | None = _param("position_weight_min")
+    prefix_budget: float | None = _param("prefix_budget")
+    prefix_budget_mode: str | None = _param("prefix_budget_mode")
+    quadratic_delta: float | None = _param("quadratic_delta")
     kl_coef: float = _doc("coefficient beta of the KL penalty to the reference model",
                           default=0.0)
     kl_estimator: str = _doc("KL penalty estimator: k1, k2, k3 or full (exact, needs logits)",
@@ -240,6 +245,9 @@ _CHECKS = {
     "k_neg": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     "lambda_pos": (lambda v: 0 < v < math.inf, "> 0 and finite (lambda = 0 would leave w^k unbounded)"),
     "lambda_neg": (lambda v: 0 < v < math.inf, "> 0 and finite (lambda = 0 would leave w^k unbounded)"),
+    "position_weight_min": (lambda v: 0 < v <= 1, "in (0, 1]: the last token's weight (1: no position weight)"),
+    "prefix_budget": (lambda v: 0 < v < math.inf, "> 0 and finite"),
+    "quadratic_delta": (lambda v: 0 < v < math.inf, "> 0 and finite"),
     "kl_coef": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     "behavior_weight_cap": (lambda v: v > 0, "> 0"),
     "behavior_weight_floor": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
@@ -276,7 +284,8 @@ def _validate(cfg: GPPOConfig) -> None:
     _choice(cfg, "loss_agg_mode", LOSS_AGG_MODES)
     _choice(cfg, "kl_estimator", KL_ESTIMATORS)
     _choice(cfg, "behavior_weight_mode", BEHAVIOR_WEIGHT_MODES)
-    for name, choices in (("clip_bounds", CLIP_BOUNDS), ("seq_reduce", SEQ_REDUCES)):
+    for name, choices in (("clip_bounds", CLIP_BOUNDS), ("seq_reduce", SEQ_REDUCES),
+                          ("prefix_budget_mode", PREFIX_BUDGET_MODES)):
         if getattr(cfg, name) is not None:
             _choice(cfg, name, choices)
 
@@ -456,6 +465,20 @@ _TABLE = {
                "IcePop (Ring-1T, 2510.18855); verl bypass_pg_token_icepop",
                dict(divergence="tv", estimator="sample", rule="band", delta_low=0.25, delta_high=2.0,
                     truncation=5.0)),
+    # The DPPO authors' successors, read from the papers and the authors' code (UniRL). CPPO: the
+    # paper's matched top-20 TV and dense-model delta 0.15, w_min 0.8 and the fixed delta_b 0.015 of
+    # its post-trained model (its Base models: prefix_budget_mode='p90' with their floors);
+    # aggregation unstated, verl's token-mean kept. DRPO: delta 12.5 (its section 4) and the
+    # authors' recipe's seq-mean-token-sum-norm.
+    "cppo": ("directional mask on top-20 TV with threshold 0.15 / w_t (w_t from 1 down to 0.8 along "
+             "the response) and prefix budget 0.015",
+             "CPPO, Mao et al. 2026 (2606.10968)",
+             dict(divergence="tv", estimator="topk", rule="prefix-mask", top_k=20, delta_high=0.15,
+                  position_weight_min=0.8, prefix_budget=0.015, prefix_budget_mode="fixed")),
+    "drpo": ("-A r + |A| q (r-1)^2 / (2 * 12.5): DPPO's binary-TV region as a smooth penalty",
+             "DRPO, Yao et al. 2026 (2606.09821); the authors' UniRL recipe",
+             dict(_NO_REGION, rule="quadratic", quadratic_delta=12.5,
+                  loss_agg_mode="seq-mean-token-sum-norm")),
     # Our recommended default: DPPO's binary-TV point, a lower bound of the true TV that, unlike
     # PPO's single-sample ratio, lets rare tokens move (|p - q| <= delta instead of |r - 1| <= eps),
     # needs only the sampled token's log-prob (so it runs inside verl and TRL unchanged), and is

@@ -47,6 +47,14 @@ PARAMS = MappingProxyType({
     "off_policy_threshold": Param(None, "DeepSeek-V3.2's off-policy sequence mask: tokens with A < 0 "
                                         "of a sequence whose mean log(mu / pi) exceeds it get no "
                                         "gradient; None disables"),
+    "position_weight_min": Param(0.8, "CPPO: floor w_min of the position weight w_t = 1 - (1 - w_min)"
+                                      "(t - 1)/(T - 1), T the response's length"),
+    "prefix_budget": Param(0.015, "CPPO: prefix-average threshold delta_b of the weighted estimates "
+                                  "(with prefix_budget_mode 'p90': its floor)"),
+    "prefix_budget_mode": Param("fixed", "CPPO: 'fixed' delta_b, or 'p90': per response "
+                                         "clamp(90th percentile of its estimates, delta_b, 2 delta_b)"),
+    "quadratic_delta": Param(12.5, "DRPO: threshold delta of the penalty |A| q (r - 1)^2 / (2 delta), "
+                                   "q the anchor's probability"),
 })
 PARAM_FIELDS = tuple(PARAMS)
 PARAM_DEFAULTS = MappingProxyType({name: param.default for name, param in PARAMS.items()})

@@ -279,6 +279,60 @@ def seq_mask_rule(ctx: RuleContext) -> RuleOutput:
     return RuleOutput(_policy_gradient(ctx, keep=keep.float()), ~keep & ctx.valid)
 
 
+def _percentile_90(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per row, the 90th percentile of x over its valid entries, interpolated linearly between
+    order statistics at position 0.9 (n - 1) (torch.quantile's default); 0 for a row without any."""
+    count = valid.sum(-1)
+    ordered = torch.where(valid, x, math.inf).sort(-1).values
+    position = 0.9 * (count - 1).clamp(min=0).to(x.dtype)
+    below = position.floor().long()
+    above = torch.minimum(below + 1, (count - 1).clamp(min=0))
+    low, high = ordered.gather(-1, below[:, None]), ordered.gather(-1, above[:, None])
+    value = low + (position - below.to(x.dtype))[:, None] * (high - low)
+    return torch.where(count[:, None] > 0, value, 0.0)
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """sum_{j < t} x_j along the last dimension."""
+    return torch.cat([torch.zeros_like(x[..., :1]), x[..., :-1]], -1).cumsum(-1)
+
+
+def prefix_mask_rule(ctx: RuleContext) -> RuleOutput:
+    """CPPO (2606.10968, Eq. 8-10, Algorithm 1): DPPO's directional mask with a position-weighted
+    threshold and a cumulative prefix budget. Per response of T tokens, t = 1..T:
+    w_t = 1 - (1 - w_min)(t - 1)/(T - 1), Z_t = w_t D-hat_t, S and W the prefix sums of Z and w;
+    a token whose update moves r away from 1 (A (r - 1) > 0) keeps its gradient only when
+    Z_t <= min(delta, delta + delta_b W_{t-1} - S_{t-1}), delta = delta_high. delta_b =
+    prefix_budget, or with prefix_budget_mode 'p90' clamp(P90_t D-hat_t, delta_b, 2 delta_b) per
+    response (the paper's Base-model setting)."""
+    cfg, valid = ctx.config, ctx.valid
+    est = torch.where(valid, ctx.estimate(), 0.0)
+    position = valid.cumsum(-1).to(est.dtype)  # t among the response's tokens
+    length = valid.sum(-1, keepdim=True).to(est.dtype)
+    weight = 1 - (1 - cfg.position_weight_min) * (position - 1) / (length - 1).clamp(min=1)
+    weight = torch.where(valid, weight, 0.0)
+    weighted = weight * est
+    budget = cfg.prefix_budget
+    if cfg.prefix_budget_mode == "p90":
+        budget = _percentile_90(est, valid).clamp(min=budget, max=2 * budget)
+    delta = cfg.delta_high
+    threshold = torch.clamp(delta + budget * _exclusive_cumsum(weight) - _exclusive_cumsum(weighted), max=delta)
+    lr = ctx.raw_log_ratio
+    away = ((ctx.adv > 0) & (lr > 0)) | ((ctx.adv < 0) & (lr < 0))
+    blocked = valid & away & (weighted > threshold)
+    return RuleOutput(_policy_gradient(ctx, keep=(~blocked).float()), blocked)
+
+
+def quadratic_rule(ctx: RuleContext) -> RuleOutput:
+    """DRPO (2606.09821, Eq. 8): -A r + |A| q (r - 1)^2 / (2 delta), q the anchor's probability of
+    the sampled token, delta = quadratic_delta. Its gradient is -A r grad log p times
+    1 - sign(A (r - 1)) |p - q| / delta (the paper's Table 1): the binary-TV geometry, smoothly."""
+    q = ctx.logq.detach().exp()
+    r = ctx.ratio
+    penalty = ctx.adv.abs() * q * (r - 1).square() / (2 * ctx.config.quadratic_delta)
+    return RuleOutput(-ctx.adv * r + penalty, None)
+
+
 @dataclass(frozen=True)
 class Rule:
     """A trust-region rule: loss(ctx) -> RuleOutput, and what it needs of the point.
@@ -344,6 +398,11 @@ for _rule in (
     Rule("kl-cov", kl_cov_rule, ("cov_ratio", "cov_kl_coef"), uses_estimate=False,
          advantage_linear=False,
          summary="KL-Cov: ratio PG, |log r| penalty on the tokens of highest covariance"),
+    Rule("prefix-mask", prefix_mask_rule,
+         ("delta_high", "position_weight_min", "prefix_budget", "prefix_budget_mode", "truncation"),
+         summary="CPPO: directional mask, position-weighted threshold and cumulative prefix budget"),
+    Rule("quadratic", quadratic_rule, ("quadratic_delta",), uses_estimate=False,
+         summary="DRPO: ratio PG plus the advantage-weighted penalty |A| q (r-1)^2 / (2 delta)"),
     Rule("gamma", gamma_rule, ("k_pos", "lambda_pos", "k_neg", "lambda_neg"), uses_estimate=False,
          summary="VESPO's gamma weight of the sequence ratio"),
 ):
