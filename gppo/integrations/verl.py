@@ -79,7 +79,8 @@ MODES = {"gppo": None, **{"gppo_" + name.replace("-", "_"): name
 OVERRIDABLE = ("divergence", "alpha", "estimator", "rule", "delta_low", "delta_high", "anchor",
                "top_k", "top_p", "truncation", "dual_clip", "clip_bounds", "tau_pos", "tau_neg",
                "seq_reduce", "kl_tau", "cov_ratio", "cov_low", "cov_high", "cov_kl_coef", "k_pos",
-               "lambda_pos", "k_neg", "lambda_neg", "off_policy_threshold")
+               "lambda_pos", "k_neg", "lambda_neg", "off_policy_threshold", "position_weight_min",
+               "prefix_budget", "prefix_budget_mode", "quadratic_delta")
 # verl's own PolicyLossConfig fields for its loss modes clip_cov, kl_cov and dro, which the gppo
 # modes do not read: changed under a gppo mode, they are refused with the gppo field to set instead.
 VERL_LOSS_FIELDS = {"clip_cov_ratio": "cov_ratio", "clip_cov_lb": "cov_low", "clip_cov_ub": "cov_high",
@@ -140,6 +141,10 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
     k_neg: Optional[float] = None
     lambda_neg: Optional[float] = None
     off_policy_threshold: Optional[float] = None
+    position_weight_min: Optional[float] = None
+    prefix_budget: Optional[float] = None
+    prefix_budget_mode: Optional[str] = None
+    quadratic_delta: Optional[float] = None
     topk_source: Optional[str] = None
     bypass_mode: Optional[bool] = None
     use_v1: Optional[bool] = None
