@@ -350,6 +350,11 @@ def test_new_rules_in_float32_match_float64(name):
         loss, _ = gppo.policy_loss(batch, gppo.preset(name, **({"cov_ratio": 0.2} if "cov" in name else {})))
         (grad,) = torch.autograd.grad(loss, leaf)
         results.append((loss.double(), grad.double()))
+    assert_float32_matches_float64(results)
+
+
+def assert_float32_matches_float64(results):
+    """results = [(loss, grad) in float64, (loss, grad) in float32]: within float32 rounding."""
     (loss64, grad64), (loss32, grad32) = results
     assert grad64.abs().max() > 0
     torch.testing.assert_close(loss32, loss64, rtol=1e-5, atol=1e-6)
