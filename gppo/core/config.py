@@ -7,6 +7,9 @@ divergence's own); given to a point that does not use it, it is an error that na
 point and the fix. Every field's type is checked. A preset is a point plus defaults (docs/design.md
 section 5), listed in the single table `PRESETS`; `preset(name, **overrides)` builds a validated
 `GPPOConfig` from it, dropping preset parameters that an overridden point no longer uses.
+
+Over 500 lines on purpose: the preset table is data (one entry per named method, with its
+source and the reading it takes), kept beside the validation that builds each entry.
 """
 
 from __future__ import annotations
