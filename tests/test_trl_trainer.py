@@ -151,7 +151,7 @@ def test_two_step_run_matches_grpo_trainer(tiny):
         assert torch.allclose(p, trl_p, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("preset", ["dppo-binary-tv", "dppo-topk-tv", "cispo", "gppo", "icepop"])
+@pytest.mark.parametrize("preset", ["dppo-binary-tv", "dppo-topk-tv", "cispo", "gppo", "icepop", "cppo", "drpo"])
 def test_two_step_run_per_preset(tiny, preset):
     trainer = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, gppo_preset=preset)
     before = final_parameters(trainer)
@@ -159,7 +159,8 @@ def test_two_step_run_per_preset(tiny, preset):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     assert logs[1]["gppo/ratio/max"] > 1
-    metric = "gppo/truncated_frac" if preset == "cispo" else "gppo/masked_frac"  # icepop: both
+    # icepop reports both fractions; drpo's penalty blocks no token
+    metric = {"cispo": "gppo/truncated_frac", "drpo": "gppo/ratio/mean"}.get(preset, "gppo/masked_frac")
     assert metric in logs[1] and "entropy" in logs[1]
     assert any(not torch.equal(a, b) for a, b in zip(before, final_parameters(trainer)))
 

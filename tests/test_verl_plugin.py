@@ -166,6 +166,25 @@ def test_clip_cov_draws_the_tokens_verl_draws(seed):
     assert not torch.equal(other == 0, grad == 0)
 
 
+@pytest.mark.parametrize("mode,fields,agg", [("gppo_drpo", {}, "seq-mean-token-sum-norm"),
+                                             ("gppo_drpo", {"quadratic_delta": 0.15}, "seq-mean-token-sum-norm"),
+                                             ("gppo_cppo", {"estimator": "binary"}, "token-mean")])
+def test_paper_only_presets_run_through_verl_unchanged(mode, fields, agg):
+    """cppo and drpo, which verl does not ship, reach verl as gppo.policy_loss on verl's tensors
+    (their references are the papers' equations, tests/test_cppo_drpo.py)."""
+    old, logp, adv, mask = random_batch(0.7, seed=5)
+    policy_loss = gppo_policy_loss(mode, **fields)
+    loss, grad, _ = loss_and_grad(get_policy_loss_fn(mode), old, logp, adv, mask, agg,
+                                  actor_config(policy_loss, agg))
+    leaf = logp.clone().requires_grad_()
+    batch = gppo.TokenBatch(logp=leaf, logp_behavior=old, advantages=adv, mask=mask.double())
+    expected, _ = gppo.policy_loss(batch, policy_loss.gppo_config(agg))
+    (expected_grad,) = torch.autograd.grad(expected, leaf)
+    assert grad.abs().max() > 0
+    assert torch.allclose(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12)
+
+
 def test_verl_loss_fields_under_a_gppo_mode_are_refused():
     with pytest.raises(gppo.GPPOConfigError, match=r"clip_cov_ratio -> cov_ratio"):
         gppo_policy_loss("gppo_clip_cov", clip_cov_ratio=0.1)
