@@ -73,13 +73,19 @@ def cppo_loss(batch, keep):
 @pytest.mark.parametrize("mode", ["fixed", "p90"])
 def test_cppo_matches_algorithm_1(seed, estimator, mode):
     batch, log_pi, log_mu = random_batch(B=8, T=12, seed=seed, spread=0.8)
-    delta, w_min, budget = 0.15, 0.8, 0.03
+    div = binary_tv(batch) if estimator == "binary" else topk_tv(batch, log_pi, log_mu, 5)
+    p90 = torch.stack([torch.quantile(div[i, :int(n)], 0.9) for i, n in enumerate(batch.mask.sum(-1))])
+    # p90: a budget that leaves some responses' percentile inside [budget, 2 budget], some clamped
+    delta, w_min, budget = 0.15, 0.8, (0.03 if mode == "fixed" else 0.75 * float(p90.median()))
     config = gppo.preset("cppo", estimator=estimator, delta_high=delta, prefix_budget=budget,
                          prefix_budget_mode=mode, **({"top_k": 5} if estimator == "topk" else {}))
-    div = binary_tv(batch) if estimator == "binary" else topk_tv(batch, log_pi, log_mu, 5)
     keep, why = cppo_keep(div, batch.advantages, batch.logp.detach() - batch.logp_behavior, batch.mask,
                           delta, w_min, budget, mode)
-    assert {"toward", "inside", "token", "prefix"} <= set(why.values())  # every branch occurs
+    # every branch occurs: the prefix budget binds (fixed), the percentile is clamped or not (p90)
+    assert {"toward", "inside", "token", "prefix" if mode == "fixed" else "token"} <= set(why.values())
+    if mode == "p90":
+        inside = (p90 > budget) & (p90 < 2 * budget)
+        assert inside.any() and not inside.all()
     loss, grad, metrics = loss_and_grad(batch, config)
     expected = cppo_loss(batch, keep)
     assert_same(loss, expected)

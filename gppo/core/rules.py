@@ -279,19 +279,6 @@ def seq_mask_rule(ctx: RuleContext) -> RuleOutput:
     return RuleOutput(_policy_gradient(ctx, keep=keep.float()), ~keep & ctx.valid)
 
 
-def _percentile_90(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per row, the 90th percentile of x over its valid entries, interpolated linearly between
-    order statistics at position 0.9 (n - 1) (torch.quantile's default); 0 for a row without any."""
-    count = valid.sum(-1)
-    ordered = torch.where(valid, x, math.inf).sort(-1).values
-    position = 0.9 * (count - 1).clamp(min=0).to(x.dtype)
-    below = position.floor().long()
-    above = torch.minimum(below + 1, (count - 1).clamp(min=0))
-    low, high = ordered.gather(-1, below[:, None]), ordered.gather(-1, above[:, None])
-    value = low + (position - below.to(x.dtype))[:, None] * (high - low)
-    return torch.where(count[:, None] > 0, value, 0.0)
-
-
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """sum_{j < t} x_j along the last dimension."""
     return torch.cat([torch.zeros_like(x[..., :1]), x[..., :-1]], -1).cumsum(-1)
@@ -314,7 +301,9 @@ def prefix_mask_rule(ctx: RuleContext) -> RuleOutput:
     weighted = weight * est
     budget = cfg.prefix_budget
     if cfg.prefix_budget_mode == "p90":
-        budget = _percentile_90(est, valid).clamp(min=budget, max=2 * budget)
+        # torch.quantile's linear interpolation over each response's own tokens (NaN elsewhere)
+        p90 = torch.nanquantile(torch.where(valid, est, math.nan), 0.9, dim=-1, keepdim=True)
+        budget = p90.nan_to_num(budget).clamp(min=budget, max=2 * budget)
     delta = cfg.delta_high
     threshold = torch.clamp(delta + budget * _exclusive_cumsum(weight) - _exclusive_cumsum(weighted), max=delta)
     lr = ctx.raw_log_ratio

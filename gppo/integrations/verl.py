@@ -73,14 +73,6 @@ DEFAULT_PRESET = "gppo"
 MODES = {"gppo": None, **{"gppo_" + name.replace("-", "_"): name
                            for name in gppo.PRESETS if name != DEFAULT_PRESET}}
 
-# GPPOConfig fields settable under policy_loss. verl owns aggregation and the KL penalty; the
-# full estimator's fields and behavior_weight_cap need inputs verl does not pass to a policy loss
-# (top_k / top_p serve the top-K estimators with topk_source=batch).
-OVERRIDABLE = ("divergence", "alpha", "estimator", "rule", "delta_low", "delta_high", "anchor",
-               "top_k", "top_p", "truncation", "dual_clip", "clip_bounds", "tau_pos", "tau_neg",
-               "seq_reduce", "kl_tau", "cov_ratio", "cov_low", "cov_high", "cov_kl_coef", "k_pos",
-               "lambda_pos", "k_neg", "lambda_neg", "off_policy_threshold", "position_weight_min",
-               "prefix_budget", "prefix_budget_mode", "quadratic_delta")
 # verl's own PolicyLossConfig fields for its loss modes clip_cov, kl_cov and dro, which the gppo
 # modes do not read: changed under a gppo mode, they are refused with the gppo field to set instead.
 VERL_LOSS_FIELDS = {"clip_cov_ratio": "cov_ratio", "clip_cov_lb": "cov_low", "clip_cov_ub": "cov_high",
@@ -187,6 +179,12 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
         overrides = {name: getattr(self, name) for name in OVERRIDABLE if getattr(self, name) is not None}
         return gppo.preset(self.preset_name, loss_agg_mode=loss_agg_mode,
                            norm_length=loss_scale_factor, **overrides)
+
+
+# The GPPOConfig fields declared above, settable under policy_loss. verl owns aggregation and the KL
+# penalty; the full estimator's fields and behavior_weight_cap need inputs verl does not pass to a
+# policy loss (top_k / top_p serve the top-K estimators with topk_source=batch), so those are not declared.
+OVERRIDABLE = tuple(f.name for f in fields(GPPOPolicyLossConfig) if f.name in gppo.GPPOConfig.field_names())
 
 
 def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> None:
