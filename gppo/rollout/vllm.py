@@ -244,6 +244,16 @@ def _retie_and_repack_head(model: torch.nn.Module) -> None:
     dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
 
 
+def ranked_topk(entries: dict, top_k: int) -> tuple[list[int], list[float]]:
+    """mu's top `top_k` token ids and log-probs at one generated position, most probable first, from
+    vLLM's logprobs dict for that position ({token id: Logprob(logprob, rank)}: ranks 1..K and the
+    sampled token with its own rank, which may exceed K)."""
+    ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank <= top_k)
+    if len(ranked) < top_k:
+        raise RuntimeError(f"vLLM returned {len(ranked)} top log-probs for a token, {top_k} requested")
+    return [tid for _, tid, _ in ranked[:top_k]], [lp for _, _, lp in ranked[:top_k]]
+
+
 def _generation(index: int, prompt_ids: list[int], completion, top_k: int, tokenizer, record_kept: bool) -> Generation:
     """A gppo Generation of one vLLM CompletionOutput. Each position's logprobs dict holds mu's top
     `top_k` (ranks 1..K) and the sampled token (with its rank, maybe > K)."""
@@ -252,11 +262,9 @@ def _generation(index: int, prompt_ids: list[int], completion, top_k: int, token
     for token, entries in zip(token_ids, completion.logprobs or []):
         logprobs.append(entries[token].logprob)
         if top_k:
-            ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank <= top_k)
-            if len(ranked) < top_k:
-                raise RuntimeError(f"vLLM returned {len(ranked)} top log-probs for a token, {top_k} requested")
-            topk_ids.append([tid for _, tid, _ in ranked[:top_k]])
-            topk_logprobs.append([lp for _, _, lp in ranked[:top_k]])
+            ids, lps = ranked_topk(entries, top_k)
+            topk_ids.append(ids)
+            topk_logprobs.append(lps)
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned log-probs for {len(logprobs)} of {len(token_ids)} tokens")
     kept = [list(ids) for ids in completion.sampling_mask.token_ids] if record_kept else None
