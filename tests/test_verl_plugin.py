@@ -282,7 +282,7 @@ def test_verl_0_9_is_accepted(version):
 
 def test_startup_refuses_topk_estimators():
     for mode in ("gppo_dppo_topk_tv", "gppo_dppo_topk_kl", "gppo_cppo"):
-        with pytest.raises(gppo.GPPOConfigError, match="top-K token ids.*topk_source=batch.*topk_ppo_loss"):
+        with pytest.raises(gppo.GPPOConfigError, match="top-K token ids.*python -m gppo.integrations.verl_topk"):
             gppo_policy_loss(mode)
     with pytest.raises(gppo.GPPOConfigError, match="estimator 'full'"):
         gppo_policy_loss("gppo", estimator="full")

@@ -22,9 +22,11 @@ sizes in `global_batch_info`) and rollout_is_weights [B,T] or None; nothing else
   recomputed pi_old otherwise (anchor='old'); the two must agree, checked at start-up;
 - estimators that read more than the sampled token's log-probs (topk / topp / full, per the
   estimator registry) are refused at start-up (no top-K, no logits reach the loss), except topk /
-  topp when the caller's batch carries mu's top-K (policy_loss.topk_source=batch) and the actor's
-  loss function is `topk_ppo_loss`, which gathers pi at those ids in the engine's logits processor
-  (verl's rollout records no top-K: docs/verl.md says what is missing for main_ppo);
+  topp when the batch carries mu's top-K (policy_loss.topk_source=batch) and the actor's loss
+  function is `topk_ppo_loss`, which gathers pi at those ids in the engine's logits processor:
+  `python -m gppo.integrations.verl_topk` (verl's main_ppo with the rollout recording mu's top-K,
+  gppo/integrations/verl_topk.py) sets both up, or a caller that drives verl's TrainingWorker with
+  its own rollouts;
 - aggregation, KL to the reference and entropy stay verl's: actor.loss_agg_mode and
   loss_scale_factor, actor.use_kl_loss / kl_loss_coef, actor.entropy_coeff.
 """
@@ -101,8 +103,8 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
 
     `topk_source=batch` declares that each training batch carries mu's top-K (TOPK_IDS_KEY,
     TOPK_LOGPROBS_KEY) and that the actor's loss function is `topk_ppo_loss`: verl's own rollout
-    records no top-K, so only a caller that fills them (driving verl's TrainingWorker with its
-    own rollouts) can set it. `bypass_mode` and `use_v1` restate
+    records no top-K, so `python -m gppo.integrations.verl_topk` sets it (its rollout records
+    them), or a caller that fills them driving verl's TrainingWorker with its own rollouts. `bypass_mode` and `use_v1` restate
     algorithm.rollout_correction.bypass_mode and trainer.use_v1 (examples/verl/config/gppo_trainer.yaml
     interpolates them) so that the anchor can be checked here, at start-up.
     """
@@ -204,11 +206,11 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
             raise gppo.GPPOConfigError(
                 f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs mu's top-K token ids "
                 "and log-probs at every response position; verl 0.9's rollout records only the sampled "
-                "token's log-prob, and its ppo_loss passes a policy loss nothing more. Use an estimator "
-                f"among {' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv instead of "
-                "gppo_dppo_topk_tv; or, when you drive verl's TrainingWorker with rollouts that record "
-                "mu's top-K, set policy_loss.topk_source=batch and use gppo.integrations.verl.topk_ppo_loss "
-                "as the actor's loss function (docs/verl.md)")
+                "token's log-prob, and its ppo_loss passes a policy loss nothing more. Launch with "
+                "`python -m gppo.integrations.verl_topk` instead of `python -m verl.trainer.main_ppo` "
+                "(same config and overrides: its vLLM rollout records mu's top-K and the actor reads it), "
+                f"or use an estimator among {' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv "
+                "instead of gppo_dppo_topk_tv (docs/verl.md)")
         raise gppo.GPPOConfigError(
             f"loss_mode={mode!r} uses estimator {cfg.estimator!r} with anchor {cfg.anchor!r}, which needs "
             f"the TokenBatch fields {missing}; verl passes a policy loss only the sampled token's "
@@ -310,7 +312,8 @@ def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
             raise gppo.GPPOInputError(
                 f"estimator {cfg.estimator!r} needs mu's top-K, which reaches the policy loss only "
                 "through gppo.integrations.verl.topk_ppo_loss (the actor's loss function in place of "
-                "verl's ppo_loss) with the batch carrying it (docs/verl.md)")
+                "verl's ppo_loss) with the batch carrying it: launch with `python -m "
+                "gppo.integrations.verl_topk`, not verl's main_ppo (docs/verl.md)")
         recorded = topk["topk_ids"].shape[-1]
         if cfg.top_k is not None and recorded < cfg.top_k:
             raise gppo.GPPOInputError(
@@ -364,7 +367,8 @@ def topk_ppo_loss(config, model_output=None, data=None, dp_group=None, student_l
         raise gppo.GPPOInputError(
             "topk_ppo_loss got no top-K log-probs from the engine: set the batch's non-tensor "
             "distillation_use_topk=True (verl's engine then calls the loss function as its logits "
-            f"processor) and put mu's top-K in batch[{TOPK_IDS_KEY!r}] / batch[{TOPK_LOGPROBS_KEY!r}]")
+            f"processor) and put mu's top-K in batch[{TOPK_IDS_KEY!r}] / batch[{TOPK_LOGPROBS_KEY!r}]; "
+            "`python -m gppo.integrations.verl_topk` does both")
     recorded = data[TOPK_IDS_KEY].values().shape[-1]
     responses = data["responses"]
     topk = {"token_ids": responses.to_padded_tensor(0) if responses.is_nested else responses,

@@ -1,0 +1,249 @@
+"""mu's top-K from verl's vLLM rollout to the actor: `python -m gppo.integrations.verl_topk`, verl's
+main_ppo for the loss modes whose estimator reads mu's top-K (docs/verl.md, "Top-K and nucleus
+estimators").
+
+verl 0.9.1's vLLM server keeps only the sampled token's log-prob. For a gppo loss mode that needs
+mu's top-K (gppo_dppo_topk_tv / _kl, gppo_cppo, any mode with estimator topk or topp), this launcher
+runs verl's main_ppo (v1 trainer) with three of verl's classes extended, each where verl builds it:
+- the vLLM server (`verl_topk_server.TopKvLLMHttpServer`, through verl's rollout-replica registry
+  in the task-runner process) asks vLLM for `logprobs=K` on the requests that carry TOPK_REQUEST
+  and returns mu's K ids and log-probs of every generated token in `TokenOutput.extra_fields`
+  (vLLM's logprobs_mode `processed_logprobs`: the distribution sampled, temperature and top-p applied);
+- the agent-loop worker (`TopKAgentLoopWorker`, through `rollout.agent.agent_loop_manager_class`)
+  adds TOPK_REQUEST to training requests and lays the returned top-K out as verl's teacher fields
+  ([P + R, K] per sample, entry p predicting token p + 1), which verl stores with the sample and
+  packs for the actor;
+- the trainer (`topk_trainer` over the class of `trainer.v1.trainer_mode`) sets the actor's loss
+  function to `gppo.integrations.verl.topk_ppo_loss` and flags every update
+  `distillation_use_topk`, so that verl's FSDP engine hands that loss the logits to gather pi at
+  mu's ids.
+Other loss modes run verl's main_ppo unchanged. Single-turn agent loops only: a response that
+holds tool tokens has no top-K at those positions and is refused.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import hydra
+import ray
+import torch
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+from verl.trainer.main_ppo import main as verl_main
+from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, get_trainer_cls
+from verl.utils.config import omega_conf_to_dataclass, validate_config
+from verl.utils.device import auto_set_device
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+import gppo
+from gppo.integrations.verl import MODES, TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, topk_ppo_loss
+from gppo.integrations.vllm_topk import TOPK_IDS_FIELD, TOPK_LOGPROBS_FIELD, TOPK_REQUEST
+
+VLLM_DEFAULT_MAX_LOGPROBS = 20  # vLLM's engine argument max_logprobs when unset: the largest K it returns
+
+
+def rollout_top_k(config: DictConfig) -> int:
+    """K of mu's top-K that the rollout must record for the actor's policy loss (0: none needed)."""
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    if policy_loss.get("loss_mode") not in MODES:
+        return 0
+    probe = OmegaConf.to_container(policy_loss, resolve=True)
+    probe["topk_source"] = "batch"  # validated as if fed, to read K; prepare_config sets it for real
+    try:
+        return omega_conf_to_dataclass(OmegaConf.create(probe)).gppo_config().rollout_top_k
+    except InstantiationException as error:  # hydra's wrapper around the plugin's own message
+        if isinstance(error.__cause__, gppo.GPPOConfigError):
+            raise error.__cause__ from None
+        raise
+
+
+def prepare_config(config: DictConfig) -> int:
+    """Set a composed main_ppo config up for mu's top-K from verl's vLLM rollout and return K; with a
+    loss mode that needs no top-K, return 0 and leave the config as it is. Refuses what the rollout
+    side cannot serve, naming the setting and its fix."""
+    k = rollout_top_k(config)
+    if not k:
+        return 0
+    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    mode = actor.policy_loss.loss_mode
+    needs = {  # setting: (value required, why)
+        "trainer.use_v1": (True, "the rollout's top-K reaches the actor through the v1 trainer's agent loop"),
+        "actor_rollout_ref.rollout.name": ("vllm", "only verl's vLLM server is extended"),
+        "actor_rollout_ref.rollout.logprobs_mode": (
+            "processed_logprobs", "mu's top-K must be of the distribution sampled (temperature and top-p applied)"),
+        "actor_rollout_ref.rollout.multi_turn.enable": (False, "tool tokens in a response have no rollout top-K"),
+        "actor_rollout_ref.rollout.disaggregation.enabled": (
+            False, "verl's prefill/decode-disaggregated replica is not extended"),
+        "distillation.enabled": (
+            False, f"mu's top-K travels in the batch under the teacher keys {TOPK_IDS_KEY} / {TOPK_LOGPROBS_KEY}"),
+    }
+    for field, (needed, why) in needs.items():
+        value = OmegaConf.select(config, field, default=False if needed is False else None,
+                                 throw_on_missing=False)
+        if value != needed:
+            raise gppo.GPPOConfigError(
+                f"{field}={value!r}: loss_mode={mode!r} needs mu's top-K (K={k}) from the rollout, and "
+                f"{why}; set {field}={needed!r} or use a loss mode without a top-K estimator "
+                "(e.g. gppo_dppo_binary_kl) with verl's own main_ppo")
+    if actor.policy_loss.get("topk_source") not in (None, "batch"):
+        raise gppo.GPPOConfigError(
+            f"policy_loss.topk_source={actor.policy_loss.topk_source!r}: this launcher puts mu's top-K "
+            "in the batch (topk_source=batch); leave it null")
+    manager = f"{__name__}.{TopKAgentLoopManager.__qualname__}"
+    chosen = rollout.get("agent", {}).get("agent_loop_manager_class")
+    if chosen not in (None, manager):
+        raise gppo.GPPOConfigError(
+            f"actor_rollout_ref.rollout.agent.agent_loop_manager_class={chosen!r}: the rollout's top-K "
+            f"needs gppo's agent-loop manager ({manager}); leave the setting null")
+    vllm_kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
+    max_logprobs = vllm_kwargs.get("max_logprobs")
+    if max_logprobs is not None and max_logprobs < k:
+        raise gppo.GPPOConfigError(
+            f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={max_logprobs} is below the "
+            f"K={k} that loss_mode={mode!r} reads; set it to {k} or more (or leave it unset)")
+    with open_dict(config):
+        actor.policy_loss.topk_source = "batch"
+        rollout.agent.agent_loop_manager_class = manager
+        if max_logprobs is None and k > VLLM_DEFAULT_MAX_LOGPROBS:
+            rollout.engine_kwargs.vllm.max_logprobs = k
+    return k
+
+
+def teacher_layout(prompt_length: int, response_mask: list[int], topk_ids: list[list[int]],
+                   topk_logprobs: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample's mu top-K as verl's teacher fields: [P + R, K] ids (int32) and log-probs (float32),
+    entry p holding the distribution that predicts token p + 1, so the response's t-th token's top-K
+    sits at P - 1 + t; the other entries (the prompt's, the last) hold id 0 and log-prob 0, which the
+    loss never reads (response_mask)."""
+    length = len(response_mask)
+    if not all(response_mask):
+        raise gppo.GPPOInputError(
+            f"the response holds {length - sum(response_mask)} tokens the model did not generate (tool "
+            "output): the rollout records no top-K there. gppo's top-K rollout supports single-turn agent "
+            "loops (agent_name single_turn_agent)")
+    if len(topk_ids) < length:
+        raise gppo.GPPOInputError(
+            f"the rollout recorded mu's top-K for {len(topk_ids)} tokens of a {length}-token response; "
+            "every generated token needs one (a request resumed after an abort, as in partial rollouts, "
+            "is not supported)")
+    k = len(topk_ids[0]) if topk_ids else 0
+    ids = torch.zeros(prompt_length + length, k, dtype=torch.int32)
+    logprobs = torch.zeros(prompt_length + length, k, dtype=torch.float32)
+    if length:
+        ids[prompt_length - 1:prompt_length - 1 + length] = torch.tensor(topk_ids[:length], dtype=torch.int32)
+        logprobs[prompt_length - 1:prompt_length - 1 + length] = torch.tensor(topk_logprobs[:length])
+    return ids, logprobs
+
+
+def _load_topk_replica():
+    from gppo.integrations.verl_topk_server import TopKvLLMReplica
+
+    return TopKvLLMReplica
+
+
+# -- the agent loop's side ---------------------------------------------------------------------------------
+
+
+@ray.remote
+class TopKAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
+    """verl's v1 agent-loop worker that asks the rollout for mu's top-K on training requests and
+    stores it with each sample as the teacher fields (`teacher_layout`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rollout_top_k = rollout_top_k(self.config)
+
+    async def _run_agent_loop(self, sampling_params, trajectory, **kwargs):
+        if not trajectory["validate"]:
+            sampling_params = {**sampling_params, TOPK_REQUEST: self.rollout_top_k}
+        return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+
+    async def _compute_teacher_logprobs(self, output, prompt_ids, response_ids, validate, sample_kwargs=None):
+        ids = output.extra_fields.pop(TOPK_IDS_FIELD, None)
+        logprobs = output.extra_fields.pop(TOPK_LOGPROBS_FIELD, None)
+        if validate:
+            return
+        if ids is None:
+            raise gppo.GPPOInputError(
+                "the agent loop's output carries no rollout top-K: an agent loop must pass its "
+                "sampling_params to server_manager.generate unchanged and keep the TokenOutput's "
+                f"extra_fields ({TOPK_IDS_FIELD}, {TOPK_LOGPROBS_FIELD}); verl's single_turn_agent does")
+        output.extra_fields[TOPK_IDS_KEY], output.extra_fields[TOPK_LOGPROBS_KEY] = teacher_layout(
+            len(prompt_ids), output.response_mask, ids, logprobs)
+
+
+class TopKAgentLoopManager(AgentLoopManagerTQ):
+    """verl's v1 agent-loop manager with TopKAgentLoopWorker workers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.agent_loop_workers_class = TopKAgentLoopWorker
+
+
+# -- the trainer's side ------------------------------------------------------------------------------------
+
+
+class TopKUpdates:
+    """The actor's worker group, with each update flagged `distillation_use_topk`: verl's FSDP engine
+    then calls the loss function (topk_ppo_loss) on the logits first, to gather pi at mu's ids."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+    def update_actor(self, batch):
+        batch.extra_info["distillation_use_topk"] = True
+        return self._group.update_actor(batch)
+
+
+def topk_trainer(base: type) -> type:
+    """A verl v1 trainer class whose actor trains with topk_ppo_loss on the rollout's top-K."""
+
+    class TopKTrainer(base):
+        def init(self):
+            super().init()
+            actor = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+            self.actor_rollout_wg.set_loss_fn(partial(topk_ppo_loss, config=actor))
+            self.actor_rollout_wg = TopKUpdates(self.actor_rollout_wg)
+
+    TopKTrainer.__name__ = TopKTrainer.__qualname__ = f"TopK{base.__name__}"
+    return TopKTrainer
+
+
+def install(config: DictConfig) -> None:
+    """In this process (the task runner's), make verl build vLLM replicas that record mu's top-K and
+    the trainer of `trainer.v1.trainer_mode` with the top-K loss."""
+    RolloutReplicaRegistry.register("vllm", _load_topk_replica)
+    mode = config.trainer.v1.trainer_mode
+    TRAINER_REGISTRY[mode] = topk_trainer(get_trainer_cls(mode))
+
+
+@ray.remote
+class TopKTaskRunner(TaskRunnerV1.__ray_actor_class__):
+    """verl's v1 task runner, with the top-K pieces installed in its process first."""
+
+    def run(self, config: DictConfig):
+        install(config)
+        return super().run(config)
+
+
+@hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    """verl's main_ppo (same config, same overrides), with mu's top-K recorded at rollout when the
+    gppo loss mode needs it; otherwise verl's main_ppo itself."""
+    if not prepare_config(config):
+        return verl_main.__wrapped__(config)  # the function under verl's own hydra.main
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config),
+                    use_critic=need_critic(config))
+    run_ppo(config, task_runner_class=TopKTaskRunner)
+
+
+if __name__ == "__main__":
+    main()

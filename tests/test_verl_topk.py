@@ -1,0 +1,262 @@
+"""The rollout side of the top-K estimators in verl (gppo.integrations.verl_topk), against verl 0.9.1's
+own classes where they run on CPU.
+
+- Config: `prepare_config` on the composed example config sets the run up (K from the preset, the
+  agent-loop manager, topk_source) so that verl's own validate_config passes, leaves other modes
+  alone and refuses each setting the rollout side cannot serve.
+- Agent loop: `TopKAgentLoopWorker` on verl's AgentLoopOutput; its teacher fields, padded by verl's
+  own `_pad_teacher_outputs`, equal the [B, S, K] batch that tests/test_verl_engine.py trains
+  through verl's FSDP engine and checks against gppo.policy_loss (so the chain's layout is the
+  one proven there).
+- Trainer: verl's real `PPOTrainerSync._update_actor` under `topk_trainer` hands the actor an update
+  flagged distillation_use_topk; `init` sets topk_ppo_loss as the actor's loss function; `install`
+  registers the replica and the trainer.
+- Launcher: `main` takes main_ppo's arguments; a top-K mode runs with TopKTaskRunner, another goes to
+  verl's main_ppo itself.
+The server side is in tests/test_vllm_topk.py (stand-ins) and tests/test_verl_vllm_server.py (verl's
+server on vLLM's CPU build).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+for _module in ("verl", "hydra", "transfer_queue", "torchdata"):  # verl's v1 trainer imports the last two
+    pytest.importorskip(_module)
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
+from verl.trainer.ppo.utils import need_critic, need_reference_policy  # noqa: E402
+from verl.utils.config import validate_config  # noqa: E402
+
+import gppo  # noqa: E402
+from gppo.integrations import verl_topk, vllm_topk  # noqa: E402
+from gppo.integrations.verl import TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, topk_ppo_loss  # noqa: E402
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "examples" / "verl" / "config")
+
+
+def compose_example(*overrides):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return compose(config_name="gppo_trainer", overrides=[
+            "hydra.searchpath=[pkg://verl.trainer.config]", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            *overrides])
+
+
+TOPK_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_topk_kl"
+VLLM = "actor_rollout_ref.rollout.name=vllm"
+
+
+# ---- config ----
+
+def test_prepare_config_sets_a_topk_run_up_that_verl_validates(micro_model):
+    cfg = compose_example(VLLM, TOPK_MODE, "algorithm.adv_estimator=grpo",
+                          f"actor_rollout_ref.model.path={micro_model}",
+                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1")
+    assert verl_topk.prepare_config(cfg) == gppo.preset("dppo-topk-kl").top_k == 20
+    assert cfg.actor_rollout_ref.actor.policy_loss.topk_source == "batch"
+    assert cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class == (
+        "gppo.integrations.verl_topk.TopKAgentLoopManager")
+    assert "max_logprobs" not in cfg.actor_rollout_ref.rollout.engine_kwargs.vllm  # vLLM's default 20 suffices
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+    cfg = compose_example(VLLM, TOPK_MODE, "actor_rollout_ref.actor.policy_loss.top_k=32")
+    assert verl_topk.prepare_config(cfg) == 32
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs == 32
+
+
+def test_prepare_config_leaves_modes_without_topk_alone():
+    for overrides in [(), ("actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_binary_tv",),
+                      ("actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig",
+                       "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla")]:
+        cfg = compose_example(*overrides)
+        before = str(cfg)
+        assert verl_topk.prepare_config(cfg) == 0
+        assert str(cfg) == before
+
+
+@pytest.mark.parametrize("override, field", [
+    ("trainer.use_v1=false", "trainer.use_v1"),
+    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name='sglang'"),
+    ("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "actor_rollout_ref.rollout.logprobs_mode"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.enable"),
+    ("distillation.enabled=true", "distillation.enabled"),
+    ("+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my.Manager",
+     "agent_loop_manager_class='my.Manager'"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=10", "max_logprobs=10"),
+])
+def test_prepare_config_refuses_what_the_rollout_side_cannot_serve(override, field):
+    cfg = compose_example(VLLM, TOPK_MODE, override)
+    with pytest.raises(gppo.GPPOConfigError, match=field.replace(".", r"\.")):
+        verl_topk.prepare_config(cfg)
+
+
+# ---- the agent loop's side ----
+
+def agent_loop_worker(config):
+    """A TopKAgentLoopWorker without its Ray actor and TransferQueue client (only the methods under test)."""
+    worker_class = verl_topk.TopKAgentLoopWorker.__ray_actor_class__
+    worker = worker_class.__new__(worker_class)
+    worker.config = config
+    worker.rollout_top_k = verl_topk.rollout_top_k(config)
+    return worker
+
+
+def agent_loop_output(prompt_ids, response_ids, topk_ids, topk_logprobs, response_mask=None):
+    return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response_ids,
+                           response_mask=response_mask or [1] * len(response_ids),
+                           metrics=AgentLoopMetrics(),
+                           extra_fields={vllm_topk.TOPK_IDS_FIELD: topk_ids,
+                                         vllm_topk.TOPK_LOGPROBS_FIELD: topk_logprobs, "turn_scores": []})
+
+
+def test_agent_loop_fields_padded_by_verl_equal_the_batch_the_engine_test_trains(micro_model):
+    from verl.experimental.teacher_loop.teacher_manager import _pad_teacher_outputs
+
+    from tests.test_verl_engine import PROMPT_LEN, RESPONSE_LEN, make_batch
+
+    batch = make_batch(micro_model)
+    worker = agent_loop_worker(compose_example(VLLM, TOPK_MODE))
+    rows_ids, rows_logp = [], []
+    for i in range(len(batch["prompts"])):
+        prompt_mask, response_mask = batch["attention_mask"][i, :PROMPT_LEN].bool(), batch["response_mask"][i].bool()
+        prompt, response = batch["prompts"][i][prompt_mask].tolist(), batch["responses"][i][response_mask].tolist()
+        length = len(response)
+        output = agent_loop_output(prompt, response, batch["mu_topk_ids"][i, :length].tolist(),
+                                   batch["mu_topk_logp"][i, :length].tolist())
+        asyncio.run(worker._compute_teacher_logprobs(output, prompt, response, validate=False))
+        fields = output.as_dict()  # verl's: moves the teacher fields out of extra_fields
+        assert vllm_topk.TOPK_IDS_FIELD not in fields["extra_fields"]
+        ids, logp = _pad_teacher_outputs(fields[TOPK_IDS_KEY], fields[TOPK_LOGPROBS_KEY], prompt_width=PROMPT_LEN,
+                                         response_width=RESPONSE_LEN, prompt_length=len(prompt),
+                                         response_length=length, pad_token_id=0)
+        rows_ids.append(ids)
+        rows_logp.append(logp)
+    assert torch.equal(torch.cat(rows_ids).long(), batch[TOPK_IDS_KEY])
+    assert torch.equal(torch.cat(rows_logp), batch[TOPK_LOGPROBS_KEY])
+
+
+def test_agent_loop_asks_for_topk_on_training_requests_only(monkeypatch):
+    seen = []
+
+    async def base_run(self, sampling_params, trajectory, **kwargs):
+        seen.append(sampling_params)
+
+    monkeypatch.setattr(verl_topk.AgentLoopWorkerTQ.__ray_actor_class__, "_run_agent_loop", base_run)
+    worker = agent_loop_worker(compose_example(VLLM, TOPK_MODE, "actor_rollout_ref.actor.policy_loss.top_k=7"))
+    params = {"temperature": 1.0, "logprobs": True}
+    for validate in (False, True):
+        asyncio.run(worker._run_agent_loop(params, {"validate": validate}, agent_name="single_turn_agent"))
+    assert seen == [{**params, vllm_topk.TOPK_REQUEST: 7}, params]
+
+    output = agent_loop_output([5, 6], [7], [[1, 2]], [[-0.1, -0.2]])
+    asyncio.run(worker._compute_teacher_logprobs(output, [5, 6], [7], validate=True))
+    assert set(output.extra_fields) == {"turn_scores"}  # validation stores no top-K
+
+
+def test_agent_loop_refuses_responses_without_a_topk_per_token():
+    worker = agent_loop_worker(compose_example(VLLM, TOPK_MODE))
+    tool = agent_loop_output([5], [7, 8, 9], [[1]] * 3, [[-0.1]] * 3, response_mask=[1, 0, 1])
+    with pytest.raises(gppo.GPPOInputError, match="single-turn"):
+        asyncio.run(worker._compute_teacher_logprobs(tool, [5], [7, 8, 9], validate=False))
+    short = agent_loop_output([5], [7, 8], [[1]], [[-0.1]])
+    with pytest.raises(gppo.GPPOInputError, match="top-K for 1 tokens of a 2-token response"):
+        asyncio.run(worker._compute_teacher_logprobs(short, [5], [7, 8], validate=False))
+    missing = agent_loop_output([5], [7], [[1]], [[-0.1]])
+    missing.extra_fields.clear()
+    with pytest.raises(gppo.GPPOInputError, match="sampling_params"):
+        asyncio.run(worker._compute_teacher_logprobs(missing, [5], [7], validate=False))
+
+
+# ---- the trainer's side ----
+
+class StopAfterUpdate(Exception):
+    pass
+
+
+class RecordingGroup:
+    """The actor worker group's two calls the trainer makes here."""
+
+    def __init__(self):
+        self.loss_fn, self.extra_info = None, None
+
+    def set_loss_fn(self, loss_fn):
+        self.loss_fn = loss_fn
+
+    def update_actor(self, batch):
+        self.extra_info = dict(batch.extra_info)
+        raise StopAfterUpdate
+
+
+def test_trainer_flags_verl_own_update_and_sets_the_topk_loss():
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    cfg = compose_example(VLLM, TOPK_MODE)
+    verl_topk.prepare_config(cfg)
+    group = RecordingGroup()
+
+    class Initialised(PPOTrainerSync):
+        def init(self):  # verl's init builds the worker groups; here only the actor's, recorded
+            self.actor_rollout_wg = group
+
+    trainer_cls = verl_topk.topk_trainer(Initialised)
+    trainer = trainer_cls.__new__(trainer_cls)
+    trainer.config = cfg
+    trainer.init()
+    assert group.loss_fn.func is topk_ppo_loss
+    assert group.loss_fn.keywords["config"].policy_loss.loss_mode == "gppo_dppo_topk_kl"
+    assert isinstance(trainer.actor_rollout_wg, verl_topk.TopKUpdates)
+
+    batch = namedtuple("Batch", "extra_info")({})
+    with pytest.raises(StopAfterUpdate):
+        trainer._update_actor(batch, {})  # verl's own, which sets distillation_use_topk=False
+    assert group.extra_info["distillation_use_topk"] is True
+    assert group.extra_info["distillation_only"] is False
+
+
+def test_install_registers_the_topk_replica_and_trainer(monkeypatch):
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    monkeypatch.setattr(RolloutReplicaRegistry, "_registry", dict(RolloutReplicaRegistry._registry))
+    monkeypatch.setitem(TRAINER_REGISTRY, "sync", TRAINER_REGISTRY["sync"])
+    verl_topk.install(compose_example(VLLM, TOPK_MODE))
+    assert RolloutReplicaRegistry._registry["vllm"] is verl_topk._load_topk_replica
+    assert issubclass(TRAINER_REGISTRY["sync"], PPOTrainerSync)
+    assert TRAINER_REGISTRY["sync"].__name__ == "TopKPPOTrainerSync"
+
+
+# ---- the launcher ----
+
+@pytest.mark.parametrize("mode, topk", [("gppo_dppo_topk_kl", True), ("gppo_dppo_binary_kl", False)])
+def test_launcher_takes_main_ppo_arguments_and_picks_the_task_runner(micro_model, tmp_path, monkeypatch, mode, topk):
+    """`python -m gppo.integrations.verl_topk <main_ppo's arguments>`: a top-K mode is prepared,
+    validated by verl and run with TopKTaskRunner; another mode goes to verl's main_ppo itself."""
+    import sys
+    from types import SimpleNamespace
+
+    runs = []
+    def run_ppo(config, task_runner_class):
+        runs.append((config, task_runner_class))
+
+    monkeypatch.setattr(verl_topk, "run_ppo", run_ppo)
+    verl_main = SimpleNamespace(__wrapped__=lambda config: runs.append((config, "verl")))
+    monkeypatch.setattr(verl_topk, "verl_main", verl_main)
+    monkeypatch.chdir(tmp_path)  # hydra's output folder
+    monkeypatch.setattr(sys, "argv", [
+        "verl_topk", f"--config-dir={CONFIG_DIR}", "--config-name=gppo_trainer", VLLM,
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", "algorithm.adv_estimator=grpo",
+        f"actor_rollout_ref.model.path={micro_model}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"])
+    verl_topk.main()
+    (config, runner), = runs
+    assert runner is (verl_topk.TopKTaskRunner if topk else "verl")
+    assert config.actor_rollout_ref.actor.policy_loss.topk_source == ("batch" if topk else None)

