@@ -18,10 +18,11 @@
 #   vllm-bf16       gppo train --model smollm2 --engine vllm, 2 steps, bfloat16 rollouts of a
 #                   float32 policy: mismatch KL (k3) and max |p_vllm - p_policy| of the last update
 #   vllm-fp16       the same with float16 rollouts (float16 against bfloat16: compare the two rows)
-#   verl-main-ppo   verl's main_ppo, 2 steps, SmolLM2, vLLM rollouts, one GPU, loss_mode
-#                   $VERL_LOSS_MODE (default gppo_dppo_binary_kl). gppo_dppo_topk_kl is refused by the
-#                   plugin at start-up: verl 0.9.1 passes a policy loss no top-K (docs/verl.md); the
-#                   row runs the binary estimator until the top-K carriage exists.
+#   verl-main-ppo   verl's main_ppo through `python -m gppo.integrations.verl_topk`, 2 steps, SmolLM2,
+#                   vLLM rollouts recording mu's top-K, one GPU, loss_mode $VERL_LOSS_MODE (default
+#                   gppo_dppo_topk_kl); the row passes when the last step's gppo/masked_frac lies in
+#                   [0, 1) and gppo/divergence/mean is finite (--cpu: the launcher's config set-up
+#                   and verl's validate_config only).
 #
 # Logs and run folders: $GPU_CHECK_DIR (default /tmp/gppo-gpu-check). Each row has a time limit;
 # a row that fails prints FAIL and the log to read; the script still prints the whole table.
@@ -37,7 +38,7 @@ case "${1:-}" in
 esac
 PY=${PYTHON:-python3}
 DIR=${GPU_CHECK_DIR:-/tmp/gppo-gpu-check}
-VERL_LOSS_MODE=${VERL_LOSS_MODE:-gppo_dppo_binary_kl}
+VERL_LOSS_MODE=${VERL_LOSS_MODE:-gppo_dppo_topk_kl}
 mkdir -p "$DIR"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 ROWS=()
@@ -96,9 +97,22 @@ print(f"steps {len([r for r in rows if 'mismatch/kl_k3' in r])}, kl_k3 {last['mi
 EOF
 }
 
-verl_summary() {  # the last step's loss and reward as verl's console logger prints them
-  grep -oE "step:[0-9]+ .*" "$1" | tail -1 | grep -oE "(step:[0-9]+|actor/pg_loss:[-0-9.e]+|critic/score/mean:[-0-9.e]+)" \
-    | tr '\n' ' '
+verl_summary() {  # the last step's loss, reward and gppo metrics as verl's console logger prints them
+  grep -oE "step:[0-9]+ .*" "$1" | tail -1 \
+    | grep -oE "(step:[0-9]+|actor/pg_loss:[-0-9.e]+|critic/score/mean:[-0-9.e]+)" | tr '\n' ' '
+}
+verl_topk_run() {  # the 2-step run, then its checks on the last step's gppo metrics
+  local log="$DIR/verl-run.log"
+  timeout 420 "$@" >"$log" 2>&1 || { tail -50 "$log"; return 1; }
+  verl_summary "$log"
+  "$PY" - "$log" <<'EOF'
+import math, re, sys
+last = re.findall(r"step:\d+ .*", open(sys.argv[1]).read())[-1]
+get = lambda key: float(re.search(re.escape(key) + r":([^ ,]+)", last).group(1))
+masked, divergence = get("gppo/masked_frac"), get("gppo/divergence/mean")  # verl prefixes actor/
+assert 0 <= masked < 1 and math.isfinite(divergence), (masked, divergence)
+print(f"checks ok: masked_frac {masked:.3f}, divergence/mean {divergence:.2e}")
+EOF
 }
 
 # ---- 1. float32 numerics on CUDA
@@ -191,6 +205,7 @@ from hydra import compose, initialize_config_dir
 from pathlib import Path
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
+from gppo.integrations.verl_topk import prepare_config
 args = sys.argv[1:]
 config_dir = Path([a.split("=", 1)[1] for a in args if a.startswith("--config-dir=")][0]).resolve()
 name = [a.split("=", 1)[1] for a in args if a.startswith("--config-name=")][0]
@@ -198,10 +213,12 @@ overrides = ["hydra.searchpath=[pkg://verl.trainer.config]", "actor_rollout_ref.
              *[a for a in args if not a.startswith("--")]]
 with initialize_config_dir(config_dir=str(config_dir), version_base=None):
     cfg = compose(config_name=name, overrides=overrides)
+k = prepare_config(cfg)  # what `python -m gppo.integrations.verl_topk` does before verl's validation
 validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
 actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 point = actor.policy_loss.gppo_config(actor.loss_agg_mode)
-print(f"verl validate_config ok: {actor.policy_loss.loss_mode} = {point.divergence}/{point.estimator}/{point.rule}")
+print(f"verl validate_config ok: {actor.policy_loss.loss_mode} = {point.divergence}/{point.estimator}/{point.rule}, "
+      f"rollout top-K {k}")
 EOF
 }
 if ! has verl; then
@@ -221,7 +238,7 @@ else
     SMOL_DIR=$("$PY" -c "from gppo.rollout.vllm import vllm_model_dir; print(vllm_model_dir('smollm2'))")
     verl_data >/dev/null
   fi
-  row verl-main-ppo 420 verl_summary "$PY" -m verl.trainer.main_ppo "${VERL_ARGS[@]}" \
+  row verl-main-ppo 430 "tail -1" verl_topk_run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
     "actor_rollout_ref.model.path=$SMOL_DIR"
 fi
 
