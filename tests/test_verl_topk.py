@@ -85,6 +85,8 @@ def test_prepare_config_leaves_modes_without_topk_alone():
     ("trainer.use_v1=false", "trainer.use_v1"),
     ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name='sglang'"),
     ("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "actor_rollout_ref.rollout.logprobs_mode"),
+    ("actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_p=0.9"),
+    ("actor_rollout_ref.rollout.top_k=50", "actor_rollout_ref.rollout.top_k=50"),
     ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.enable"),
     ("distillation.enabled=true", "distillation.enabled"),
     ("+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my.Manager",

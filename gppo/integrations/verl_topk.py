@@ -8,7 +8,7 @@ runs verl's main_ppo (v1 trainer) with three of verl's classes extended, each wh
 - the vLLM server (`verl_topk_server.TopKvLLMHttpServer`, through verl's rollout-replica registry
   in the task-runner process) asks vLLM for `logprobs=K` on the requests that carry TOPK_REQUEST
   and returns mu's K ids and log-probs of every generated token in `TokenOutput.extra_fields`
-  (vLLM's logprobs_mode `processed_logprobs`: the distribution sampled, temperature and top-p applied);
+  (vLLM's logprobs_mode `processed_logprobs`: the distribution sampled, temperature applied);
 - the agent-loop worker (`TopKAgentLoopWorker`, through `rollout.agent.agent_loop_manager_class`)
   adds TOPK_REQUEST to training requests and lays the returned top-K out as verl's teacher fields
   ([P + R, K] per sample, entry p predicting token p + 1), which verl stores with the sample and
@@ -70,24 +70,28 @@ def prepare_config(config: DictConfig) -> int:
         return 0
     rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
     mode = actor.policy_loss.loss_mode
-    needs = {  # setting: (value required, why)
-        "trainer.use_v1": (True, "the rollout's top-K reaches the actor through the v1 trainer's agent loop"),
-        "actor_rollout_ref.rollout.name": ("vllm", "only verl's vLLM server is extended"),
+    needs = {  # setting: (the values it may take, why)
+        "trainer.use_v1": ((True,), "the rollout's top-K reaches the actor through the v1 trainer's agent loop"),
+        "actor_rollout_ref.rollout.name": (("vllm",), "only verl's vLLM server is extended"),
         "actor_rollout_ref.rollout.logprobs_mode": (
-            "processed_logprobs", "mu's top-K must be of the distribution sampled (temperature and top-p applied)"),
-        "actor_rollout_ref.rollout.multi_turn.enable": (False, "tool tokens in a response have no rollout top-K"),
+            ("processed_logprobs",), "mu's top-K must be of the distribution sampled (temperature applied)"),
+        "actor_rollout_ref.rollout.top_p": (
+            (1,), "a top-p rollout's mu is 0 outside the nucleus while verl scores pi on the whole vocabulary"),
+        "actor_rollout_ref.rollout.top_k": (
+            (-1, 0), "a top-k rollout's mu is 0 outside it while verl scores pi on the whole vocabulary"),
+        "actor_rollout_ref.rollout.multi_turn.enable": ((False,), "tool tokens in a response have no rollout top-K"),
         "actor_rollout_ref.rollout.disaggregation.enabled": (
-            False, "verl's prefill/decode-disaggregated replica is not extended"),
+            (False,), "verl's prefill/decode-disaggregated replica is not extended"),
         "distillation.enabled": (
-            False, f"mu's top-K travels in the batch under the teacher keys {TOPK_IDS_KEY} / {TOPK_LOGPROBS_KEY}"),
+            (False,), f"mu's top-K travels in the batch under the teacher keys {TOPK_IDS_KEY} / {TOPK_LOGPROBS_KEY}"),
     }
-    for field, (needed, why) in needs.items():
-        value = OmegaConf.select(config, field, default=False if needed is False else None,
+    for field, (allowed, why) in needs.items():
+        value = OmegaConf.select(config, field, default=allowed[0] if allowed[0] is False else None,
                                  throw_on_missing=False)
-        if value != needed:
+        if value not in allowed:
             raise gppo.GPPOConfigError(
                 f"{field}={value!r}: loss_mode={mode!r} needs mu's top-K (K={k}) from the rollout, and "
-                f"{why}; set {field}={needed!r} or use a loss mode without a top-K estimator "
+                f"{why}; set {field}={allowed[0]!r} or use a loss mode without a top-K estimator "
                 "(e.g. gppo_dppo_binary_kl) with verl's own main_ppo")
     if actor.policy_loss.get("topk_source") not in (None, "batch"):
         raise gppo.GPPOConfigError(
