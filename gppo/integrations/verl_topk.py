@@ -191,19 +191,18 @@ class TopKAgentLoopManager(AgentLoopManagerTQ):
 # -- the trainer's side ------------------------------------------------------------------------------------
 
 
-class TopKUpdates:
-    """The actor's worker group, with each update flagged `distillation_use_topk`: verl's FSDP engine
-    then calls the loss function (topk_ppo_loss) on the logits first, to gather pi at mu's ids."""
+def flag_topk_updates(group) -> None:
+    """Make the actor worker group's update_actor flag each batch `distillation_use_topk`: verl's FSDP
+    engine then calls the loss function (topk_ppo_loss) on the logits first, to gather pi at mu's ids.
+    The method is replaced on the group itself (verl binds its worker methods there), so the group
+    keeps its identity wherever verl compares it (a hybrid engine's reference shares it)."""
+    update = group.update_actor
 
-    def __init__(self, group):
-        self._group = group
-
-    def __getattr__(self, name):
-        return getattr(self._group, name)
-
-    def update_actor(self, batch):
+    def update_actor(batch):
         batch.extra_info["distillation_use_topk"] = True
-        return self._group.update_actor(batch)
+        return update(batch)
+
+    group.update_actor = update_actor
 
 
 def topk_trainer(base: type) -> type:
@@ -214,7 +213,7 @@ def topk_trainer(base: type) -> type:
             super().init()
             actor = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
             self.actor_rollout_wg.set_loss_fn(partial(topk_ppo_loss, config=actor))
-            self.actor_rollout_wg = TopKUpdates(self.actor_rollout_wg)
+            flag_topk_updates(self.actor_rollout_wg)
 
     TopKTrainer.__name__ = TopKTrainer.__qualname__ = f"TopK{base.__name__}"
     return TopKTrainer
