@@ -7,6 +7,7 @@ with K ids and log-probs per generated token that are log_softmax(logits / 0.7) 
 model at those ids, and are its K most probable (up to float noise); the sampled token's log-probs
 are the same forward's; a concurrent request without TOPK_REQUEST comes back as verl returns it.
 Only the server object is built by hand (no Ray actor, no HTTP app: the attributes `generate` reads).
+The launcher's `install` makes verl's replica lookup build replicas that serve with this class.
 
 Runs where vLLM and verl are both installed (CI's vLLM stage adds verl without its dependencies:
 verl 0.9.1 pins transformers <5.11, vLLM's CPU build needs >=5.16.1, and the server module imports
@@ -111,3 +112,23 @@ def test_verl_server_returns_mu_topk_of_the_sampled_distribution(model_dir, monk
     assert (logprobs[:, -1] >= kth_largest[:, K] - 2e-4).all()  # nothing outside is more probable
     sampled = log_mu.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(with_topk.log_probs), sampled, atol=2e-4, rtol=0)
+
+
+def test_the_launcher_makes_verl_build_replicas_with_this_server(monkeypatch):
+    """After the launcher's `install` (in verl's task-runner process), verl's replica lookup for
+    rollout.name=vllm gives gppo's replica, whose Ray server class is TopKvLLMHttpServer."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.replica import RolloutReplicaRegistry, get_rollout_replica_class
+
+    from gppo.integrations import verl_topk
+
+    server_class = import_server()
+    monkeypatch.setattr(RolloutReplicaRegistry, "_registry", dict(RolloutReplicaRegistry._registry))
+    monkeypatch.setitem(TRAINER_REGISTRY, "sync", TRAINER_REGISTRY["sync"])
+    verl_topk.install(OmegaConf.create({"trainer": {"v1": {"trainer_mode": "sync"}}}))
+    replica = get_rollout_replica_class("vllm")(
+        replica_rank=0, config=RolloutConfig(name="vllm", prompt_length=32, response_length=16, max_model_len=256),
+        model_config=OmegaConf.create({}), gpus_per_node=1)
+    assert replica.server_class.__ray_actor_class__ is server_class
