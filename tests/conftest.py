@@ -11,16 +11,20 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ.get("GPPO_TEST_THREADS", "2")))
 
 
+def save_embedded_model(path, hidden: int = 32, heads: int = 2):
+    """Save a 1-layer embedded Qwen2 of this width with the character tokenizer to `path`."""
+    from gppo.models.embedded import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0, hidden=hidden, layers=1, heads=heads).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def micro_model(tmp_path_factory):
     """A saved 1-layer, 32-wide embedded Qwen2 with the character tokenizer (seconds to train on)."""
-    from gppo.models.embedded import build_model, build_tokenizer
-
-    path = tmp_path_factory.mktemp("micro")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_embedded_model(tmp_path_factory.mktemp("micro"))
 
 
 @pytest.fixture(scope="session")

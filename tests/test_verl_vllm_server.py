@@ -47,14 +47,10 @@ def import_server():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The embedded Qwen2 at a head size vLLM's CPU attention supports (64)."""
-    from gppo.models.embedded import build_model, build_tokenizer
+    """The embedded Qwen2 at a head size vLLM's CPU attention supports (64; the micro model's 16 is not)."""
+    from tests.conftest import save_embedded_model
 
-    path = tmp_path_factory.mktemp("vllm_server_model")
-    tokenizer = build_tokenizer()
-    build_model(tokenizer, seed=0, hidden=128, layers=1, heads=2).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_embedded_model(tmp_path_factory.mktemp("vllm_server_model"), hidden=128, heads=2)
 
 
 def serve(model_dir, requests):
