@@ -2,7 +2,9 @@
 
 - gppo's HF engine against `transformers.generate` (same model, prompts and sampling);
 - with vLLM installed (docs/vllm.md): gppo's vLLM engine against bare vLLM given the same arguments
-  (goal: within 10 %), and against gppo's HF engine (goal: >= 3x in float32), per `--dtypes`;
+  (goal: within 10 %), and against gppo's HF engine (goal: >= 3x in float32), per `--dtypes`; bare
+  vLLM recording mu's top `--top_k` against bare vLLM returning only the sampled token's log-prob
+  (the cost of the top-K record, e.g. verl's rollout with gppo.integrations.verl_topk);
 - `--rl_step`: one RL step of `gppo train --engine vllm` on the model, split into rollout, pi_old
   (the trainer's recomputation), update (the optimizer steps) and sync (weights into vLLM).
 
@@ -42,7 +44,7 @@ from pathlib import Path
 
 HF_ENGINES = ("gppo-hf", "transformers-generate")
 VLLM_ENGINES = ("gppo-vllm", "vllm")
-VLLM_PAIR = "gppo-vllm+vllm"  # one subprocess times both, alternating (same LLM, same arguments)
+VLLM_PAIR = "gppo-vllm+vllm"  # one subprocess times the vLLM cases, alternating (same LLM, same arguments)
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana"]
 ITEMS = ["apples", "books", "marbles", "stamps", "coins", "pencils", "shells", "cards"]
 
@@ -120,14 +122,14 @@ def run_case(engine: str, model_dir: str, prompts: int, dtype: str, threads: int
                                 n=args.group, seed=seed, top_k_logprobs=args.top_k)
         return sum(len(g.completion_ids) for g in gppo_vllm.generate(batch, params))
 
-    def run_vllm(batch, new_tokens, seed):
+    def run_vllm(batch, new_tokens, seed, logprobs=args.top_k):
         """Bare `LLM.generate` on the same LLM (built with the arguments gppo gives it) with the
         per-prompt sampling arguments gppo's engine gives it: what gppo adds is the rest."""
         from vllm import SamplingParams as VSamplingParams
 
         ids = tokenizer(list(batch))["input_ids"]
         sampling = [VSamplingParams(n=args.group, temperature=args.temperature, top_p=args.top_p,
-                                    max_tokens=new_tokens, logprobs=args.top_k, seed=seed * len(ids) + i,
+                                    max_tokens=new_tokens, logprobs=logprobs, seed=seed * len(ids) + i,
                                     stop_token_ids=eos) for i in range(len(ids))]
         outputs = llm.generate([{"prompt_token_ids": x} for x in ids], sampling, use_tqdm=False)
         return sum(len(c.token_ids) for out in outputs for c in out.outputs)
@@ -151,9 +153,11 @@ def run_case(engine: str, model_dir: str, prompts: int, dtype: str, threads: int
 
     if engine == VLLM_PAIR:
         run_vllm(texts[:1], 4, seed=1)  # warm-up
-        best, tokens = {"gppo-vllm": math.inf, "vllm": math.inf}, {}
-        for _ in range(args.repeats):  # alternating, so that both see the same machine load
-            for name, run in (("gppo-vllm", run_gppo_vllm), ("vllm", run_vllm)):
+        runs = {"gppo-vllm": run_gppo_vllm, "vllm": run_vllm,
+                "vllm-logprobs0": lambda *a, **k: run_vllm(*a, **k, logprobs=0)}  # the sampled token's only
+        best, tokens = dict.fromkeys(runs, math.inf), {}
+        for _ in range(args.repeats):  # alternating, so that all see the same machine load
+            for name, run in runs.items():
                 start = time.perf_counter()
                 tokens[name] = run(texts, args.new_tokens, seed=0)
                 best[name] = min(best[name], time.perf_counter() - start)
@@ -301,10 +305,10 @@ def main() -> None:
                         print(f"{prompts:>7} {r['sequences']:>5} {threads:>3} {r['engine']:<22} {dtype:<9} "
                               f"{r['tokens']:>7} {r['seconds']:>8.1f} {r['tokens_per_s']:>7.1f} {r['peak_mb']:>8.0f}",
                               flush=True)
-                print_ratios(results, prompts, threads, args.group)
+                print_ratios(results, prompts, threads, args.group, args.top_k)
 
 
-def print_ratios(results: dict, prompts: int, threads: int, group: int) -> None:
+def print_ratios(results: dict, prompts: int, threads: int, group: int, top_k: int) -> None:
     """tokens/s ratios of the cases measured together."""
     def speed(engine, dtype="float32"):
         return results[engine, dtype]["tokens_per_s"] if (engine, dtype) in results else None
@@ -312,7 +316,9 @@ def print_ratios(results: dict, prompts: int, threads: int, group: int) -> None:
     pairs = [("gppo-hf / transformers-generate", speed("gppo-hf"), speed("transformers-generate"))]
     for dtype in sorted({d for _, d in results}):
         pairs += [(f"gppo-vllm / bare vllm ({dtype})", speed("gppo-vllm", dtype), speed("vllm", dtype)),
-                  (f"gppo-vllm ({dtype}) / gppo-hf (float32)", speed("gppo-vllm", dtype), speed("gppo-hf"))]
+                  (f"gppo-vllm ({dtype}) / gppo-hf (float32)", speed("gppo-vllm", dtype), speed("gppo-hf")),
+                  (f"bare vllm top-{top_k} / sampled log-prob only ({dtype})", speed("vllm", dtype),
+                   speed("vllm-logprobs0", dtype))]
     shown = [f"{name} = {a / b:.2f}" for name, a, b in pairs if a and b]
     print(f"{prompts:>7} prompts x {group}, {threads} threads: " + "; ".join(shown), flush=True)
 
