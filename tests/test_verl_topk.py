@@ -262,3 +262,16 @@ def test_launcher_takes_main_ppo_arguments_and_picks_the_task_runner(micro_model
     (config, runner), = runs
     assert runner is (verl_topk.TopKTaskRunner if topk else "verl")
     assert config.actor_rollout_ref.actor.policy_loss.topk_source == ("batch" if topk else None)
+
+
+def test_a_missing_v1_trainer_dependency_is_named_with_its_install_line():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transfer_queue'] = None  # as if not installed\n"
+            "import gppo.integrations.verl_topk")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert ("ImportError: gppo.integrations.verl_topk extends verl's v1 trainer, which imports "
+            "'transfer_queue'") in out.stderr
+    assert "pip install 'verl[verl-core]>=0.9.1,<0.10'" in out.stderr

@@ -30,18 +30,26 @@ import ray
 import torch
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
-from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
-from verl.trainer.main_ppo import main as verl_main
-from verl.trainer.ppo.utils import need_critic, need_reference_policy
-from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
-from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, get_trainer_cls
-from verl.utils.config import omega_conf_to_dataclass, validate_config
-from verl.utils.device import auto_set_device
-from verl.workers.rollout.replica import RolloutReplicaRegistry
 
 import gppo
+# first: the plugin refuses a verl outside the versions this module extends, naming the install line
 from gppo.integrations.verl import MODES, TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, topk_ppo_loss
 from gppo.integrations.vllm_topk import TOPK_IDS_FIELD, TOPK_LOGPROBS_FIELD, TOPK_REQUEST
+
+try:
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.main_ppo import main as verl_main
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, get_trainer_cls
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.utils.device import auto_set_device
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+except ModuleNotFoundError as missing:  # verl installed without its v1 trainer's dependencies
+    raise ImportError(
+        f"gppo.integrations.verl_topk extends verl's v1 trainer, which imports {missing.name!r}, not installed: "
+        "pip install 'verl[verl-core]>=0.9.1,<0.10' (TransferQueue; verl[vllm] includes it), or "
+        f"pip install {missing.name}") from missing
 
 VLLM_DEFAULT_MAX_LOGPROBS = 20  # vLLM's engine argument max_logprobs when unset: the largest K it returns
 
