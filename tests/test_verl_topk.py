@@ -275,3 +275,33 @@ def test_a_missing_v1_trainer_dependency_is_named_with_its_install_line():
     assert ("ImportError: gppo.integrations.verl_topk extends verl's v1 trainer, which imports "
             "'transfer_queue'") in out.stderr
     assert "pip install 'verl[verl-core]>=0.9.1,<0.10'" in out.stderr
+
+
+def test_run_as_a_module_names_classes_other_processes_can_import(micro_model, tmp_path):
+    """`python -m gppo.integrations.verl_topk` runs the module as __main__; the agent-loop manager
+    that verl loads by name in the task-runner process, and the task runner Ray ships there, must be
+    named by the module's import path (a CPU run of main_ppo failed on '__main__.TopKAgentLoopManager')."""
+    import subprocess
+    import sys
+
+    from verl.utils.import_utils import load_class_from_fqn
+
+    code = f"""
+import runpy, sys
+import verl.trainer.main_ppo as verl_main_ppo
+def run_ppo(config, task_runner_class):
+    print("MANAGER", config.actor_rollout_ref.rollout.agent.agent_loop_manager_class)
+    print("RUNNER", task_runner_class.__ray_actor_class__.__module__)
+verl_main_ppo.run_ppo = run_ppo
+sys.argv = ["verl_topk", "--config-dir={CONFIG_DIR}", "--config-name=gppo_trainer", "{VLLM}", "{TOPK_MODE}",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.model.path={micro_model}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]
+runpy.run_module("gppo.integrations.verl_topk", run_name="__main__")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("MANAGER", "RUNNER")))
+    assert load_class_from_fqn(lines["MANAGER"], "AgentLoopManager") is verl_topk.TopKAgentLoopManager
+    assert lines["RUNNER"] == "gppo.integrations.verl_topk"

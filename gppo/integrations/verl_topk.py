@@ -257,4 +257,8 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # through the module's import name, so that the classes Ray and verl's FQN settings name (the task
+    # runner, the agent-loop manager) resolve in the other processes, which cannot import __main__'s
+    from gppo.integrations import verl_topk
+
+    verl_topk.main()
