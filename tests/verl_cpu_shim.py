@@ -13,7 +13,8 @@ ROCm only, and registers FSDPEngineWithLMHead for the devices "cuda" and "npu". 
   which TRL 1.x no longer has, and every FSDP engine fails to build (docs/verl.md says so).
 
 Call it first in a fresh process (the test runs it in a subprocess): it changes os.environ and
-process-wide singletons. Nothing in gppo imports this module.
+process-wide singletons. tests/verl_cpu_main_ppo.py builds the whole main_ppo's CPU set-up on its
+platform. Nothing in gppo imports this module.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ class _CPUDeviceModule(types.ModuleType):
         return True
 
 
-def _cpu_platform_class():
+def cpu_platform_class(ray_resource: str = "CPU"):
+    """verl's device platform for a CPU; `ray_resource` names the Ray resource verl's placement asks
+    for per worker (main_ppo places workers on "GPU" bundles: tests/verl_cpu_main_ppo.py declares one)."""
     from verl.plugin.platform import PlatformBase
 
     class PlatformCPU(PlatformBase):
@@ -115,7 +118,7 @@ def _cpu_platform_class():
             pass
 
         def ray_resource_name(self):
-            return "CPU"
+            return ray_resource
 
         def ray_noset_envvars(self):
             return []
@@ -144,7 +147,7 @@ def install(rank: int = 0, world_size: int = 1, port: int | None = None) -> None
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     from verl.plugin.platform import set_platform
 
-    set_platform(_cpu_platform_class()())
+    set_platform(cpu_platform_class()())
     import verl.models.transformers.monkey_patch as monkey_patch
 
     monkey_patch.is_trl_available = lambda: False

