@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,20 @@ def save_embedded_model(path, hidden: int = 32, heads: int = 2):
     build_model(tokenizer, seed=0, hidden=hidden, layers=1, heads=heads).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+VERL_CONFIG_DIR = Path(__file__).resolve().parents[1] / "examples" / "verl" / "config"
+
+
+def compose_verl_example(*overrides, name="gppo_trainer"):
+    """Compose examples/verl/config/<name> as `python -m verl.trainer.main_ppo --config-dir=examples/verl/config`
+    does (verl's configs on hydra's search path), with micro-batches of 1 unless `overrides` set them."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(VERL_CONFIG_DIR), version_base=None):
+        return compose(config_name=name, overrides=["hydra.searchpath=[pkg://verl.trainer.config]",
+                                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                                                    *overrides])
 
 
 @pytest.fixture(scope="session")

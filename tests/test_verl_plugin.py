@@ -18,7 +18,6 @@ Config mapping tested here (also in docs/verl.md); float64 inputs, max abs diffs
 | gppo_icepop                                 | bypass_mode    | policy_loss.rollout_correction = verl's bypass_pg_token_icepop() |
 """
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,6 @@ import torch
 pytest.importorskip("verl")
 pytest.importorskip("hydra")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.errors import InstantiationException  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: E402
@@ -38,11 +36,11 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import gppo  # noqa: E402
 from gppo.integrations.verl import MODES, GPPOPolicyLossConfig  # noqa: E402
+from tests.conftest import VERL_CONFIG_DIR, compose_verl_example as compose_example  # noqa: E402
 
 # The sapo comparison and the caller test run presets with another aggregation on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:gppo preset .* is defined with loss_agg_mode")
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "examples" / "verl" / "config")
 
 # (verl loss_mode, verl actor settings (those of verl's PolicyLossConfig under "policy_loss"),
 # gppo loss_mode, gppo fields, loss_agg_mode, noise on log mu, metric whose value must lie
@@ -393,14 +391,6 @@ def test_aggregation_differing_from_the_preset_is_announced():
         get_policy_loss_fn("gppo_gspo")(old, logp, adv, mask, "token-mean", config)
 
 
-def compose_example(*overrides, name="gppo_trainer"):
-    """Compose as `python -m verl.trainer.main_ppo --config-dir=examples/verl/config` does."""
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose(config_name=name, overrides=["hydra.searchpath=[pkg://verl.trainer.config]",
-                                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-                                                    *overrides])
-
-
 def test_example_config_takes_plain_hydra_overrides():
     cfg = compose_example("actor_rollout_ref.actor.policy_loss.divergence=hellinger",
                           "actor_rollout_ref.actor.policy_loss.delta_high=0.2")
@@ -424,7 +414,7 @@ def test_example_config_takes_plain_hydra_overrides():
 
 def test_verl_own_config_with_command_line_overrides():
     """Without the example config: verl's ppo_trainer plus the overrides docs/verl.md lists."""
-    from hydra import initialize_config_module
+    from hydra import compose, initialize_config_module
 
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=[
@@ -461,7 +451,7 @@ def test_real_model_example_passes_verl_validation():
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    script = (Path(CONFIG_DIR).parent / "run_qwen3_1.7b_dapo_math.sh").read_text()
+    script = (VERL_CONFIG_DIR.parent / "run_qwen3_1.7b_dapo_math.sh").read_text()
     assert '--config-dir="$HERE/config" --config-name=qwen3_1.7b_dapo_math' in script
     cfg = compose_example(name="qwen3_1.7b_dapo_math")
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))

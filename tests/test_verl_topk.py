@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ import torch
 for _module in ("verl", "hydra", "transfer_queue", "torchdata"):  # verl's v1 trainer imports the last two
     pytest.importorskip(_module)
 
-from hydra import compose, initialize_config_dir  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput  # noqa: E402
 from verl.trainer.ppo.utils import need_critic, need_reference_policy  # noqa: E402
 from verl.utils.config import validate_config  # noqa: E402
@@ -37,15 +35,9 @@ from verl.utils.config import validate_config  # noqa: E402
 import gppo  # noqa: E402
 from gppo.integrations import verl_topk, vllm_topk  # noqa: E402
 from gppo.integrations.verl import TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, topk_ppo_loss  # noqa: E402
+from tests.conftest import VERL_CONFIG_DIR, compose_verl_example as compose_example  # noqa: E402
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "examples" / "verl" / "config")
-
-
-def compose_example(*overrides):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        return compose(config_name="gppo_trainer", overrides=[
-            "hydra.searchpath=[pkg://verl.trainer.config]", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-            *overrides])
+CONFIG_DIR = str(VERL_CONFIG_DIR)
 
 
 TOPK_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_topk_kl"

@@ -3,10 +3,11 @@ the top-K estimators in verl (docs/verl.md).
 
 `generate_with_topk` runs around a stand-in for verl 0.9.1's `vLLMHttpServer.generate` and vLLM's
 engine that follows their code: SamplingParams with logprobs 0 (or None) built inside the server,
-the engine's streamed outputs, `logprobs[token]` per generated token. verl's real server needs verl
-and vLLM in one environment, which none here holds (docs/verl.md): checked here are that K reaches
-vLLM on the requests that ask only, that the returned top-K equals mu's `topk`, that the sampled
-token's log-probs stay what verl returns, and that concurrent requests do not mix.
+the engine's streamed outputs, `logprobs[token]` per generated token. It runs in the main suite,
+without verl or vLLM (verl's real server on vLLM's CPU build is tests/test_verl_vllm_server.py, in
+CI's vLLM stage): checked here are that K reaches vLLM on the requests that ask only, that the
+returned top-K equals mu's `topk`, that the sampled token's log-probs stay what verl returns, and
+that concurrent requests do not mix.
 """
 
 from __future__ import annotations

@@ -104,9 +104,10 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
     `topk_source=batch` declares that each training batch carries mu's top-K (TOPK_IDS_KEY,
     TOPK_LOGPROBS_KEY) and that the actor's loss function is `topk_ppo_loss`: verl's own rollout
     records no top-K, so `python -m gppo.integrations.verl_topk` sets it (its rollout records
-    them), or a caller that fills them driving verl's TrainingWorker with its own rollouts. `bypass_mode` and `use_v1` restate
-    algorithm.rollout_correction.bypass_mode and trainer.use_v1 (examples/verl/config/gppo_trainer.yaml
-    interpolates them) so that the anchor can be checked here, at start-up.
+    them), or a caller that fills them driving verl's TrainingWorker with its own rollouts.
+    `bypass_mode` and `use_v1` restate algorithm.rollout_correction.bypass_mode and trainer.use_v1
+    (examples/verl/config/gppo_trainer.yaml interpolates them) so that the anchor can be checked
+    here, at start-up.
     """
 
     preset: Optional[str] = None
