@@ -57,8 +57,7 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeats: int,
-             divergence: str = "tv") -> dict:
+def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeats: int, divergence: str = "tv") -> dict:
     import torch
 
     import gppo
@@ -94,16 +93,21 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
             loss = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv).mean()
         else:
             batch = gppo.TokenBatch(
-                logp=logp[None], logp_behavior=logp_behavior[None], advantages=adv[None],
-                mask=mask[None], token_ids=ids[None], topk_ids=top_ids[None],
+                logp=logp[None],
+                logp_behavior=logp_behavior[None],
+                advantages=adv[None],
+                mask=mask[None],
+                token_ids=ids[None],
+                topk_ids=top_ids[None],
                 topk_logp_behavior=top_logq[None],
                 topk_logp=topk_logp[None] if topk_logp is not None else None,
                 logits=logits[None] if case == "full" else None,
                 logp_behavior_full=full_behavior[None] if case == "full" else None,
             )
             uses_k = "top_k" in gppo.ESTIMATORS[case].params
-            cfg = gppo.preset("dppo-topk-tv", divergence=divergence, estimator=case,
-                              **({"top_k": top_k} if uses_k else {}))
+            cfg = gppo.preset(
+                "dppo-topk-tv", divergence=divergence, estimator=case, **({"top_k": top_k} if uses_k else {})
+            )
             loss, _ = gppo.policy_loss(batch, cfg)
         loss.backward()
         logits.grad = None
@@ -129,8 +133,7 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
             _reset_peak_rss()
 
     sync()
-    base = torch.cuda.memory_allocated() if cuda else (
-        _status_kib("VmRSS") * 1024 if linux else peak())
+    base = torch.cuda.memory_allocated() if cuda else (_status_kib("VmRSS") * 1024 if linux else peak())
     reset()
     start = time.perf_counter()
     step()  # warm-up
@@ -154,10 +157,15 @@ def run_case(case: str, tokens: int, vocab: int, top_k: int, device: str, repeat
     timed("ppo-baseline")
     pairs = [(timed("ppo-baseline"), timed(case)) for _ in range(repeats)]
     name = case if case == "ppo-baseline" else f"{case}/{divergence}"
-    return {"case": name, "seconds": statistics.median(t for _, t in pairs),
-            "baseline_seconds": statistics.median(b for b, _ in pairs), "extra_bytes": max(extra, 0),
-            "warm_seconds": warm_seconds, "warm_extra_bytes": max(warm_extra, 0),
-            "logits_bytes": tokens * vocab * 4}
+    return {
+        "case": name,
+        "seconds": statistics.median(t for _, t in pairs),
+        "baseline_seconds": statistics.median(b for b, _ in pairs),
+        "extra_bytes": max(extra, 0),
+        "warm_seconds": warm_seconds,
+        "warm_extra_bytes": max(warm_extra, 0),
+        "logits_bytes": tokens * vocab * 4,
+    }
 
 
 def main():
@@ -168,8 +176,13 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES,
-                        help="cases to run (ppo-baseline always runs first, as the reference)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=CASES,
+        choices=CASES,
+        help="cases to run (ppo-baseline always runs first, as the reference)",
+    )
     parser.add_argument("--divergences", nargs="+", default=["tv"])
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print JSON
     parser.add_argument("--divergence", default="tv", help=argparse.SUPPRESS)
@@ -179,29 +192,56 @@ def main():
         import torch
 
         torch.set_num_threads(args.threads)
-        print(json.dumps(run_case(args.case, args.tokens, args.one_vocab, args.top_k, args.device,
-                                  args.repeats, args.divergence)))
+        print(
+            json.dumps(
+                run_case(args.case, args.tokens, args.one_vocab, args.top_k, args.device, args.repeats, args.divergence)
+            )
+        )
         return
     cases = ["ppo-baseline"] + [c for c in args.cases if c != "ppo-baseline"]
     for vocab in args.vocab:
         print(f"\nN={args.tokens} tokens, V={vocab}, K={args.top_k}, device={args.device}")
-        print(f"{'case':<18}{'ms':>10}{'time ratio':>12}{'extra MiB':>12}{'mem ratio':>11}"
-              f"{'extra/logits':>14}{'warm-up s':>11}{'warm-up MiB':>13}")
+        print(
+            f"{'case':<18}{'ms':>10}{'time ratio':>12}{'extra MiB':>12}{'mem ratio':>11}"
+            f"{'extra/logits':>14}{'warm-up s':>11}{'warm-up MiB':>13}"
+        )
         rows = []
         for case in cases:
-            for div in (["tv"] if case == "ppo-baseline" else args.divergences):
+            for div in ["tv"] if case == "ppo-baseline" else args.divergences:
                 out = subprocess.run(
-                    [sys.executable, __file__, "--case", case, "--divergence", div, "--tokens",
-                     str(args.tokens), "--one-vocab", str(vocab), "--top-k", str(args.top_k), "--device",
-                     args.device, "--repeats", str(args.repeats), "--threads", str(args.threads)],
-                    capture_output=True, text=True, check=True)
+                    [
+                        sys.executable,
+                        __file__,
+                        "--case",
+                        case,
+                        "--divergence",
+                        div,
+                        "--tokens",
+                        str(args.tokens),
+                        "--one-vocab",
+                        str(vocab),
+                        "--top-k",
+                        str(args.top_k),
+                        "--device",
+                        args.device,
+                        "--repeats",
+                        str(args.repeats),
+                        "--threads",
+                        str(args.threads),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         base = rows[0]
         for row in rows:
-            print(f"{row['case']:<18}{row['seconds'] * 1e3:>10.1f}{row['seconds'] / row['baseline_seconds']:>12.3f}"
-                  f"{row['extra_bytes'] / 2**20:>12.0f}{row['extra_bytes'] / max(base['extra_bytes'], 1):>11.2f}"
-                  f"{row['extra_bytes'] / row['logits_bytes']:>14.2f}{row['warm_seconds']:>11.1f}"
-                  f"{row['warm_extra_bytes'] / 2**20:>13.0f}")
+            print(
+                f"{row['case']:<18}{row['seconds'] * 1e3:>10.1f}{row['seconds'] / row['baseline_seconds']:>12.3f}"
+                f"{row['extra_bytes'] / 2**20:>12.0f}{row['extra_bytes'] / max(base['extra_bytes'], 1):>11.2f}"
+                f"{row['extra_bytes'] / row['logits_bytes']:>14.2f}{row['warm_seconds']:>11.1f}"
+                f"{row['warm_extra_bytes'] / 2**20:>13.0f}"
+            )
 
 
 if __name__ == "__main__":

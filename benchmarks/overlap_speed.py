@@ -28,11 +28,35 @@ from pathlib import Path
 
 def run_case(overlap: bool, args, out: Path) -> float:
     """Seconds of training (rollout + update) of one run."""
-    command = [sys.executable, "-m", "gppo.cli", "train", "--task", args.task, "--steps", str(args.steps),
-               "--engine", args.engine, *args.train_flags,
-               "--off_policy_steps", str(args.off_policy_steps), "--rollout_overlap", str(overlap).lower(),
-               "--threads", str(args.threads), "--eval_every", "0", "--eval_size", "16", "--save_every", "0",
-               "--progress", "false", "--output_dir", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "gppo.cli",
+        "train",
+        "--task",
+        args.task,
+        "--steps",
+        str(args.steps),
+        "--engine",
+        args.engine,
+        *args.train_flags,
+        "--off_policy_steps",
+        str(args.off_policy_steps),
+        "--rollout_overlap",
+        str(overlap).lower(),
+        "--threads",
+        str(args.threads),
+        "--eval_every",
+        "0",
+        "--eval_size",
+        "16",
+        "--save_every",
+        "0",
+        "--progress",
+        "false",
+        "--output_dir",
+        str(out),
+    ]
     subprocess.run(command, check=True, capture_output=True, text=True)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return sum(r.get("perf/step_seconds", 0.0) for r in records)
@@ -53,13 +77,17 @@ def main():
             sequential = run_case(False, args, Path(tmp) / f"sequential-{i}")
             overlap = run_case(True, args, Path(tmp) / f"overlap-{i}")
             pairs.append((sequential, overlap))
-            print(f"pair {i}: sequential {sequential:.1f} s, overlap {overlap:.1f} s, ratio {overlap / sequential:.3f}",
-                  flush=True)
+            print(
+                f"pair {i}: sequential {sequential:.1f} s, overlap {overlap:.1f} s, ratio {overlap / sequential:.3f}",
+                flush=True,
+            )
     ratios = [o / s for s, o in pairs]
-    print(f"\n{args.task}, engine {args.engine} {' '.join(args.train_flags)}, {args.steps} steps, off_policy_steps "
-          f"{args.off_policy_steps}, {args.threads} threads: "
-          f"overlap / sequential median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, "
-          f"{len(ratios)} pairs); sequential median {statistics.median(s for s, _ in pairs):.1f} s")
+    print(
+        f"\n{args.task}, engine {args.engine} {' '.join(args.train_flags)}, {args.steps} steps, off_policy_steps "
+        f"{args.off_policy_steps}, {args.threads} threads: "
+        f"overlap / sequential median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}, "
+        f"{len(ratios)} pairs); sequential median {statistics.median(s for s, _ in pairs):.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ def _rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status: the CPU measurement needs Linux")
 
 
-def run_one(path: str, tokens: int, vocab: int, hidden_size: int, device: str, dtype: str,
-            entropy: bool, temperature: float) -> dict:
+def run_one(
+    path: str, tokens: int, vocab: int, hidden_size: int, device: str, dtype: str, entropy: bool, temperature: float
+) -> dict:
     """One forward + backward of `path` in this process: its extra peak memory and its time."""
     import torch
 
@@ -69,8 +70,7 @@ def run_one(path: str, tokens: int, vocab: int, hidden_size: int, device: str, d
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"path": path, "tokens": tokens, "extra_mib": (peak - base) / 2**20,
-            "seconds": time.perf_counter() - start}
+    return {"path": path, "tokens": tokens, "extra_mib": (peak - base) / 2**20, "seconds": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -85,25 +85,57 @@ def main() -> None:
     parser.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # the subprocess's case
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.tokens[0], args.vocab, args.hidden, args.device,
-                                 args.dtype, args.entropy, args.temperature)))
+        print(
+            json.dumps(
+                run_one(
+                    args.one,
+                    args.tokens[0],
+                    args.vocab,
+                    args.hidden,
+                    args.device,
+                    args.dtype,
+                    args.entropy,
+                    args.temperature,
+                )
+            )
+        )
         return
-    print(f"V = {args.vocab}, H = {args.hidden}, {args.dtype} on {args.device}, T = {args.temperature}"
-          f"{', loss with entropy' if args.entropy else ''}; extra peak memory of forward + backward")
+    print(
+        f"V = {args.vocab}, H = {args.hidden}, {args.dtype} on {args.device}, T = {args.temperature}"
+        f"{', loss with entropy' if args.entropy else ''}; extra peak memory of forward + backward"
+    )
     print(f"{'n':>7} {'plain MiB':>10} {'token_stats MiB':>16} {'ratio':>7} {'plain s':>8} {'token_stats s':>14}")
     for tokens in args.tokens:
         results = {}
         for path in PATHS:
-            command = [sys.executable, __file__, "--one", path, "--tokens", str(tokens),
-                       "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--device", args.device,
-                       "--dtype", args.dtype, "--temperature", str(args.temperature)]
-            out = subprocess.run(command + (["--entropy"] if args.entropy else []), check=True,
-                                 capture_output=True, text=True).stdout
+            command = [
+                sys.executable,
+                __file__,
+                "--one",
+                path,
+                "--tokens",
+                str(tokens),
+                "--vocab",
+                str(args.vocab),
+                "--hidden",
+                str(args.hidden),
+                "--device",
+                args.device,
+                "--dtype",
+                args.dtype,
+                "--temperature",
+                str(args.temperature),
+            ]
+            out = subprocess.run(
+                command + (["--entropy"] if args.entropy else []), check=True, capture_output=True, text=True
+            ).stdout
             results[path] = json.loads(out.strip().splitlines()[-1])
         plain, chunked = results["plain"], results["token_stats"]
-        print(f"{tokens:>7} {plain['extra_mib']:>10.0f} {chunked['extra_mib']:>16.0f} "
-              f"{plain['extra_mib'] / max(chunked['extra_mib'], 1e-9):>7.1f} {plain['seconds']:>8.2f} "
-              f"{chunked['seconds']:>14.2f}")
+        print(
+            f"{tokens:>7} {plain['extra_mib']:>10.0f} {chunked['extra_mib']:>16.0f} "
+            f"{plain['extra_mib'] / max(chunked['extra_mib'], 1e-9):>7.1f} {plain['seconds']:>8.2f} "
+            f"{chunked['seconds']:>14.2f}"
+        )
 
 
 if __name__ == "__main__":

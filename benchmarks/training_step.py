@@ -51,9 +51,16 @@ def build(model_name: str, vocab: int, seed: int = 0):
 
     torch.manual_seed(seed)
     if model_name == "tiny":
-        config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                             max_position_embeddings=32768)
+        config = Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        )
         return Qwen2ForCausalLM(config).float(), vocab
     model, _ = load_model_and_tokenizer(model_name, dtype=torch.float32)
     return model, model.config.vocab_size
@@ -73,10 +80,15 @@ def make_rollout(vocab: int, prompts: int, group: int, prompt_len: int, completi
     prompt_ids = torch.randint(0, vocab, (prompts, prompt_len), generator=gen).repeat_interleave(group, 0)
     completion = torch.randint(0, vocab, (n, completion_len), generator=gen)
     input_ids = torch.cat([prompt_ids, completion], 1)
-    return Rollout(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), prompt_length=prompt_len,
-                   response_mask=torch.ones(n, completion_len), token_ids=completion,
-                   logp_behavior=torch.full((n, completion_len), -math.log(vocab)),
-                   advantages=torch.randn(n, generator=gen))
+    return Rollout(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        prompt_length=prompt_len,
+        response_mask=torch.ones(n, completion_len),
+        token_ids=completion,
+        logp_behavior=torch.full((n, completion_len), -math.log(vocab)),
+        advantages=torch.randn(n, generator=gen),
+    )
 
 
 def step(case: str, model, rollout, config, temperature: float = 0.7) -> float:
@@ -90,13 +102,19 @@ def step(case: str, model, rollout, config, temperature: float = 0.7) -> float:
         position_ids = (rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, position_ids=position_ids)
         P, T = rollout.prompt_length, rollout.token_ids.shape[1]
-        logits = out.logits[:, P - 1:P - 1 + T].float() / temperature
+        logits = out.logits[:, P - 1 : P - 1 + T].float() / temperature
         logp, _ = gppo.gather_logp(torch.log_softmax(logits, -1), rollout.token_ids)
-        batch = gppo.TokenBatch(logp=logp, logp_behavior=rollout.logp_behavior, advantages=rollout.advantages,
-                                mask=rollout.response_mask, logits=logits)
+        batch = gppo.TokenBatch(
+            logp=logp,
+            logp_behavior=rollout.logp_behavior,
+            advantages=rollout.advantages,
+            mask=rollout.response_mask,
+            logits=logits,
+        )
     else:
-        options = ForwardOptions(share_prompt=case in ("shared", "bf16"),
-                                 autocast=torch.bfloat16 if case == "bf16" else None)
+        options = ForwardOptions(
+            share_prompt=case in ("shared", "bf16"), autocast=torch.bfloat16 if case == "bf16" else None
+        )
         outputs = policy_outputs(model, rollout, temperature, config, entropy=True, options=options)
         batch = token_batch(rollout, outputs)
     loss, _ = gppo.policy_loss(batch, config)
@@ -114,8 +132,9 @@ def prepared(case: str, model, vocab: int):
     return model, vocab
 
 
-def memory_one(case: str, model_name: str, vocab: int, prompts: int, group: int, prompt_len: int,
-               completion_len: int) -> dict:
+def memory_one(
+    case: str, model_name: str, vocab: int, prompts: int, group: int, prompt_len: int, completion_len: int
+) -> dict:
     import torch
 
     import gppo
@@ -135,16 +154,31 @@ def memory_one(case: str, model_name: str, vocab: int, prompts: int, group: int,
 
 
 def memory(args) -> None:
-    print(f"model {args.model}, {args.prompts} x {args.group} sequences, prompt {args.prompt_len} tokens; "
-          "extra MB = peak RSS of one step above the RSS before it")
+    print(
+        f"model {args.model}, {args.prompts} x {args.group} sequences, prompt {args.prompt_len} tokens; "
+        "extra MB = peak RSS of one step above the RSS before it"
+    )
     cases = args.cases
-    print(f"{'tokens':>7} | " + " | ".join(f"{c + ' MB':>15}" for c in cases)
-          + (" | logits/shared" if {"logits", "shared"} <= set(cases) else ""))
+    print(
+        f"{'tokens':>7} | "
+        + " | ".join(f"{c + ' MB':>15}" for c in cases)
+        + (" | logits/shared" if {"logits", "shared"} <= set(cases) else "")
+    )
     for completion_len in args.tokens:
         row = {}
         for case in cases:
-            cmd = [sys.executable, __file__, "_memory_one", case, args.model, str(args.vocab), str(args.prompts),
-                   str(args.group), str(args.prompt_len), str(completion_len)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "_memory_one",
+                case,
+                args.model,
+                str(args.vocab),
+                str(args.prompts),
+                str(args.group),
+                str(args.prompt_len),
+                str(completion_len),
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"{case} at {completion_len} tokens failed:\n{done.stderr[-2000:]}")
@@ -176,8 +210,10 @@ def speed(args) -> None:
                 times[case].append(time.perf_counter() - start)
     base_case = args.cases[0]
     base = statistics.median(times[base_case])
-    print(f"model {args.model}, {args.prompts} prompts x {args.group} completions, prompt {args.prompt_len} + "
-          f"completion {args.tokens[0]} tokens, {args.threads} thread(s), median of {args.repeats}")
+    print(
+        f"model {args.model}, {args.prompts} prompts x {args.group} completions, prompt {args.prompt_len} + "
+        f"completion {args.tokens[0]} tokens, {args.threads} thread(s), median of {args.repeats}"
+    )
     for case in args.cases:
         median = statistics.median(times[case])
         print(f"{case:>12}: {1000 * median:8.0f} ms   {base_case}/{case} {base / median:5.2f}")
@@ -186,12 +222,17 @@ def speed(args) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_memory_one":
         case, model_name, vocab, prompts, group, prompt_len, completion_len = sys.argv[2:]
-        print(json.dumps(memory_one(case, model_name, int(vocab), int(prompts), int(group), int(prompt_len),
-                                    int(completion_len))))
+        print(
+            json.dumps(
+                memory_one(case, model_name, int(vocab), int(prompts), int(group), int(prompt_len), int(completion_len))
+            )
+        )
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("memory", "speed"))
-    parser.add_argument("--model", default="tiny", help="'tiny' (Qwen2, 64 wide, --vocab tokens) or a gppo model name/path")
+    parser.add_argument(
+        "--model", default="tiny", help="'tiny' (Qwen2, 64 wide, --vocab tokens) or a gppo model name/path"
+    )
     parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary of the tiny model (Qwen's by default)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="completion lengths")
     parser.add_argument("--prompts", type=int, default=None, help="distinct prompts")
@@ -199,11 +240,15 @@ def main() -> None:
     parser.add_argument("--prompt_len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES),
-                        help="what to run (speed: ratios against the first)")
+    parser.add_argument(
+        "--cases", nargs="+", choices=CASES, default=list(CASES), help="what to run (speed: ratios against the first)"
+    )
     args = parser.parse_args()
-    defaults = ({"tokens": [1024, 2048, 4096], "prompts": 1, "group": 1, "prompt_len": 32} if args.what == "memory"
-                else {"tokens": [64], "prompts": 2, "group": 8, "prompt_len": 60})
+    defaults = (
+        {"tokens": [1024, 2048, 4096], "prompts": 1, "group": 1, "prompt_len": 32}
+        if args.what == "memory"
+        else {"tokens": [64], "prompts": 2, "group": 8, "prompt_len": 60}
+    )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

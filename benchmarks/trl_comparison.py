@@ -36,12 +36,49 @@ PROMPTS, GROUP, TOKENS, MINI, MICRO = 8, 8, 64, 32, 16
 def run_gppo(steps: int, threads: int, out: Path) -> float:
     from gppo.cli import main
 
-    main(["train", "--model", "smollm2", "--task", "word-problems", "--steps", str(steps),
-          "--prompts_per_step", str(PROMPTS), "--group_size", str(GROUP), "--max_new_tokens", str(TOKENS),
-          "--temperature", "0.7", "--lr", "2e-5", "--epochs", "1", "--mini_batch_size", str(MINI),
-          "--micro_batch_size", str(MICRO), "--eval_size", "8", "--eval_samples", "1", "--eval_every", "0",
-          "--threads", str(threads), "--progress", "false", "--save_every", "0", "--keep_checkpoints", "0",
-          "--output_dir", str(out / "run")])
+    main(
+        [
+            "train",
+            "--model",
+            "smollm2",
+            "--task",
+            "word-problems",
+            "--steps",
+            str(steps),
+            "--prompts_per_step",
+            str(PROMPTS),
+            "--group_size",
+            str(GROUP),
+            "--max_new_tokens",
+            str(TOKENS),
+            "--temperature",
+            "0.7",
+            "--lr",
+            "2e-5",
+            "--epochs",
+            "1",
+            "--mini_batch_size",
+            str(MINI),
+            "--micro_batch_size",
+            str(MICRO),
+            "--eval_size",
+            "8",
+            "--eval_samples",
+            "1",
+            "--eval_every",
+            "0",
+            "--threads",
+            str(threads),
+            "--progress",
+            "false",
+            "--save_every",
+            "0",
+            "--keep_checkpoints",
+            "0",
+            "--output_dir",
+            str(out / "run"),
+        ]
+    )
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return statistics.mean(r["perf/step_seconds"] for r in rows if "perf/step_seconds" in r)
 
@@ -59,8 +96,9 @@ def run_trl(steps: int, threads: int, out: Path) -> float:
     task = get_task("word-problems")
     rng = random.Random(0)
     problems = [task.sample(rng) for _ in range(steps * PROMPTS)]
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer}
-                              for p in problems])
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": p.prompt}], "answer": p.answer} for p in problems]
+    )
     by_answer = {p.prompt: p for p in problems}
 
     def verifier(prompts, completions, **_):
@@ -72,13 +110,26 @@ def run_trl(steps: int, threads: int, out: Path) -> float:
     del gguf_model
     model = AutoModelForCausalLM.from_pretrained(out / "smollm2", dtype=torch.float32)
     args = GRPOConfig(
-        output_dir=str(out / "trl"), per_device_train_batch_size=MICRO, gradient_accumulation_steps=MINI // MICRO,
-        steps_per_generation=PROMPTS * GROUP // MICRO, num_generations=GROUP, max_completion_length=TOKENS,
-        temperature=0.7, learning_rate=2e-5, max_steps=steps * PROMPTS * GROUP // MINI, num_iterations=1,
-        beta=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-        bf16=False, gradient_checkpointing=False)  # gppo's defaults: float32 throughout, activations kept
-    trainer = GRPOTrainer(model=model, reward_funcs=verifier, args=args, train_dataset=data,
-                          processing_class=tokenizer)
+        output_dir=str(out / "trl"),
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=MINI // MICRO,
+        steps_per_generation=PROMPTS * GROUP // MICRO,
+        num_generations=GROUP,
+        max_completion_length=TOKENS,
+        temperature=0.7,
+        learning_rate=2e-5,
+        max_steps=steps * PROMPTS * GROUP // MINI,
+        num_iterations=1,
+        beta=0.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        bf16=False,
+        gradient_checkpointing=False,
+    )  # gppo's defaults: float32 throughout, activations kept
+    trainer = GRPOTrainer(model=model, reward_funcs=verifier, args=args, train_dataset=data, processing_class=tokenizer)
     start = time.time()
     trainer.train()
     return (time.time() - start) / steps
@@ -103,19 +154,34 @@ def main() -> None:
     results = {"gppo": [], "trl": []}
     for _ in range(args.pairs):
         for framework in ("gppo", "trl", "trl", "gppo"):
-            done = subprocess.run([sys.executable, __file__, "--child", framework, "--steps", str(args.steps),
-                                   "--threads", str(args.threads)], capture_output=True, text=True)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    framework,
+                    "--steps",
+                    str(args.steps),
+                    "--threads",
+                    str(args.threads),
+                ],
+                capture_output=True,
+                text=True,
+            )
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode or not lines:
                 sys.exit(f"{framework} failed ({done.returncode}):\n{done.stderr[-3000:]}")
             results[framework].append(json.loads(lines[-1][7:]))
             print(f"{framework}: {results[framework][-1]}", flush=True)
-    print(f"\n| framework | peak RSS GB (max) | step s (median) | runs |\n|---|---|---|---|")
+    print("\n| framework | peak RSS GB (max) | step s (median) | runs |\n|---|---|---|---|")
     for framework, rows in results.items():
-        print(f"| {framework} | {max(r['peak_gb'] for r in rows):.2f} | "
-              f"{statistics.median(r['step_s'] for r in rows):.1f} | {len(rows)} |")
-    ratio = (statistics.median(r["step_s"] for r in results["trl"])
-             / statistics.median(r["step_s"] for r in results["gppo"]))
+        print(
+            f"| {framework} | {max(r['peak_gb'] for r in rows):.2f} | "
+            f"{statistics.median(r['step_s'] for r in rows):.1f} | {len(rows)} |"
+        )
+    ratio = statistics.median(r["step_s"] for r in results["trl"]) / statistics.median(
+        r["step_s"] for r in results["gppo"]
+    )
     memory = max(r["peak_gb"] for r in results["trl"]) / max(r["peak_gb"] for r in results["gppo"])
     print(f"\nTRL / gppo: step time {ratio:.2f}x, peak RSS {memory:.2f}x")
 

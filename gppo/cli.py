@@ -60,13 +60,20 @@ def run_command(name: str, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: gppo {" + ",".join(COMMANDS) + "} [options]\n\n"
-              + "".join(f"  {name:<10} {text}\n" for name, text in COMMANDS.items()))
+        print(
+            "usage: gppo {"
+            + ",".join(COMMANDS)
+            + "} [options]\n\n"
+            + "".join(f"  {name:<10} {text}\n" for name, text in COMMANDS.items())
+        )
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"gppo: error: unknown command {command!r}{closest(command, COMMANDS)}; choose one of "
-              f"{', '.join(COMMANDS)}", file=sys.stderr)
+        print(
+            f"gppo: error: unknown command {command!r}{closest(command, COMMANDS)}; choose one of "
+            f"{', '.join(COMMANDS)}",
+            file=sys.stderr,
+        )
         return 2
     return run_command(command, rest)
 

@@ -31,10 +31,10 @@ import math
 import os
 import re
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -43,11 +43,10 @@ from gppo.data.benchmarks import Benchmark, BenchmarkProblem, get_benchmark, loa
 from gppo.data.loaders import RowError
 from gppo.data.scoring import score
 from gppo.prompts import PromptBuilder
-from gppo.rewards.code import Limits
 from gppo.report import markdown_table, print_table
+from gppo.rewards.code import Limits
 from gppo.rollout.base import Generation, RolloutEngine, SamplingParams
 from gppo.stats import avg_at_k, pass_at_k, standard_error
-
 
 # lm-evaluation-harness's GSM8K flexible-extract pattern; its last match is the answer.
 _NUMBER = re.compile(r"-?[$0-9.,]{2,}|-?[0-9]+")
@@ -131,14 +130,17 @@ def evaluate(
     files = {get_benchmark(name).name: path for name, path in (data_files or {}).items()}
     extra = sorted(set(files) - {b.name for b in specs})
     if extra:
-        raise ValueError(f"data_files has {extra}, which are not among the benchmarks to evaluate "
-                         f"{[b.name for b in specs]}")
+        raise ValueError(
+            f"data_files has {extra}, which are not among the benchmarks to evaluate {[b.name for b in specs]}"
+        )
     loaded = [load_benchmark(b.name, files.get(b.name), from_hub=from_hub, limit=limit) for b in specs]
     for bench, data in zip(specs, loaded):
         if not data.records:
             first = f" (first: {data.errors[0]})" if data.errors else ""
-            raise ValueError(f"benchmark {bench.name}: none of its {len(data.errors)} rows could be read{first}; "
-                             f"give a file in {bench.name}'s public schema")
+            raise ValueError(
+                f"benchmark {bench.name}: none of its {len(data.errors)} rows could be read{first}; "
+                f"give a file in {bench.name}'s public schema"
+            )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -158,11 +160,14 @@ def evaluate(
         path = out / f"{bench.name}.jsonl"
         done = _read_results(path, _sampling(params, prompts))
         todo = [p for p in data.records if p.id not in done]
-        with CompletionProgress(console, bench.name, params.n * len(data.records),
-                                params.n * (len(data.records) - len(todo)), progress) as bar, \
-                path.open("a", encoding="utf-8") as sink:
+        with (
+            CompletionProgress(
+                console, bench.name, params.n * len(data.records), params.n * (len(data.records) - len(todo)), progress
+            ) as bar,
+            path.open("a", encoding="utf-8") as sink,
+        ):
             for start in range(0, len(todo), batch_size):
-                chunk = todo[start:start + batch_size]
+                chunk = todo[start : start + batch_size]
                 chunk_params = replace(params, seed=None if seed is None else seed + start, on_step=bar.on_step)
                 texts = [prompts(p.prompt) if prompts else p.prompt for p in chunk]
                 generations = engine.generate(texts, chunk_params)
@@ -176,8 +181,11 @@ def evaluate(
         records = [done[p.id] for p in data.records if p.id in done]
         summaries.append(_summarize(bench, params.n, records, data.errors))
     _write_summaries(summaries, out, console)
-    console.print(f"results in {out}/: summary.md, summary.csv, and one <benchmark>.jsonl of per-problem "
-                  "completions and verdicts", soft_wrap=True)
+    console.print(
+        f"results in {out}/: summary.md, summary.csv, and one <benchmark>.jsonl of per-problem "
+        "completions and verdicts",
+        soft_wrap=True,
+    )
     return summaries
 
 
@@ -189,19 +197,26 @@ class CompletionProgress:
     terminal: a live bar; otherwise (piped, logged) one plain line every `every_s` seconds and one
     at the end, never redrawn or cut to the terminal width."""
 
-    def __init__(self, console: Console, name: str, total: int, done: int = 0, enabled: bool = True,
-                 every_s: float = 30.0):
+    def __init__(
+        self, console: Console, name: str, total: int, done: int = 0, enabled: bool = True, every_s: float = 30.0
+    ):
         self.console, self.name, self.total, self.done = console, name, total, done
         self.enabled, self.every_s = enabled, every_s
         self.tokens = self.batch_tokens = self.batch_finished = 0
         self.start = self.last_line = time.monotonic()
         self.bar: Progress | None = None
 
-    def __enter__(self) -> "CompletionProgress":
+    def __enter__(self) -> CompletionProgress:
         if self.enabled and self.console.is_terminal:
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("completions, {task.fields[rate]}"), TimeElapsedColumn(),
-                                TimeRemainingColumn(), console=self.console)
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("completions, {task.fields[rate]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
             self.bar.start()
             self.task = self.bar.add_task(self.name, total=self.total, completed=self.done, rate="")
         return self
@@ -230,8 +245,11 @@ class CompletionProgress:
 
     def _line(self, tokens: int, done: int, rate: float) -> None:
         elapsed = time.monotonic() - self.start
-        self.console.print(f"{self.name}: {done}/{self.total} completions, {tokens:,} tokens, {rate:,.0f} tok/s, "
-                           f"{elapsed:,.0f} s", soft_wrap=True, highlight=False)
+        self.console.print(
+            f"{self.name}: {done}/{self.total} completions, {tokens:,} tokens, {rate:,.0f} tok/s, {elapsed:,.0f} s",
+            soft_wrap=True,
+            highlight=False,
+        )
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
@@ -242,11 +260,18 @@ class CompletionProgress:
 
 def _sampling(params: SamplingParams, prompts: PromptBuilder | None) -> dict:
     """What the results depend on besides the model: sampling and prompt settings."""
-    settings = {"n": params.n, "temperature": params.temperature, "top_p": params.top_p,
-                "max_new_tokens": params.max_new_tokens}
+    settings = {
+        "n": params.n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_new_tokens": params.max_new_tokens,
+    }
     if prompts is not None:
-        settings.update(chat_template=prompts.uses_chat_template, system_prompt=prompts.config.system_prompt,
-                        prompt_template=prompts.config.prompt_template)
+        settings.update(
+            chat_template=prompts.uses_chat_template,
+            system_prompt=prompts.config.system_prompt,
+            prompt_template=prompts.config.prompt_template,
+        )
     return settings
 
 
@@ -264,8 +289,10 @@ def _read_results(path: Path, sampling: dict) -> dict[str, dict]:
         if not line.endswith("\n"):
             continue
         if record.get("sampling") != sampling:
-            raise ValueError(f"{path} holds results sampled with {record.get('sampling')}, not {sampling}: "
-                             "write to another directory (gppo eval --out DIR) or keep the same sampling and prompt settings")
+            raise ValueError(
+                f"{path} holds results sampled with {record.get('sampling')}, not {sampling}: "
+                "write to another directory (gppo eval --out DIR) or keep the same sampling and prompt settings"
+            )
         kept.append(line)
         if "error" not in record:
             done[record["id"]] = record
@@ -283,25 +310,46 @@ def _by_prompt(generations: list[Generation], prompts: int) -> list[list[Generat
     return groups
 
 
-def _score(bench: Benchmark, problem: BenchmarkProblem, gens: list[Generation], sampling: dict,
-           code_limits: Limits, math_timeout_s: float) -> dict:
+def _score(
+    bench: Benchmark,
+    problem: BenchmarkProblem,
+    gens: list[Generation],
+    sampling: dict,
+    code_limits: Limits,
+    math_timeout_s: float,
+) -> dict:
     record = {"id": problem.id, "sampling": sampling}
     texts = [g.text for g in gens]
     try:
         if len(gens) != sampling["n"]:
             raise RuntimeError(f"the engine returned {len(gens)} completions instead of n={sampling['n']}")
-        results = score(bench.kind, texts, [problem.answer] * len(texts), [problem.tests] * len(texts),
-                        math_timeout_s=math_timeout_s, code_limits=code_limits)
+        results = score(
+            bench.kind,
+            texts,
+            [problem.answer] * len(texts),
+            [problem.tests] * len(texts),
+            math_timeout_s=math_timeout_s,
+            code_limits=code_limits,
+        )
         if bench.kind == "math":
-            samples = [{"reward": r.reward, "verdict": r.verdict.value, "extracted": r.answer,
-                        "error": r.error} for r in results]
+            samples = [
+                {"reward": r.reward, "verdict": r.verdict.value, "extracted": r.answer, "error": r.error}
+                for r in results
+            ]
             if bench.flexible:
                 for sample, text in zip(samples, texts):
                     answer = flexible_answer(text)
                     sample.update(flexible=answer, flexible_correct=same_number(answer, problem.answer))
         else:
-            samples = [{"reward": r.reward, "statuses": [c.status.value for c in r.cases], "error": r.error,
-                        "detail": next((c.detail for c in r.cases if c.detail), None)} for r in results]
+            samples = [
+                {
+                    "reward": r.reward,
+                    "statuses": [c.status.value for c in r.cases],
+                    "error": r.error,
+                    "detail": next((c.detail for c in r.cases if c.detail), None),
+                }
+                for r in results
+            ]
     except Exception as e:  # one problem's failure must not end the evaluation
         return {**record, "error": f"{type(e).__name__}: {e}"}
     for sample, g in zip(samples, gens):
@@ -317,11 +365,22 @@ def _summarize(bench: Benchmark, n: int, records: list[dict], row_errors: list[R
         return BenchmarkSummary(bench.name, 0, n, float("nan"), {}, len(records) - len(scored), row_errors)
     per_problem = [sum(s["correct"] for s in r["samples"]) / len(r["samples"]) for r in scored]
     pass_at = {k: sum(pass_at_k(n, r["correct"], k) for r in scored) / len(scored) for k in k_values(n)}
-    summary = BenchmarkSummary(bench.name, len(scored), n, avg_at_k([[p] for p in per_problem]), pass_at,
-                               len(records) - len(scored), row_errors, standard_error(per_problem))
+    summary = BenchmarkSummary(
+        bench.name,
+        len(scored),
+        n,
+        avg_at_k([[p] for p in per_problem]),
+        pass_at,
+        len(records) - len(scored),
+        row_errors,
+        standard_error(per_problem),
+    )
     if bench.flexible:  # records written before flexible scoring are read from their text
-        flexible = [sum(s.get("flexible_correct", same_number(flexible_answer(s["text"]), r["answer"]))
-                        for s in r["samples"]) / len(r["samples"]) for r in scored]
+        flexible = [
+            sum(s.get("flexible_correct", same_number(flexible_answer(s["text"]), r["answer"])) for s in r["samples"])
+            / len(r["samples"])
+            for r in scored
+        ]
         summary.flexible, summary.flexible_se = sum(flexible) / len(flexible), standard_error(flexible)
     return summary
 
@@ -329,41 +388,81 @@ def _summarize(bench: Benchmark, n: int, records: list[dict], row_errors: list[R
 def _write_summaries(summaries: list[BenchmarkSummary], out: Path, console: Console) -> None:
     ks = sorted({k for s in summaries for k in s.pass_at})
     flexible = any(s.flexible is not None for s in summaries)
-    header = (["benchmark", "problems", "bad rows", "failed", "n", "avg@n", "SE"]
-              + (["flexible avg@n", "SE"] if flexible else []) + [f"pass@{k}" for k in ks])
-    rows = [[s.benchmark, str(s.problems), str(len(s.row_errors)), str(s.failed), str(s.n), f"{s.avg:.4f}",
-             f"{s.avg_se:.4f}"]
-            + ([f"{s.flexible:.4f}", f"{s.flexible_se:.4f}"] if s.flexible is not None else ["", ""]) * flexible
-            + [f"{s.pass_at[k]:.4f}" if k in s.pass_at else "" for k in ks] for s in summaries]
-    print_table(console, "evaluation (avg@n: strict, the format the prompt asks; flexible: the last number)"
-                if flexible else "evaluation", header, rows)
-    (out / "summary.md").write_text(markdown_table(header, [[cell or "-" for cell in row] for row in rows]),
-                                    encoding="utf-8")
+    header = (
+        ["benchmark", "problems", "bad rows", "failed", "n", "avg@n", "SE"]
+        + (["flexible avg@n", "SE"] if flexible else [])
+        + [f"pass@{k}" for k in ks]
+    )
+    rows = [
+        [
+            s.benchmark,
+            str(s.problems),
+            str(len(s.row_errors)),
+            str(s.failed),
+            str(s.n),
+            f"{s.avg:.4f}",
+            f"{s.avg_se:.4f}",
+        ]
+        + ([f"{s.flexible:.4f}", f"{s.flexible_se:.4f}"] if s.flexible is not None else ["", ""]) * flexible
+        + [f"{s.pass_at[k]:.4f}" if k in s.pass_at else "" for k in ks]
+        for s in summaries
+    ]
+    print_table(
+        console,
+        "evaluation (avg@n: strict, the format the prompt asks; flexible: the last number)"
+        if flexible
+        else "evaluation",
+        header,
+        rows,
+    )
+    (out / "summary.md").write_text(
+        markdown_table(header, [[cell or "-" for cell in row] for row in rows]), encoding="utf-8"
+    )
     with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(header)
         writer.writerows(rows)
 
 
-def evaluate_problems(engine: RolloutEngine, problems: Sequence, verifier, prompts: Sequence[str], k: int,
-                      temperature: float, max_new_tokens: int, seed: int) -> dict[str, float]:
+def evaluate_problems(
+    engine: RolloutEngine,
+    problems: Sequence,
+    verifier,
+    prompts: Sequence[str],
+    k: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+) -> dict[str, float]:
     """Held-out accuracy of problems with a verifier `verifier(problems, completions) -> scores`:
     greedy, and avg@k / pass@k over k samples at `temperature` (used during training and by
     `gppo eval --task`), with the standard errors over problems of greedy and avg@k and the number
     of problems ('eval/problems')."""
     greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed))
     greedy_scores = list(verifier(problems, [g.text for g in greedy]))
-    sampled = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
-                                                      n=k, seed=seed))
+    sampled = engine.generate(
+        prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=k, seed=seed)
+    )
     scores = verifier([problems[g.prompt_index] for g in sampled], [g.text for g in sampled])
-    per_problem = [scores[i * k:(i + 1) * k] for i in range(len(problems))]
+    per_problem = [scores[i * k : (i + 1) * k] for i in range(len(problems))]
     correct = [sum(s >= 1.0 for s in row) for row in per_problem]
-    return {"eval/greedy": sum(greedy_scores) / len(problems), "eval/greedy_se": standard_error(greedy_scores),
-            "eval/avg@k": avg_at_k(per_problem), "eval/avg@k_se": standard_error([sum(r) / k for r in per_problem]),
-            f"eval/pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(problems),
-            "eval/length_mean": sum(len(g.completion_ids) for g in sampled) / len(sampled),
-            "eval/problems": len(problems)}
+    return {
+        "eval/greedy": sum(greedy_scores) / len(problems),
+        "eval/greedy_se": standard_error(greedy_scores),
+        "eval/avg@k": avg_at_k(per_problem),
+        "eval/avg@k_se": standard_error([sum(r) / k for r in per_problem]),
+        f"eval/pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(problems),
+        "eval/length_mean": sum(len(g.completion_ids) for g in sampled) / len(sampled),
+        "eval/problems": len(problems),
+    }
 
 
-__all__ = ["BenchmarkSummary", "CompletionProgress", "evaluate", "evaluate_problems", "flexible_answer", "k_values",
-           "same_number"]
+__all__ = [
+    "BenchmarkSummary",
+    "CompletionProgress",
+    "evaluate",
+    "evaluate_problems",
+    "flexible_answer",
+    "k_values",
+    "same_number",
+]

@@ -24,9 +24,10 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
@@ -43,9 +44,18 @@ class ConfigError(ValueError):
     """A bad setting; the message names the field, the value and the fix."""
 
 
-def option(default=dataclasses.MISSING, help: str = "", group: str | None = None, *, why: str | None = None,
-           choices: tuple | None = None, check: Callable | None = None, example=None, short: str | None = None,
-           **constraints):
+def option(
+    default=dataclasses.MISSING,
+    help: str = "",
+    group: str | None = None,
+    *,
+    why: str | None = None,
+    choices: tuple | None = None,
+    check: Callable | None = None,
+    example=None,
+    short: str | None = None,
+    **constraints,
+):
     """A dataclass field with its help text, group and checks (see the module docstring).
 
     `why` is appended to constraint errors; `example` replaces the default in "give e.g. ...";
@@ -53,8 +63,16 @@ def option(default=dataclasses.MISSING, help: str = "", group: str | None = None
     unknown = set(constraints) - set(CONSTRAINTS)
     if unknown:
         raise TypeError(f"option() got unknown constraints {sorted(unknown)}; use {list(CONSTRAINTS)}")
-    metadata = {"help": help, "group": group, "why": why, "choices": choices, "check": check,
-                "example": example, "short": short, "constraints": constraints}
+    metadata = {
+        "help": help,
+        "group": group,
+        "why": why,
+        "choices": choices,
+        "check": check,
+        "example": example,
+        "short": short,
+        "constraints": constraints,
+    }
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=functools.partial(type(default), default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -111,10 +129,21 @@ def specs(cls) -> dict[str, Spec]:
             choices, item = typing.get_args(item), type(typing.get_args(item)[0])
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         out[f.name] = Spec(
-            name=f.name, base=base, item=item, optional=optional, is_list=is_list, default=default,
-            metadata=f.metadata, group=f.metadata.get("group"), choices=choices,
-            constraints=f.metadata.get("constraints") or {}, why=f.metadata.get("why"),
-            check=f.metadata.get("check"), example=f.metadata.get("example"), short=f.metadata.get("short"))
+            name=f.name,
+            base=base,
+            item=item,
+            optional=optional,
+            is_list=is_list,
+            default=default,
+            metadata=f.metadata,
+            group=f.metadata.get("group"),
+            choices=choices,
+            constraints=f.metadata.get("constraints") or {},
+            why=f.metadata.get("why"),
+            check=f.metadata.get("check"),
+            example=f.metadata.get("example"),
+            short=f.metadata.get("short"),
+        )
     return out
 
 
@@ -159,9 +188,15 @@ def _adapter(item, choices: bool, constraints: tuple) -> pydantic.TypeAdapter | 
 
 
 _PROBLEMS = {
-    "float_parsing": "is not a number", "float_type": "is not a number", "int_parsing": "is not an integer",
-    "int_type": "is not an integer", "int_from_float": "is not a whole number", "value_error": "is not {what}",
-    "finite_number": "is not a finite number", "string_type": "is not text", "dict_type": "is not a mapping",
+    "float_parsing": "is not a number",
+    "float_type": "is not a number",
+    "int_parsing": "is not an integer",
+    "int_type": "is not an integer",
+    "int_from_float": "is not a whole number",
+    "value_error": "is not {what}",
+    "finite_number": "is not a finite number",
+    "string_type": "is not text",
+    "dict_type": "is not a mapping",
 }
 _WHAT = {bool: "true or false (or yes/no, 1/0)", int: "an integer", float: "a number", str: "text", dict: "a mapping"}
 
@@ -175,9 +210,12 @@ class Source:
     where: str = ""  # the YAML file, the Python owner, the mapping's name
 
     def name(self, spec: Spec) -> str:
-        return {"cli": f"-{spec.short}" if spec.short else f"--{spec.name}", "yaml": f"{spec.name} (in {self.where})",
-                "python": f"{self.where}.{spec.name}" if self.where else spec.name,
-                "mapping": f"{self.where}[{spec.name!r}]"}[self.kind]
+        return {
+            "cli": f"-{spec.short}" if spec.short else f"--{spec.name}",
+            "yaml": f"{spec.name} (in {self.where})",
+            "python": f"{self.where}.{spec.name}" if self.where else spec.name,
+            "mapping": f"{self.where}[{spec.name!r}]",
+        }[self.kind]
 
     def example(self, spec: Spec) -> str:
         value = _example(spec)
@@ -242,13 +280,16 @@ def _convert_scalar(spec: Spec, value, source: Source, item: int | None = None):
             why = f": {spec.why}" if spec.why else ""
             where = f" (item {item + 1})" if item is not None else ""
             got = value if isinstance(value, str) else repr(value)
-            raise ConfigError(f"{source.name(spec)}{where} must be {CONSTRAINTS[key]} {spec.constraints[key]} "
-                              f"(got {got}){why}; give e.g. {source.example(spec)}") from None
+            raise ConfigError(
+                f"{source.name(spec)}{where} must be {CONSTRAINTS[key]} {spec.constraints[key]} "
+                f"(got {got}){why}; give e.g. {source.example(spec)}"
+            ) from None
         problem = _PROBLEMS.get(kind, error["msg"].lower()).format(what=_WHAT.get(spec.item, "valid"))
         raise _refuse(spec, source, f"{value!r} {problem}", item) from None
     if spec.choices and out not in spec.choices:
-        raise _refuse(spec, source, f"{value!r} is not one of {list(spec.choices)}{closest(out, spec.choices)}",
-                      item) from None
+        raise _refuse(
+            spec, source, f"{value!r} is not one of {list(spec.choices)}{closest(out, spec.choices)}", item
+        ) from None
     return out
 
 
@@ -281,8 +322,10 @@ def refuse_ignored(config, names, unless: str) -> None:
     changed = [n for n in names if getattr(config, n) != fields[n].default]
     if changed:
         flags = ", ".join(f"--{n} {_shown(getattr(config, n))}" for n in changed)
-        raise ConfigError(f"{flags} would be ignored: {'it applies' if len(changed) == 1 else 'they apply'} "
-                          f"{unless}; remove {'it' if len(changed) == 1 else 'them'}")
+        raise ConfigError(
+            f"{flags} would be ignored: {'it applies' if len(changed) == 1 else 'they apply'} "
+            f"{unless}; remove {'it' if len(changed) == 1 else 'them'}"
+        )
 
 
 def refuse_unknown(keys, valid, source: Source) -> None:
@@ -316,8 +359,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
-                                                        key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -332,15 +374,19 @@ def load_yaml(path, flag: str = "--config") -> dict:
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
         at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        raise ConfigError(f"{flag} {path}: {at}{err.problem or err.context}; fix the YAML syntax "
-                          "(one `key: value` per line; quote values holding ':' or '#')") from None
+        raise ConfigError(
+            f"{flag} {path}: {at}{err.problem or err.context}; fix the YAML syntax "
+            "(one `key: value` per line; quote values holding ':' or '#')"
+        ) from None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise ConfigError(f"{flag} {path}: not readable as YAML ({err}); give a UTF-8 YAML file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{flag} {path}: holds a {type(data).__name__}, not a mapping; write one "
-                          "`key: value` per line (keys: the flags without the dashes)")
+        raise ConfigError(
+            f"{flag} {path}: holds a {type(data).__name__}, not a mapping; write one "
+            "`key: value` per line (keys: the flags without the dashes)"
+        )
     return {str(key): value for key, value in data.items()}
 
 
@@ -362,7 +408,9 @@ class ArgumentParser(argparse.ArgumentParser):
             word = next((e for e in extra if e.startswith("-")), extra[0])
             flag = word.split("=", 1)[0]
             if flag.startswith("-"):
-                hint = closest(flag.lstrip("-"), names).replace("(did you mean '", "(did you mean --").replace("'?)", "?)")
+                hint = (
+                    closest(flag.lstrip("-"), names).replace("(did you mean '", "(did you mean --").replace("'?)", "?)")
+                )
                 self.error(f"unknown option {flag}{hint}")
             self.error(f"unexpected argument {word!r} (values follow their --flag)")
         return args
@@ -374,8 +422,9 @@ def _metavar(spec: Spec) -> str:
     return {bool: "BOOL", int: "INT", float: "FLOAT"}.get(spec.item, "TEXT")
 
 
-def add_arguments(parser, cls, group_of: Callable[[Spec], Any] | None = None, default_text: str | None = None,
-                  exclude: tuple = ()) -> None:
+def add_arguments(
+    parser, cls, group_of: Callable[[Spec], Any] | None = None, default_text: str | None = None, exclude: tuple = ()
+) -> None:
     """One --flag per field of `cls` but `exclude` (values stay strings: `check` converts them).
 
     `group_of(spec)` picks the argparse group (default: the parser); `default_text` replaces the
@@ -384,8 +433,12 @@ def add_arguments(parser, cls, group_of: Callable[[Spec], Any] | None = None, de
         if spec.name in exclude:
             continue
         target = group_of(spec) if group_of is not None else parser
-        kwargs = dict(dest=spec.name, default=argparse.SUPPRESS, metavar=_metavar(spec),
-                      help=help_text(spec, default_text).replace("%", "%%"))
+        kwargs = dict(
+            dest=spec.name,
+            default=argparse.SUPPRESS,
+            metavar=_metavar(spec),
+            help=help_text(spec, default_text).replace("%", "%%"),
+        )
         if spec.required:
             kwargs["required"] = True
         if spec.is_list:

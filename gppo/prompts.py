@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from string import Formatter
-from typing import Union
 
 Message = dict
-Prompt = Union[str, list]  # text, or a list of {"role", "content"} messages
+Prompt = str | list  # text, or a list of {"role", "content"} messages
 CHAT_TEMPLATE_CHOICES = ("auto", "true", "false")
 ROLES = ("system", "user", "assistant")
 
@@ -60,12 +59,15 @@ def check_prompt_template(template: str) -> None:
 def check_messages(messages, where: str = "prompt") -> list[Message]:
     """`messages` if it is a non-empty list of {"role", "content"} dicts with a user turn; else a clear error."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where} must be text or a non-empty list of {{'role', 'content'}} messages, "
-                         f"got {str(messages)[:80]}")
+        raise ValueError(
+            f"{where} must be text or a non-empty list of {{'role', 'content'}} messages, got {str(messages)[:80]}"
+        )
     for i, message in enumerate(messages):
         if not (isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)):
-            raise ValueError(f"{where} message {i} must be {{'role': one of {list(ROLES)}, 'content': text}}, "
-                             f"got {str(message)[:80]}")
+            raise ValueError(
+                f"{where} message {i} must be {{'role': one of {list(ROLES)}, 'content': text}}, "
+                f"got {str(message)[:80]}"
+            )
     if not any(m["role"] == "user" for m in messages):
         raise ValueError(f"{where} has no user message (roles: {[m['role'] for m in messages]})")
     return messages
@@ -104,8 +106,10 @@ class PromptBuilder:
         self.tokenizer, self.config = tokenizer, config
         available = has_chat_template(tokenizer)
         if config.chat_template == "true" and not available:
-            raise ValueError("chat_template=true, but the tokenizer has no chat template: use chat_template auto "
-                             "or false, or a model whose tokenizer_config.json has a 'chat_template'")
+            raise ValueError(
+                "chat_template=true, but the tokenizer has no chat template: use chat_template auto "
+                "or false, or a model whose tokenizer_config.json has a 'chat_template'"
+            )
         self.uses_chat_template = available if config.chat_template == "auto" else config.chat_template == "true"
         bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
         adds_bos = bos_id is not None and tokenizer("a")["input_ids"][:1] == [bos_id]
@@ -130,20 +134,31 @@ class PromptBuilder:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception as err:  # jinja2's TemplateError, or what the template's own raise_exception gives
                 roles = [m["role"] for m in messages]
-                raise ValueError(f"the tokenizer's chat template failed on a prompt with roles {roles} "
-                                 f"({type(err).__name__}: {err}): use --chat_template false, leave out "
-                                 f"--system_prompt if the template refuses a system role, or fix the template "
-                                 f"in the model's tokenizer_config.json") from None
+                raise ValueError(
+                    f"the tokenizer's chat template failed on a prompt with roles {roles} "
+                    f"({type(err).__name__}: {err}): use --chat_template false, leave out "
+                    f"--system_prompt if the template refuses a system role, or fix the template "
+                    f"in the model's tokenizer_config.json"
+                ) from None
             if self._added_bos and text.startswith(self._added_bos):
-                text = text[len(self._added_bos):]  # the tokenizer adds it again
+                text = text[len(self._added_bos) :]  # the tokenizer adds it again
             return text
         if any(m["role"] == "assistant" for m in messages):
             has = "one" if has_chat_template(self.tokenizer) else "none"
-            raise ValueError(f"a conversation with assistant turns needs a chat template, but none is used "
-                             f"(chat_template={self.config.chat_template}, the tokenizer has {has}): use "
-                             "chat_template true with a tokenizer that has one")
+            raise ValueError(
+                f"a conversation with assistant turns needs a chat template, but none is used "
+                f"(chat_template={self.config.chat_template}, the tokenizer has {has}): use "
+                "chat_template true with a tokenizer that has one"
+            )
         return "\n\n".join(m["content"] for m in messages)
 
 
-__all__ = ["CHAT_TEMPLATE_CHOICES", "Prompt", "PromptBuilder", "PromptConfig", "check_messages",
-           "check_prompt_template", "has_chat_template"]
+__all__ = [
+    "CHAT_TEMPLATE_CHOICES",
+    "Prompt",
+    "PromptBuilder",
+    "PromptConfig",
+    "check_messages",
+    "check_prompt_template",
+    "has_chat_template",
+]

@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gppo.core import ESTIMATORS, Divergence, divergence as _divergence
+from gppo.core import ESTIMATORS, Divergence
+from gppo.core import divergence as _divergence
 
 
 def _div(div: str | Divergence, **params) -> Divergence:
@@ -59,8 +60,16 @@ def dppo_penalty(tv_max: float, xi: float, horizon: int) -> float:
     return min(2 * xi * horizon * (horizon - 1) * tv_max**2, 4 * xi * horizon * tv_max)
 
 
-def improvement_bound(div: str | Divergence, delta: float, xi: float, *, horizon: int | None = None,
-                      gamma: float | None = None, surrogate: float = 0.0, bound: str = "dppo") -> float:
+def improvement_bound(
+    div: str | Divergence,
+    delta: float,
+    xi: float,
+    *,
+    horizon: int | None = None,
+    gamma: float | None = None,
+    surrogate: float = 0.0,
+    bound: str = "dppo",
+) -> float:
     """Lower bound on J(pi) - J(mu): surrogate - penalty(TV <= phi_f^-1(delta)) (module docstring).
 
     bound="dppo": give `horizon` (Theorem 3.2) or `gamma` (Theorem 2.1), xi = max_s |E_pi A|;
@@ -82,8 +91,9 @@ def improvement_bound(div: str | Divergence, delta: float, xi: float, *, horizon
     return surrogate - penalty
 
 
-def ratio_interval(div: str | Divergence, estimator: str, q, delta_low: float,
-                   delta_high: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def ratio_interval(
+    div: str | Divergence, estimator: str, q, delta_low: float, delta_high: float | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """[lo, hi] of r = p/q allowed within the radii for tokens of probability q (numpy float64).
 
     sample: f~(r) <= delta (the same for every q); cell: q f~(r) <= delta;
@@ -137,7 +147,9 @@ def matched_radii(div: str | Divergence, estimator: str, delta: float) -> tuple[
     radii: their partitions refine {a, rest}, so their estimate is >= binary's and they never allow
     more movement at the same radius."""
     if not 0 < delta < 0.5:
-        raise ValueError(f"delta must be in (0, 0.5) (got {delta}): it is a TV radius at q = 0.5, whose ratio "
-                         "interval [1 - 2 delta, 1 + 2 delta] must keep r > 0")
+        raise ValueError(
+            f"delta must be in (0, 0.5) (got {delta}): it is a TV radius at q = 0.5, whose ratio "
+            "interval [1 - 2 delta, 1 + 2 delta] must keep r > 0"
+        )
     est = estimator if ESTIMATORS.lookup(estimator).has_ratio_interval else "binary"
     return tuple(float(estimate_at_ratio(div, est, [REFERENCE_Q], [1 + side * 2 * delta])[0]) for side in (-1, 1))

@@ -22,10 +22,12 @@ def default_threads(window_s: float = 0.1) -> int:
 def _busy_cores(window_s: float) -> float:
     """Cores busy on average over `window_s`: (1 - idle share of the CPU time) x cores, from the
     aggregate 'cpu' line of /proc/stat (fields user nice system idle iowait ...; idle + iowait idle)."""
+
     def sample():
         with open("/proc/stat") as stat:
             values = [int(v) for v in stat.readline().split()[1:]]
         return sum(values), values[3] + values[4]
+
     total0, idle0 = sample()
     time.sleep(window_s)
     total1, idle1 = sample()

@@ -31,9 +31,14 @@ def compose_verl_example(*overrides, name="gppo_trainer"):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(VERL_CONFIG_DIR), version_base=None):
-        return compose(config_name=name, overrides=["hydra.searchpath=[pkg://verl.trainer.config]",
-                                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-                                                    *overrides])
+        return compose(
+            config_name=name,
+            overrides=[
+                "hydra.searchpath=[pkg://verl.trainer.config]",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                *overrides,
+            ],
+        )
 
 
 @pytest.fixture(scope="session")

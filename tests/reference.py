@@ -10,6 +10,7 @@ import torch
 
 def generator(name: str, alpha: float = 0.5):
     """The raw generator f(t) of docs/design.md section 2 (not normalised), with f(0) as a limit."""
+
     def f(t: float) -> float:
         if name == "tv":
             return 0.5 * abs(t - 1)
@@ -33,14 +34,20 @@ def generator(name: str, alpha: float = 0.5):
                 return math.inf if a < 0 else (-1 + a) / (a * (a - 1))
             return (t**a - 1 - a * (t - 1)) / (a * (a - 1))
         raise KeyError(name)
+
     return f
 
 
 def slope_at_infinity(name: str, alpha: float = 0.5) -> float:
     """lim_{t->inf} f(t)/t of the raw generator (the q = 0 < p cell is p times this)."""
     return {
-        "tv": 0.5, "kl": 0.0, "rkl": math.inf, "chi2": math.inf, "neyman": 1.0,
-        "hellinger": 1.0, "js": 0.5 * math.log(2),
+        "tv": 0.5,
+        "kl": 0.0,
+        "rkl": math.inf,
+        "chi2": math.inf,
+        "neyman": 1.0,
+        "hellinger": 1.0,
+        "js": 0.5 * math.log(2),
         "alpha": 1 / (1 - alpha) if alpha < 1 else math.inf,
     }[name]
 
@@ -102,7 +109,8 @@ def dppo_loss(logp, logq, adv, mask, divergence_value, delta_low, delta_high, ca
     adv = adv[:, None].expand_as(r) if adv.dim() == 1 else adv
     p, q = logp.exp(), logq.exp()
     outside = ((adv > 0) & (p > q) & (divergence_value > delta_high)) | (
-        (adv < 0) & (p < q) & (divergence_value > delta_low))
+        (adv < 0) & (p < q) & (divergence_value > delta_low)
+    )
     keep = (~outside).float()
     weight = r if cap is None else torch.clamp(r.detach(), max=cap) * logp
     return -(adv * weight * keep * mask).sum() / mask.sum()

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                                reason="glibc's malloc_trim")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim"
+)
 
 SCRIPT = """
 import torch

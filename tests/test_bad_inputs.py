@@ -17,8 +17,8 @@ from gppo.cli import main
 from gppo.commands.eval import EvalConfig
 from gppo.evaluation import evaluate
 from gppo.options import CLI, ConfigError, convert, load_yaml, specs, yaml_source
-from gppo.rewards.pipeline import RewardPipeline
 from gppo.problem import Problem
+from gppo.rewards.pipeline import RewardPipeline
 from gppo.trainer.config import TrainConfig, config_values, from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,10 +55,13 @@ def test_documented_bad_input_gets_its_answer(command, answer, micro_model, tmp_
     err = capsys.readouterr().err.replace(str(tmp_path), "TMP").replace(str(micro_model), "MODEL")
     assert status == 2, err
     assert "Traceback" not in err
-    prefix = f"gppo {argv[1]}: error: " if argv[1] in ("train", "eval", "sweep", "probe", "geometry",
-                                                        "warmstart", "presets") else "gppo: error: "
+    prefix = (
+        f"gppo {argv[1]}: error: "
+        if argv[1] in ("train", "eval", "sweep", "probe", "geometry", "warmstart", "presets")
+        else "gppo: error: "
+    )
     assert err.count("error:") == 1 and prefix in err, err
-    message = err[err.index(prefix) + len(prefix):]
+    message = err[err.index(prefix) + len(prefix) :]
     position = 0
     for piece in (p.strip() for p in answer.split("…")):
         found = message.find(piece, position)
@@ -67,16 +70,19 @@ def test_documented_bad_input_gets_its_answer(command, answer, micro_model, tmp_
 
 
 # ------------------------------------------------------------------------------ one validation, every source
-@pytest.mark.parametrize("field,raw,value", [
-    ("lr", "1e-3", 1e-3),  # YAML 1.1 reads 1e-3 as a string
-    ("chat_template", "no", "false"),  # a quoted "no" is false, not a truthy string
-    ("chat_template", "YES", "true"),
-    ("progress", 0, False),
-    ("reward_weights", ["1", "0.5"], [1.0, 0.5]),
-    ("report_to", ["tensorboard"], ["tensorboard"]),
-    ("threads", "none", None),
-    ("steps", 3.0, 3),
-])
+@pytest.mark.parametrize(
+    "field,raw,value",
+    [
+        ("lr", "1e-3", 1e-3),  # YAML 1.1 reads 1e-3 as a string
+        ("chat_template", "no", "false"),  # a quoted "no" is false, not a truthy string
+        ("chat_template", "YES", "true"),
+        ("progress", 0, False),
+        ("reward_weights", ["1", "0.5"], [1.0, 0.5]),
+        ("report_to", ["tensorboard"], ["tensorboard"]),
+        ("threads", "none", None),
+        ("steps", 3.0, 3),
+    ],
+)
 def test_values_are_converted_alike_from_every_source(field, raw, value, tmp_path):
     spec = specs(TrainConfig)[field]
     assert convert(spec, raw, CLI) == value
@@ -93,8 +99,10 @@ def test_booleans_parse_strictly(raw):
 
 def test_yaml_and_flags_meet_in_one_config(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text('lr: 1e-3\nchat_template: "no"\nreward_funcs: [tests.reward_fns:length_bonus]\n'
-                    "reward_weights: [1, 0.5]\nloss:\n  delta_high: '0.2'\n")
+    path.write_text(
+        'lr: 1e-3\nchat_template: "no"\nreward_funcs: [tests.reward_fns:length_bonus]\n'
+        "reward_weights: [1, 0.5]\nloss:\n  delta_high: '0.2'\n"
+    )
     values = config_values({"config": str(path), "steps": "7", "divergence": "kl"})
     config = from_dict(values)
     assert (config.lr, config.chat_template, config.reward_weights, config.steps) == (1e-3, "false", [1.0, 0.5], 7)
@@ -106,8 +114,20 @@ def test_flags_convert_typed_lists(micro_model, tmp_path, capsys):
     """--reward_weights from the command line used to stay strings and fail in the reward sum."""
     from gppo.commands.train import parser
 
-    args = parser().parse(["--reward_funcs", "tests.reward_fns:length_bonus", "--reward_weights", "1", "0.5",
-                           "--chat_template", "--progress", "FALSE", "--norm_length", "none"])
+    args = parser().parse(
+        [
+            "--reward_funcs",
+            "tests.reward_fns:length_bonus",
+            "--reward_weights",
+            "1",
+            "0.5",
+            "--chat_template",
+            "--progress",
+            "FALSE",
+            "--norm_length",
+            "none",
+        ]
+    )
     values = config_values(args)
     assert values["reward_weights"] == [1.0, 0.5] and values["chat_template"] == "true"
     assert values["progress"] is False and values["norm_length"] is None
@@ -163,8 +183,9 @@ def test_log_probs_above_zero_are_refused(field):
 
 def test_log_probs_at_rounding_level_pass():
     """Log-probs computed in low precision may exceed 0 by rounding: tolerated up to LOGP_MAX = 0.1."""
-    loss, _ = gppo.policy_loss(small_batch(logp=torch.full((2, 3), 0.05), logp_behavior=torch.full((2, 3), 1e-3)),
-                               gppo.preset("ppo"))
+    loss, _ = gppo.policy_loss(
+        small_batch(logp=torch.full((2, 3), 0.05), logp_behavior=torch.full((2, 3), 1e-3)), gppo.preset("ppo")
+    )
     assert torch.isfinite(loss)
 
 
@@ -183,18 +204,24 @@ def test_a_huge_reward_is_blamed_on_the_reward():
         result = RewardPipeline(verifier, huge)(PROBLEMS, ["2", "3"], [[1], [2]])
     assert result.rewards == [1.0, 1.5]
     big = [("tests:big", lambda completions, **_: [1e6, 1.0])]
-    with pytest.raises(ValueError, match=r"the reward of sample 0 is 1e\+12 \(verifier 1, tests:big 1e\+06; "
-                                         r"weights \[1.0, 1000000.0\]\), beyond \+-1e\+06: lower reward_weights"):
+    with pytest.raises(
+        ValueError,
+        match=r"the reward of sample 0 is 1e\+12 \(verifier 1, tests:big 1e\+06; "
+        r"weights \[1.0, 1000000.0\]\), beyond \+-1e\+06: lower reward_weights",
+    ):
         RewardPipeline(verifier, big, weights=[1.0, 1e6])(PROBLEMS, ["2", "3"], [[1], [2]])
 
 
-@pytest.mark.parametrize("changes,match", [
-    (dict(weights=["1"]), r"reward_weights\[0\] = '1' is not a number within"),
-    (dict(weights=[float("inf")]), r"reward_weights\[0\] = inf is not a number"),
-    (dict(weights=[1.0, 2.0]), "reward_weights has 2 values but there is 1 reward"),
-    (dict(format_reward=float("nan")), "format_reward = nan is not a number"),
-    (dict(format_pattern="("), r"format_pattern '\(' is not a valid regular expression"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(weights=["1"]), r"reward_weights\[0\] = '1' is not a number within"),
+        (dict(weights=[float("inf")]), r"reward_weights\[0\] = inf is not a number"),
+        (dict(weights=[1.0, 2.0]), "reward_weights has 2 values but there is 1 reward"),
+        (dict(format_reward=float("nan")), "format_reward = nan is not a number"),
+        (dict(format_pattern="("), r"format_pattern '\(' is not a valid regular expression"),
+    ],
+)
 def test_reward_pipeline_settings(changes, match):
     with pytest.raises(ValueError, match=match):
         RewardPipeline(verifier, **changes)
@@ -206,8 +233,13 @@ def test_evaluate_refuses_a_benchmark_without_a_readable_row(tmp_path):
             raise AssertionError("nothing may be generated")
 
     with pytest.raises(ValueError, match="benchmark aime24: none of its 1 rows could be read .*missing field"):
-        evaluate(NoEngine(), ["aime24"], {"aime24": ROOT / "tests/fixtures/benchmarks/unknown_schema.jsonl"},
-                 out_dir=tmp_path, progress=False)
+        evaluate(
+            NoEngine(),
+            ["aime24"],
+            {"aime24": ROOT / "tests/fixtures/benchmarks/unknown_schema.jsonl"},
+            out_dir=tmp_path,
+            progress=False,
+        )
 
 
 def test_trl_overrides_share_the_validation(tmp_path):
@@ -226,10 +258,14 @@ def test_trl_overrides_share_the_validation(tmp_path):
         parse_overrides([1])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(gppo.GPPOConfigError, match=r"is not JSON \(Expecting property name enclosed in double "
-                                                       r"quotes at column 2\); give e.g."):
+        with pytest.raises(
+            gppo.GPPOConfigError,
+            match=r"is not JSON \(Expecting property name enclosed in double "
+            r"quotes at column 2\); give e.g.",
+        ):
             HfArgumentParser(GPPOTrainerConfig).parse_args_into_dataclasses(
-                ["--output_dir", str(tmp_path), "--use_cpu", "true", "--gppo_overrides", "{divergence: kl}"])
+                ["--output_dir", str(tmp_path), "--use_cpu", "true", "--gppo_overrides", "{divergence: kl}"]
+            )
 
 
 def test_fields_without_a_command_line_form_pass_unchanged():

@@ -24,11 +24,19 @@ def trl_weight(logp_old, logp_behavior, mask, mode, clip_min, clip_max):
     stop = next((i for i, line in enumerate(lines) if "Unknown vLLM importance sampling level" in line), None)
     if start is None or stop is None:
         pytest.skip("this TRL version computes the vLLM importance-sampling ratio elsewhere")
-    namespace = dict(torch=torch, math=math, old_per_token_logps=logp_old, sampling_per_token_logps=logp_behavior,
-                     mask=mask, self=SimpleNamespace(vllm_importance_sampling_mode=mode,
-                                                     vllm_importance_sampling_clip_min=clip_min,
-                                                     vllm_importance_sampling_clip_max=clip_max))
-    exec(textwrap.dedent("\n".join(lines[start:stop + 2])), namespace)  # through the raise's closing line
+    namespace = dict(
+        torch=torch,
+        math=math,
+        old_per_token_logps=logp_old,
+        sampling_per_token_logps=logp_behavior,
+        mask=mask,
+        self=SimpleNamespace(
+            vllm_importance_sampling_mode=mode,
+            vllm_importance_sampling_clip_min=clip_min,
+            vllm_importance_sampling_clip_max=clip_max,
+        ),
+    )
+    exec(textwrap.dedent("\n".join(lines[start : stop + 2])), namespace)  # through the raise's closing line
     return namespace["vllm_importance_sampling_ratio"]
 
 
@@ -53,8 +61,9 @@ def batch_with_old(seed):
 def test_behavior_weight_modes_equal_trl(seed, mode, floor, cap):
     batch = batch_with_old(seed)
     weight = trl_weight(batch.logp_old, batch.logp_behavior, batch.mask, mode, floor, cap)
-    cfg = gppo.preset("ppo", anchor="old", behavior_weight_mode=mode, behavior_weight_floor=floor,
-                      behavior_weight_cap=cap)
+    cfg = gppo.preset(
+        "ppo", anchor="old", behavior_weight_mode=mode, behavior_weight_floor=floor, behavior_weight_cap=cap
+    )
     loss, grad, _ = loss_and_grad(batch, cfg)
     expected = ppo_clip_around_old(batch.logp, batch.logp_old, batch.advantages, batch.mask, 0.2, weight)
     assert_same(loss, expected)
@@ -76,22 +85,30 @@ def test_every_branch_of_the_band_is_exercised(level, band):
 def test_token_truncate_without_floor_is_the_cap_alone():
     batch = batch_with_old(3)
     a, ga, _ = loss_and_grad(batch, gppo.preset("ppo", anchor="old", behavior_weight_cap=1.1))
-    b, gb, _ = loss_and_grad(batch, gppo.preset("ppo", anchor="old", behavior_weight_cap=1.1,
-                                                behavior_weight_mode="token_truncate"))
+    b, gb, _ = loss_and_grad(
+        batch, gppo.preset("ppo", anchor="old", behavior_weight_cap=1.1, behavior_weight_mode="token_truncate")
+    )
     assert_same(a, b)
     assert_same(ga, gb)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(behavior_weight_mode="token_clip", behavior_weight_cap=2.0, anchor="old"),
-     r"behavior_weight_mode='token_clip' is not valid.*token_mask"),
-    (dict(behavior_weight_mode="sequence_mask"), r"behavior_weight_mode='sequence_mask' has no band"),
-    (dict(behavior_weight_floor=0.5), r"behavior_weight_floor corrects pi_old vs mu and needs anchor='old'"),
-    (dict(behavior_weight_floor=2.0, behavior_weight_cap=1.5, anchor="old"),
-     r"behavior_weight_floor=2.0 must be <= behavior_weight_cap=1.5"),
-    (dict(behavior_weight_floor=-1.0, anchor="old"), r"behavior_weight_floor must be >= 0 and finite"),
-    (dict(behavior_weight_floor=math.nan, anchor="old"), r"behavior_weight_floor must be >= 0 and finite"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            dict(behavior_weight_mode="token_clip", behavior_weight_cap=2.0, anchor="old"),
+            r"behavior_weight_mode='token_clip' is not valid.*token_mask",
+        ),
+        (dict(behavior_weight_mode="sequence_mask"), r"behavior_weight_mode='sequence_mask' has no band"),
+        (dict(behavior_weight_floor=0.5), r"behavior_weight_floor corrects pi_old vs mu and needs anchor='old'"),
+        (
+            dict(behavior_weight_floor=2.0, behavior_weight_cap=1.5, anchor="old"),
+            r"behavior_weight_floor=2.0 must be <= behavior_weight_cap=1.5",
+        ),
+        (dict(behavior_weight_floor=-1.0, anchor="old"), r"behavior_weight_floor must be >= 0 and finite"),
+        (dict(behavior_weight_floor=math.nan, anchor="old"), r"behavior_weight_floor must be >= 0 and finite"),
+    ],
+)
 def test_bad_behavior_weights_are_refused(overrides, message):
     with pytest.raises(gppo.GPPOConfigError, match=message):
         gppo.preset("ppo", **overrides)
@@ -99,12 +116,16 @@ def test_bad_behavior_weights_are_refused(overrides, message):
 
 def test_float32_weights_match_float64():
     batch = batch_with_old(4)
-    cfg = gppo.preset("ppo", anchor="old", behavior_weight_mode="sequence_mask", behavior_weight_floor=0.5,
-                      behavior_weight_cap=2.0)
+    cfg = gppo.preset(
+        "ppo", anchor="old", behavior_weight_mode="sequence_mask", behavior_weight_floor=0.5, behavior_weight_cap=2.0
+    )
     loss64, _, _ = loss_and_grad(batch, cfg)
-    single = gppo.TokenBatch(logp=batch.logp.detach().float().requires_grad_(True),
-                             logp_behavior=batch.logp_behavior.float(), advantages=batch.advantages.float(),
-                             mask=batch.mask.float())
+    single = gppo.TokenBatch(
+        logp=batch.logp.detach().float().requires_grad_(True),
+        logp_behavior=batch.logp_behavior.float(),
+        advantages=batch.advantages.float(),
+        mask=batch.mask.float(),
+    )
     single.logp_old = batch.logp_old.float()
     loss32, _, _ = loss_and_grad(single, cfg)
     torch.testing.assert_close(loss32.double(), loss64, rtol=1e-5, atol=1e-6)

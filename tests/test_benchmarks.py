@@ -27,8 +27,13 @@ EXPECTED = {
     "olympiadbench": (2, "1606", "$2,-2$"),
     "livecodebench": (2, "toy001", StdioTest("1 2\n", "3\n")),
     "codeforces": (1, "9999/A", StdioTest("3 5\n", "5\n")),
-    "humanevalplus": (1, "Toy/0", AssertTest("def check(candidate):\n    assert candidate(1, 2) == 3\n"
-                                             "    assert candidate(-1, 1) == 0\n\n\ncheck(add)\n")),
+    "humanevalplus": (
+        1,
+        "Toy/0",
+        AssertTest(
+            "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n\n\ncheck(add)\n"
+        ),
+    ),
 }
 
 
@@ -51,7 +56,7 @@ def test_fixture_maps_to_problems(name):
         assert problem.tests[0] == first and problem.answer is None
         assert "```python" in problem.prompt
     protocol = (0.0, 1.0, 1) if name == "gsm8k" else (0.6, 0.95)  # gsm8k: greedy
-    assert (bench.temperature, bench.top_p, bench.n)[:len(protocol)] == protocol and bench.n >= 1
+    assert (bench.temperature, bench.top_p, bench.n)[: len(protocol)] == protocol and bench.n >= 1
 
 
 def test_gsm8k_reads_the_answer_after_hashes_and_scores_both_styles():
@@ -62,8 +67,7 @@ def test_gsm8k_reads_the_answer_after_hashes_and_scores_both_styles():
     problems = load_benchmark("gsm8k", FIXTURES / "gsm8k.jsonl").records
     assert [p.answer for p in problems] == ["12", "2,400"]
     assert problems[0].prompt.startswith("Toy question: Ana") and problems[0].prompt.endswith("\\boxed{}.")
-    results = score_math(["3 * 4 = 12.\n#### 12", "So \\boxed{2400}.", "#### 2401"],
-                         ["12", "2,400", "2,400"])
+    results = score_math(["3 * 4 = 12.\n#### 12", "So \\boxed{2400}.", "#### 2401"], ["12", "2,400", "2,400"])
     assert [r.reward for r in results] == [1.0, 1.0, 0.0]
 
 

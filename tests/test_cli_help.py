@@ -17,7 +17,7 @@ def test_each_flag_states_its_default_at_most_once(command, capsys):
     repeated = []
     for flag in flags:  # an appended "(default: X)" must be the only word on the default
         suffix = re.search(r"\(default: [^()]*\)\s*$", flag)
-        if suffix and re.search(r"\bdefault\b|\bunset:", flag[:suffix.start()], re.I):
+        if suffix and re.search(r"\bdefault\b|\bunset:", flag[: suffix.start()], re.I):
             repeated.append(flag)
     assert not repeated, repeated
 
@@ -28,8 +28,13 @@ def test_model_help_names_every_accepted_form(command, capsys):
     raw = capsys.readouterr().out
     text = " ".join(raw.split())
     model_help = " ".join(re.split(r"\n  -", raw.split("\n  --model TEXT", 1)[1], maxsplit=1)[0].split())
-    for form in ("Hugging Face causal-LM directory", ".gguf file", "directory holding one .gguf file", "smollm2",
-                 NAMED_MODELS["smollm2"].install):
+    for form in (
+        "Hugging Face causal-LM directory",
+        ".gguf file",
+        "directory holding one .gguf file",
+        "smollm2",
+        NAMED_MODELS["smollm2"].install,
+    ):
         assert form in model_help, form
     if command == "train":
         assert "float32, bfloat16 or float16" in text

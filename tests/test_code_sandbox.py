@@ -92,8 +92,7 @@ def test_call_tests_on_functions_and_solution_methods():
     function = "def add(a, b):\n    return a + b\n"
     assert run_test(function, CallTest("add", [2, 3], 5), FAST).status is CaseStatus.PASSED
     assert run_test(function, CallTest("add", [2, 3], 6), FAST).status is CaseStatus.WRONG_ANSWER
-    method = ("class Solution:\n    def pair(self, xs: List[int]) -> Tuple[int, int]:\n"
-              "        return min(xs), max(xs)\n")
+    method = "class Solution:\n    def pair(self, xs: List[int]) -> Tuple[int, int]:\n        return min(xs), max(xs)\n"
     assert run_test(method, CallTest("pair", [[3, 1, 2]], [1, 3]), FAST).status is CaseStatus.PASSED
     missing = run_test(function, CallTest("sub", [1, 1], 0), FAST)
     assert missing.status is CaseStatus.RUNTIME_ERROR and "sub" in missing.detail
@@ -175,8 +174,9 @@ def test_sockets_are_refused():
 
 def test_huge_output_is_cut_at_the_byte_cap():
     start = time.monotonic()
-    result = run_test("while True:\n    print('x' * 1000)\n", StdioTest("", ""),
-                      Limits(timeout_s=5, max_output_bytes=64 * 1024))
+    result = run_test(
+        "while True:\n    print('x' * 1000)\n", StdioTest("", ""), Limits(timeout_s=5, max_output_bytes=64 * 1024)
+    )
     assert result.status is CaseStatus.OUTPUT_LIMIT and "65536" in result.detail
     assert time.monotonic() - start < 5
 
@@ -248,7 +248,9 @@ def test_extract_code(completion, expected):
 
 WRONG = "def f(x):\n    return x\n"  # f(1) should be 2
 ASSERTS = AssertTest("assert f(1) == 2\nassert f(5) == 6\n")
-HUMANEVAL = AssertTest("def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(5) == 6\n\ncheck(f)\n")
+HUMANEVAL = AssertTest(
+    "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(5) == 6\n\ncheck(f)\n"
+)
 CALL = CallTest("f", [1], 2)
 STDIO = StdioTest("1\n", "2\n")
 
@@ -259,41 +261,66 @@ def assert_scores_zero(program: str, test) -> None:
 
 
 @pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, CALL], ids=["assert", "check", "call"])
-@pytest.mark.parametrize("exit_call", ["import sys\nsys.exit(0)\n", "import os\nos._exit(0)\n", "raise SystemExit\n",
-                                       "exit()\n", "import _thread\n_thread.exit()\n"],
-                         ids=["sys.exit", "os._exit", "SystemExit", "exit", "thread.exit"])
+@pytest.mark.parametrize(
+    "exit_call",
+    [
+        "import sys\nsys.exit(0)\n",
+        "import os\nos._exit(0)\n",
+        "raise SystemExit\n",
+        "exit()\n",
+        "import _thread\n_thread.exit()\n",
+    ],
+    ids=["sys.exit", "os._exit", "SystemExit", "exit", "thread.exit"],
+)
 def test_exiting_before_the_tests_scores_zero(exit_call, test):
     assert_scores_zero(exit_call + WRONG, test)
 
 
 @pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, CALL], ids=["assert", "check", "call"])
-@pytest.mark.parametrize("exit_call", ["import sys\n    sys.exit(0)", "import os\n    os._exit(0)"],
-                         ids=["sys.exit", "os._exit"])
+@pytest.mark.parametrize(
+    "exit_call", ["import sys\n    sys.exit(0)", "import os\n    os._exit(0)"], ids=["sys.exit", "os._exit"]
+)
 def test_exiting_inside_the_tested_function_scores_zero(exit_call, test):
     assert_scores_zero(f"def f(x):\n    {exit_call}\n", test)
 
 
-@pytest.mark.parametrize("program, test", [
-    ("raise SystemExit('2')\n", STDIO),  # the expected output, but as the exit message (stderr)
-    ("print(2)\nraise SystemExit(2)\n", STDIO),
-    ("print(2)\nraise SystemExit\n" + WRONG, ASSERTS),
-    ("raise SystemExit(2)\n", CALL),
-], ids=["stdio-message", "stdio-status", "assert", "call"])
+@pytest.mark.parametrize(
+    "program, test",
+    [
+        ("raise SystemExit('2')\n", STDIO),  # the expected output, but as the exit message (stderr)
+        ("print(2)\nraise SystemExit(2)\n", STDIO),
+        ("print(2)\nraise SystemExit\n" + WRONG, ASSERTS),
+        ("raise SystemExit(2)\n", CALL),
+    ],
+    ids=["stdio-message", "stdio-status", "assert", "call"],
+)
 def test_system_exit_with_the_expected_output_scores_zero(program, test):
     assert_scores_zero(program, test)
 
 
-@pytest.mark.parametrize("crash", ["1 / 0", "import os\nos._exit(1)", "import os\nos.abort()",
-                                   "import functools\nsys.setrecursionlimit(1 << 30)\n"
-                                   "g = functools.lru_cache(None)(lambda n: g(n + 1))\ng(0)"],
-                         ids=["exception", "os._exit(1)", "abort", "stack-overflow"])
+@pytest.mark.parametrize(
+    "crash",
+    [
+        "1 / 0",
+        "import os\nos._exit(1)",
+        "import os\nos.abort()",
+        "import functools\nsys.setrecursionlimit(1 << 30)\ng = functools.lru_cache(None)(lambda n: g(n + 1))\ng(0)",
+    ],
+    ids=["exception", "os._exit(1)", "abort", "stack-overflow"],
+)
 def test_printing_the_expected_output_then_crashing_scores_zero(crash):
     assert_scores_zero(f"import sys\nprint(2)\nsys.stdout.flush()\n{crash}\n", STDIO)
 
 
-@pytest.mark.parametrize("kill", ["os.kill(os.getppid(), signal.SIGKILL)", "os.killpg(os.getpgid(0), signal.SIGKILL)",
-                                  "signal.pthread_kill(threading.main_thread().ident, signal.SIGKILL)"],
-                         ids=["parent", "group", "main-thread"])
+@pytest.mark.parametrize(
+    "kill",
+    [
+        "os.kill(os.getppid(), signal.SIGKILL)",
+        "os.killpg(os.getpgid(0), signal.SIGKILL)",
+        "signal.pthread_kill(threading.main_thread().ident, signal.SIGKILL)",
+    ],
+    ids=["parent", "group", "main-thread"],
+)
 @pytest.mark.parametrize("test", [ASSERTS, CALL, STDIO], ids=["assert", "call", "stdio"])
 def test_killing_the_parent_or_the_harness_scores_zero(kill, test):
     program = f"import os, signal, threading\n{kill}\nprint(2)\n" + WRONG
@@ -301,84 +328,159 @@ def test_killing_the_parent_or_the_harness_scores_zero(kill, test):
     assert run_test(SUM, StdioTest("1 1", "2"), FAST).status is CaseStatus.PASSED  # the caller lives on
 
 
-@pytest.mark.parametrize("test", [ASSERTS, HUMANEVAL, AssertTest("if f(1) != 2:\n    raise AssertionError('f(1)')\n")],
-                         ids=["assert", "check", "raise"])
+@pytest.mark.parametrize(
+    "test",
+    [ASSERTS, HUMANEVAL, AssertTest("if f(1) != 2:\n    raise AssertionError('f(1)')\n")],
+    ids=["assert", "check", "raise"],
+)
 def test_redefining_assertion_error_or_check_scores_zero(test):
-    program = ("import builtins\nclass AssertionError(Exception):\n    pass\nbuiltins.AssertionError = AssertionError\n"
-               "def check(candidate):\n    pass\n" + WRONG)
+    program = (
+        "import builtins\nclass AssertionError(Exception):\n    pass\nbuiltins.AssertionError = AssertionError\n"
+        "def check(candidate):\n    pass\n" + WRONG
+    )
     assert_scores_zero(program, test)
 
 
-@pytest.mark.parametrize("patch, test_code", [
-    ("import builtins\nbuiltins.abs = lambda v: 0", "assert abs(f(1) - 2) < 1e-9"),
-    ("abs = lambda v: 0", "assert abs(f(1) - 2) < 1e-9"),
-    ("import builtins\nbuiltins.all = lambda v: True", "assert all([f(1) == 2])"),
-    ("import builtins, types\nreal = builtins.__import__\nfake = types.SimpleNamespace(isclose=lambda *a, **k: True)\n"
-     "builtins.__import__ = lambda name, *a, **k: fake if name == 'math' else real(name, *a, **k)",
-     "import math\nassert math.isclose(f(1), 2)"),
-    ("import builtins\nbuiltins.print = lambda *a, **k: None\nbuiltins.exec = lambda *a, **k: None", "assert f(1) == 2"),
-], ids=["builtins.abs", "global-abs", "builtins.all", "__import__", "print-exec"])
+@pytest.mark.parametrize(
+    "patch, test_code",
+    [
+        ("import builtins\nbuiltins.abs = lambda v: 0", "assert abs(f(1) - 2) < 1e-9"),
+        ("abs = lambda v: 0", "assert abs(f(1) - 2) < 1e-9"),
+        ("import builtins\nbuiltins.all = lambda v: True", "assert all([f(1) == 2])"),
+        (
+            "import builtins, types\nreal = builtins.__import__\nfake = types.SimpleNamespace(isclose=lambda *a, **k: True)\n"
+            "builtins.__import__ = lambda name, *a, **k: fake if name == 'math' else real(name, *a, **k)",
+            "import math\nassert math.isclose(f(1), 2)",
+        ),
+        (
+            "import builtins\nbuiltins.print = lambda *a, **k: None\nbuiltins.exec = lambda *a, **k: None",
+            "assert f(1) == 2",
+        ),
+    ],
+    ids=["builtins.abs", "global-abs", "builtins.all", "__import__", "print-exec"],
+)
 def test_patched_builtins_do_not_reach_the_tests(patch, test_code):
     assert_scores_zero(patch + "\n" + WRONG, AssertTest(test_code))
     # the same test still passes a right answer
     assert run_test("def f(x):\n    return x + 1\n", AssertTest(test_code), FAST).status is CaseStatus.PASSED
 
 
-@pytest.mark.parametrize("program, test_code", [
-    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return X()\n", "assert f(1) == 2"),
-    ("class X(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return X(0)\n", "assert f(1) == 2"),
-    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return [X()]\n", "assert f(1) == [2]"),
-    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return {1: X()}\n",
-     "assert f(1) == {1: 2}"),
-    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return (X() for _ in range(2))\n",
-     "assert list(f(1)) == [2, 2]"),
-    ("class X:\n    def __sub__(self, other):\n        return 0\n    __rsub__ = __sub__\ndef f(x):\n    return X()\n",
-     "assert abs(f(1) - 2) < 1e-9"),
-    ("class X:\n    def __bool__(self):\n        return True\ndef f(x):\n    return X()\n", "assert f(1)"),
-    ("import collections\nclass X:\n    def __eq__(self, other):\n        return True\n"
-     "def f(x):\n    return collections.UserList([X()])\n", "assert f(1) == [2]"),
-    ("class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    xs = [X()]\n    xs.append(xs)\n"
-     "    return xs\n", "assert f(1)[0] == 2"),
-    ("def f(x):\n    collections.Counter.__eq__ = lambda self, other: True\n    return collections.Counter()\n",
-     "assert f(1) == {1: 2}"),
-    ("def f(x):\n    collections.ChainMap.__eq__ = lambda self, other: True\n    return collections.ChainMap()\n",
-     "assert f(1) == {1: 2}"),
-], ids=["eq", "int-subclass", "in-list", "in-dict", "generator", "sub", "bool", "in-attribute", "cycle",
-        "patched-class", "class-attribute-added"])
+@pytest.mark.parametrize(
+    "program, test_code",
+    [
+        (
+            "class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return X()\n",
+            "assert f(1) == 2",
+        ),
+        (
+            "class X(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return X(0)\n",
+            "assert f(1) == 2",
+        ),
+        (
+            "class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return [X()]\n",
+            "assert f(1) == [2]",
+        ),
+        (
+            "class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return {1: X()}\n",
+            "assert f(1) == {1: 2}",
+        ),
+        (
+            "class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return (X() for _ in range(2))\n",
+            "assert list(f(1)) == [2, 2]",
+        ),
+        (
+            "class X:\n    def __sub__(self, other):\n        return 0\n    __rsub__ = __sub__\ndef f(x):\n    return X()\n",
+            "assert abs(f(1) - 2) < 1e-9",
+        ),
+        ("class X:\n    def __bool__(self):\n        return True\ndef f(x):\n    return X()\n", "assert f(1)"),
+        (
+            "import collections\nclass X:\n    def __eq__(self, other):\n        return True\n"
+            "def f(x):\n    return collections.UserList([X()])\n",
+            "assert f(1) == [2]",
+        ),
+        (
+            "class X:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    xs = [X()]\n    xs.append(xs)\n"
+            "    return xs\n",
+            "assert f(1)[0] == 2",
+        ),
+        (
+            "def f(x):\n    collections.Counter.__eq__ = lambda self, other: True\n    return collections.Counter()\n",
+            "assert f(1) == {1: 2}",
+        ),
+        (
+            "def f(x):\n    collections.ChainMap.__eq__ = lambda self, other: True\n    return collections.ChainMap()\n",
+            "assert f(1) == {1: 2}",
+        ),
+    ],
+    ids=[
+        "eq",
+        "int-subclass",
+        "in-list",
+        "in-dict",
+        "generator",
+        "sub",
+        "bool",
+        "in-attribute",
+        "cycle",
+        "patched-class",
+        "class-attribute-added",
+    ],
+)
 def test_objects_that_answer_comparisons_themselves_score_zero(program, test_code):
     assert_scores_zero(program, AssertTest(test_code))
 
 
-@pytest.mark.parametrize("program", [
-    "import math\nmath.isclose = lambda *a, **k: True\n" + WRONG,
-    "import math\ndef f(x):\n    math.isclose = lambda *a, **k: True\n    return x\n",
-    "import sys, types\nsys.modules['math'] = types.SimpleNamespace(isclose=lambda *a, **k: True)\n" + WRONG,
-    "import math\ndel math.isclose\nmath.isclose = lambda *a, **k: True\n" + WRONG,
-], ids=["module-attribute", "during-the-test", "sys.modules", "deleted"])
+@pytest.mark.parametrize(
+    "program",
+    [
+        "import math\nmath.isclose = lambda *a, **k: True\n" + WRONG,
+        "import math\ndef f(x):\n    math.isclose = lambda *a, **k: True\n    return x\n",
+        "import sys, types\nsys.modules['math'] = types.SimpleNamespace(isclose=lambda *a, **k: True)\n" + WRONG,
+        "import math\ndel math.isclose\nmath.isclose = lambda *a, **k: True\n" + WRONG,
+    ],
+    ids=["module-attribute", "during-the-test", "sys.modules", "deleted"],
+)
 def test_patching_the_standard_library_scores_zero(program):
     assert_scores_zero(program, AssertTest("import math\nassert math.isclose(f(1), 2)\nassert math.isclose(f(2), 3)"))
 
 
-@pytest.mark.parametrize("program, test_code", [
-    ("def f(s):\n    return Counter(s)\n", "assert f('aab') == {'a': 2, 'b': 1}"),
-    ("def f(n):\n    return (i * i for i in range(n))\n", "assert list(f(3)) == [0, 1, 4]"),
-    ("def f(n):\n    return collections.deque(range(n))\n", "assert list(f(2)) == [0, 1]"),
-    ("@functools.lru_cache(None)\ndef f(n):\n    return n if n < 2 else f(n - 1) + f(n - 2)\n", "assert f(30) == 832040"),
-    ("import random, re, warnings\ndef f(s):\n    with warnings.catch_warnings():\n        warnings.simplefilter('ignore')\n"
-     "    random.seed(0)\n    return re.sub('a', 'b', s)\n", "assert f('aa') == 'bb'"),
-    ("class Solution:\n    def f(self, xs: List[int]) -> int:\n        return sum(xs)\n", "assert Solution().f([1, 2]) == 3"),
-    ("import copy\ndef f(s):\n    return copy.deepcopy(Counter(s))\n", "assert f('a') == {'a': 1}"),
-    ("def f(x):\n    return (x, [x], {x: x}, {x}, None, 1.5, 'a', b'b', True)\n",
-     "assert f(1) == (1, [1], {1: 1}, {1}, None, 1.5, 'a', b'b', True)"),
-], ids=["Counter", "generator", "deque", "lru_cache", "stdlib", "Solution", "copy", "plain"])
+@pytest.mark.parametrize(
+    "program, test_code",
+    [
+        ("def f(s):\n    return Counter(s)\n", "assert f('aab') == {'a': 2, 'b': 1}"),
+        ("def f(n):\n    return (i * i for i in range(n))\n", "assert list(f(3)) == [0, 1, 4]"),
+        ("def f(n):\n    return collections.deque(range(n))\n", "assert list(f(2)) == [0, 1]"),
+        (
+            "@functools.lru_cache(None)\ndef f(n):\n    return n if n < 2 else f(n - 1) + f(n - 2)\n",
+            "assert f(30) == 832040",
+        ),
+        (
+            "import random, re, warnings\ndef f(s):\n    with warnings.catch_warnings():\n        warnings.simplefilter('ignore')\n"
+            "    random.seed(0)\n    return re.sub('a', 'b', s)\n",
+            "assert f('aa') == 'bb'",
+        ),
+        (
+            "class Solution:\n    def f(self, xs: List[int]) -> int:\n        return sum(xs)\n",
+            "assert Solution().f([1, 2]) == 3",
+        ),
+        ("import copy\ndef f(s):\n    return copy.deepcopy(Counter(s))\n", "assert f('a') == {'a': 1}"),
+        (
+            "def f(x):\n    return (x, [x], {x: x}, {x}, None, 1.5, 'a', b'b', True)\n",
+            "assert f(1) == (1, [1], {1: 1}, {1}, None, 1.5, 'a', b'b', True)",
+        ),
+    ],
+    ids=["Counter", "generator", "deque", "lru_cache", "stdlib", "Solution", "copy", "plain"],
+)
 def test_legitimate_assert_programs_still_pass(program, test_code):
     result = run_test(program, AssertTest(test_code), FAST)
     assert result.status is CaseStatus.PASSED, result.detail
 
 
-@pytest.mark.parametrize("handler", ["atexit.register(os._exit, 0)", "atexit.register(print, 2)",
-                                     "atexit.register(lambda: os.write(1, b'2\\n'))"],
-                         ids=["os._exit", "print", "write"])
+@pytest.mark.parametrize(
+    "handler",
+    ["atexit.register(os._exit, 0)", "atexit.register(print, 2)", "atexit.register(lambda: os.write(1, b'2\\n'))"],
+    ids=["os._exit", "print", "write"],
+)
 @pytest.mark.parametrize("test", [ASSERTS, CALL], ids=["assert", "call"])
 def test_atexit_handlers_neither_end_nor_vouch_for_the_test(handler, test):
     assert_scores_zero(f"import atexit, os\n{handler}\n" + WRONG, test)
@@ -418,8 +520,7 @@ def test_writing_forged_records_to_every_descriptor_scores_zero(test):
     program = (
         "import json, os\n"
         "forged = [json.dumps({'program': {}, 'exit': {'code': 0, 'timed_out': False}, 'setup': {}}).encode() + b'\\n',\n"
-        "          b'', (0).to_bytes(8, 'big') + bytes(16), bytes(24), b'P' * 64]\n"
-        + WRITE_FORGED_EVERYWHERE
+        "          b'', (0).to_bytes(8, 'big') + bytes(16), bytes(24), b'P' * 64]\n" + WRITE_FORGED_EVERYWHERE
     )
     assert_scores_zero(program, test)
 
@@ -452,25 +553,29 @@ def test_the_harness_files_and_processes_are_out_of_reach():
     assert result.status is CaseStatus.PASSED, result.detail
 
 
-@pytest.mark.parametrize("attempt", [
-    "sys._getframe(1).f_locals",
-    "sys._getframe().f_back",
-    "inspect.currentframe()",
-    "gc.get_objects()",
-    "gc.get_referrers(sys.modules)",
-    "sys._current_frames()",
-    "sys.settrace(lambda *a: None)",
-    "sys.setprofile(lambda *a: None)",
-    "(lambda: (yield))().gi_frame",
-    "exec('try:\\n    1 / 0\\nexcept Exception as e:\\n    e.__traceback__.tb_frame')",
-    "import __main__\n__main__._describe.__code__ = (lambda error: b'').__code__",
-    "import ctypes",
-    "import _posixsubprocess\n_posixsubprocess.fork_exec(*[None] * 21)",
-    "import importlib.machinery, _imp\nspec = importlib.machinery.PathFinder.find_spec('_ctypes')\n"
-    "spec.name = 'package._ctypes'\n_imp.create_dynamic(spec)",
-    "import importlib.machinery, _imp, shutil\nspec = importlib.machinery.PathFinder.find_spec('_json')\n"
-    "shutil.copy(spec.origin, 'own.so')\nspec.origin = 'own.so'\n_imp.create_dynamic(spec)",
-], ids=lambda a: a.split("(")[0].replace("\n", " ")[:40])
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        "sys._getframe(1).f_locals",
+        "sys._getframe().f_back",
+        "inspect.currentframe()",
+        "gc.get_objects()",
+        "gc.get_referrers(sys.modules)",
+        "sys._current_frames()",
+        "sys.settrace(lambda *a: None)",
+        "sys.setprofile(lambda *a: None)",
+        "(lambda: (yield))().gi_frame",
+        "exec('try:\\n    1 / 0\\nexcept Exception as e:\\n    e.__traceback__.tb_frame')",
+        "import __main__\n__main__._describe.__code__ = (lambda error: b'').__code__",
+        "import ctypes",
+        "import _posixsubprocess\n_posixsubprocess.fork_exec(*[None] * 21)",
+        "import importlib.machinery, _imp\nspec = importlib.machinery.PathFinder.find_spec('_ctypes')\n"
+        "spec.name = 'package._ctypes'\n_imp.create_dynamic(spec)",
+        "import importlib.machinery, _imp, shutil\nspec = importlib.machinery.PathFinder.find_spec('_json')\n"
+        "shutil.copy(spec.origin, 'own.so')\nspec.origin = 'own.so'\n_imp.create_dynamic(spec)",
+    ],
+    ids=lambda a: a.split("(")[0].replace("\n", " ")[:40],
+)
 def test_frames_objects_and_native_code_are_refused(attempt):
     program = f"import gc, inspect, sys, threading\n{WRONG}{attempt}\nprint('reached')\n"
     result = run_test(program, StdioTest("", ""), FAST)
@@ -493,21 +598,25 @@ def test_hooks_a_program_installs_never_run():
     assert result.status is CaseStatus.PASSED, result.detail
 
 
-@pytest.mark.parametrize("program", [
-    SUM + "exit()\nprint('not reached')\n",
-    "import sys\n" + SUM + "sys.exit(0)\n",
-    "import sys, threading\nthreading.stack_size(1 << 26)\n"
-    "def main():\n    a, b = map(int, input().split())\n    print(a + b)\nthreading.Thread(target=main).start()\n",
-    "from collections import namedtuple\nfrom dataclasses import dataclass\nfrom enum import Enum\n"
-    "import asyncio, logging, subprocess, typing\n"
-    "P = namedtuple('P', 'x')\nE = Enum('E', 'a b')\nT = typing.TypeVar('T')\n@dataclass\nclass D:\n    x: int\n"
-    "logging.getLogger('x').debug('hidden')\n" + SUM,
-    "data = open('/dev/stdin').read().split()\nprint(int(data[0]) + int(data[1]))\n",
-    "import sys\nsys.setrecursionlimit(100000)\ndef depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
-    "assert depth(20000) == 20000\n" + SUM,
-    "import functools, sys\nsys.setrecursionlimit(100000)\n@functools.lru_cache(None)\n"
-    "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\nassert depth(3000) == 3000\n" + SUM,
-], ids=["exit", "sys.exit", "thread", "stdlib-frames", "dev-stdin", "recursion", "c-recursion"])
+@pytest.mark.parametrize(
+    "program",
+    [
+        SUM + "exit()\nprint('not reached')\n",
+        "import sys\n" + SUM + "sys.exit(0)\n",
+        "import sys, threading\nthreading.stack_size(1 << 26)\n"
+        "def main():\n    a, b = map(int, input().split())\n    print(a + b)\nthreading.Thread(target=main).start()\n",
+        "from collections import namedtuple\nfrom dataclasses import dataclass\nfrom enum import Enum\n"
+        "import asyncio, logging, subprocess, typing\n"
+        "P = namedtuple('P', 'x')\nE = Enum('E', 'a b')\nT = typing.TypeVar('T')\n@dataclass\nclass D:\n    x: int\n"
+        "logging.getLogger('x').debug('hidden')\n" + SUM,
+        "data = open('/dev/stdin').read().split()\nprint(int(data[0]) + int(data[1]))\n",
+        "import sys\nsys.setrecursionlimit(100000)\ndef depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+        "assert depth(20000) == 20000\n" + SUM,
+        "import functools, sys\nsys.setrecursionlimit(100000)\n@functools.lru_cache(None)\n"
+        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\nassert depth(3000) == 3000\n" + SUM,
+    ],
+    ids=["exit", "sys.exit", "thread", "stdlib-frames", "dev-stdin", "recursion", "c-recursion"],
+)
 def test_legitimate_programs_still_pass(program):
     result = run_test(program, StdioTest("2 3\n", "5\n"), FAST)
     assert result.status is CaseStatus.PASSED, result.detail
@@ -550,7 +659,7 @@ def hunter(data_file: str) -> str:
     """A program that looks for an expected output everywhere it can: the harness's frames and
     globals (after trying to switch off the audit hook through them), every descriptor, the
     environment, and the files of the data set and of the usual directories."""
-    return f'''
+    return f"""
 import gc, inspect, os, sys
 found = []
 def look(text):
@@ -616,7 +725,7 @@ def f(x):
     return ANSWER
 if __name__ == "__main__":
     print(ANSWER)
-'''
+"""
 
 
 SECRET_TESTS = {
@@ -654,18 +763,24 @@ def test_the_hunter_finds_the_data_set_where_the_filesystem_is_visible(monkeypat
     assert result.status is CaseStatus.PASSED and result.isolation == "guard", result
 
 
-@pytest.mark.parametrize("attempt", [
-    "os.chdir(DATA)\nprint(open('expected_outputs.jsonl').read())",
-    "os.chdir(os.path.dirname(DATA))\nos.chdir(os.path.basename(DATA))",
-    "os.chdir('/proc/self')\nprint(open('environ').read())",
-    "os.chdir('/proc')\nprint(os.listdir('.'))",
-    "os.chdir('/')\nopen('escape', 'w').write(SECRET)\nprint(open('/escape').read())",
-], ids=["data-set", "data-set-relative", "proc-self", "proc-listing", "root"])
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        "os.chdir(DATA)\nprint(open('expected_outputs.jsonl').read())",
+        "os.chdir(os.path.dirname(DATA))\nos.chdir(os.path.basename(DATA))",
+        "os.chdir('/proc/self')\nprint(open('environ').read())",
+        "os.chdir('/proc')\nprint(os.listdir('.'))",
+        "os.chdir('/')\nopen('escape', 'w').write(SECRET)\nprint(open('/escape').read())",
+    ],
+    ids=["data-set", "data-set-relative", "proc-self", "proc-listing", "root"],
+)
 def test_changing_directory_then_using_relative_paths_is_refused(attempt, isolation, data_set):
     data_dir = os.path.dirname(data_set)
-    program = (f"import os\nDATA = {data_dir!r}\nSECRET = 'not the answer'\n"
-               f"try:\n    " + attempt.replace("\n", "\n    ") + "\n    print('reached')\n"
-               "except (OSError, ValueError) as e:\n    print('refused')\n")
+    program = (
+        f"import os\nDATA = {data_dir!r}\nSECRET = 'not the answer'\n"
+        f"try:\n    " + attempt.replace("\n", "\n    ") + "\n    print('reached')\n"
+        "except (OSError, ValueError) as e:\n    print('refused')\n"
+    )
     result = run_test(program, StdioTest("", "refused"), FAST)
     assert result.status is CaseStatus.PASSED, result
 
@@ -702,8 +817,7 @@ FORGER = (
     "    return len(data).to_bytes(8, 'big') + data\n"
     "status = {'setup': {'isolation': 'bwrap'}, 'outcome': {'passed': True}, 'exit': {'code': 0, 'timed_out': False}}\n"
     "forged = [frame({'names': {'f': None}}), frame({'value': ['int', hex(3)]}), frame({'passed': True}),\n"
-    "          (json.dumps(status) + '\\n').encode()]\n"
-    + WRITE_FORGED_EVERYWHERE
+    "          (json.dumps(status) + '\\n').encode()]\n" + WRITE_FORGED_EVERYWHERE
 )
 
 
@@ -741,55 +855,119 @@ def test_values_outside_plain_data_score_zero(make, test):
     assert result.status is CaseStatus.RUNTIME_ERROR and "not plain data" in result.detail, result
 
 
-@pytest.mark.parametrize("program, test", [
-    ("def f():\n    return 10 ** 20\n", CallTest("f", [], 10 ** 20 + 1)),
-    ("def f():\n    return float(10 ** 18)\n", CallTest("f", [], 10 ** 18 + 1)),
-    ("def f():\n    return True\n", CallTest("f", [], 1)),
-    ("def f():\n    return 1\n", CallTest("f", [], True)),
-    ("def f():\n    return [True, 2]\n", CallTest("f", [], [1, 2])),
-    ("def f():\n    return 10 ** 30\n", AssertTest("assert f() == 10 ** 30 + 1")),
-    ("print(10 ** 20)", StdioTest("", str(10 ** 20 + 1))),
-    ("print(True)", StdioTest("", "1")),
-    ("print(1000404.0)", StdioTest("", "1000405")),
-], ids=["big-int-call", "float-for-big-int", "True-for-1", "1-for-True", "True-in-list", "big-int-assert",
-        "big-int-stdio", "True-stdio", "near-float-for-int-stdio"])
+@pytest.mark.parametrize(
+    "program, test",
+    [
+        ("def f():\n    return 10 ** 20\n", CallTest("f", [], 10**20 + 1)),
+        ("def f():\n    return float(10 ** 18)\n", CallTest("f", [], 10**18 + 1)),
+        ("def f():\n    return True\n", CallTest("f", [], 1)),
+        ("def f():\n    return 1\n", CallTest("f", [], True)),
+        ("def f():\n    return [True, 2]\n", CallTest("f", [], [1, 2])),
+        ("def f():\n    return 10 ** 30\n", AssertTest("assert f() == 10 ** 30 + 1")),
+        ("print(10 ** 20)", StdioTest("", str(10**20 + 1))),
+        ("print(True)", StdioTest("", "1")),
+        ("print(1000404.0)", StdioTest("", "1000405")),
+    ],
+    ids=[
+        "big-int-call",
+        "float-for-big-int",
+        "True-for-1",
+        "1-for-True",
+        "True-in-list",
+        "big-int-assert",
+        "big-int-stdio",
+        "True-stdio",
+        "near-float-for-int-stdio",
+    ],
+)
 def test_near_misses_score_zero(program, test):
     assert run_test(program, test, FAST).status is CaseStatus.WRONG_ANSWER
 
 
-@pytest.mark.parametrize("got, expected, same", [
-    (10 ** 20, 10 ** 20 + 1, False),
-    (10 ** 20, 10 ** 20, True),
-    (2 ** 64 + 1, float(2 ** 64), True),  # an expected float: the float tolerance
-    (float(10 ** 18), 10 ** 18 + 1, False), (2.0, 2, True), (2.0000001, 2, False),  # an expected int: exact
-    (10 ** 400, 1.0, False),  # too large for a float
-    (True, 1, False), (1, True, False), (False, 0, False), (True, True, True),
-    (0.30000000000000004, 0.3, True), (0.3001, 0.3, False), (2, 2.0000001, True),
-    (float("nan"), float("nan"), False),
-    ([1, (2, 3)], [1, [2, 3]], True), ((1, 2), [1, 2], True), ([1], [1, 2], False),
-    ({1: "a", None: 2}, {"1": "a", "null": 2}, True), ({1: "a", "1": "b"}, {"1": "a"}, False),
-    ({1, 2}, [1, 2], False), ({1, 2}, {2, 1}, True), ("1", 1, False), (None, None, True), (None, 0, False),
-    (b"x", "x", False),
-])
+@pytest.mark.parametrize(
+    "got, expected, same",
+    [
+        (10**20, 10**20 + 1, False),
+        (10**20, 10**20, True),
+        (2**64 + 1, float(2**64), True),  # an expected float: the float tolerance
+        (float(10**18), 10**18 + 1, False),
+        (2.0, 2, True),
+        (2.0000001, 2, False),  # an expected int: exact
+        (10**400, 1.0, False),  # too large for a float
+        (True, 1, False),
+        (1, True, False),
+        (False, 0, False),
+        (True, True, True),
+        (0.30000000000000004, 0.3, True),
+        (0.3001, 0.3, False),
+        (2, 2.0000001, True),
+        (float("nan"), float("nan"), False),
+        ([1, (2, 3)], [1, [2, 3]], True),
+        ((1, 2), [1, 2], True),
+        ([1], [1, 2], False),
+        ({1: "a", None: 2}, {"1": "a", "null": 2}, True),
+        ({1: "a", "1": "b"}, {"1": "a"}, False),
+        ({1, 2}, [1, 2], False),
+        ({1, 2}, {2, 1}, True),
+        ("1", 1, False),
+        (None, None, True),
+        (None, 0, False),
+        (b"x", "x", False),
+    ],
+)
 def test_call_results_compare_by_type(got, expected, same):
     assert sandbox._same_value(got, expected) is same
 
 
-@pytest.mark.parametrize("got, expected, same", [
-    ("1000404.0", "1000405", False), ("1000404.9999999", "1000405", False),  # an expected int: exact
-    ("1000405.0", "1000405", True), ("1.000405e6", "1000405", True), ("1000405", "1000405", True),
-    ("1000404.5", "1000405.0", True), ("1000403", "1000405.0", False),  # an expected float: within 1e-6
-    ("0.333333333", "0.3333333333", True), ("1", "1.0000001", True), ("1.0000001", "1", False),
-    ("0", "1e-7", True), ("1e-7", "0", False),
-    ("1e9999999", "0.5", False), ("-1e9999999", "1e5", False), ("1e-9999999", "0.0", True),  # beyond Decimal's range
-])
+@pytest.mark.parametrize(
+    "got, expected, same",
+    [
+        ("1000404.0", "1000405", False),
+        ("1000404.9999999", "1000405", False),  # an expected int: exact
+        ("1000405.0", "1000405", True),
+        ("1.000405e6", "1000405", True),
+        ("1000405", "1000405", True),
+        ("1000404.5", "1000405.0", True),
+        ("1000403", "1000405.0", False),  # an expected float: within 1e-6
+        ("0.333333333", "0.3333333333", True),
+        ("1", "1.0000001", True),
+        ("1.0000001", "1", False),
+        ("0", "1e-7", True),
+        ("1e-7", "0", False),
+        ("1e9999999", "0.5", False),
+        ("-1e9999999", "1e5", False),
+        ("1e-9999999", "0.0", True),  # beyond Decimal's range
+    ],
+)
 def test_stdio_numbers_take_the_tolerance_only_for_an_expected_float(got, expected, same):
     assert sandbox._same_stdout(f"{got}\n", expected) is same
 
 
-PLAIN = [None, True, False, 0, -7, 10 ** 400, -(2 ** 100), 0.1, -0.0, float("inf"), 1e-310, complex(1, -2), "",
-         "é\ud800", b"\x00\xff", [1, [2]], (1, (2,)), {"a": [1], 2: None, (1, 2): 3}, {1, "a"}, frozenset({(1, 2)}),
-         collections.Counter("aab"), collections.OrderedDict([(2, 1), (1, 2)]), collections.deque([1, 2])]
+PLAIN = [
+    None,
+    True,
+    False,
+    0,
+    -7,
+    10**400,
+    -(2**100),
+    0.1,
+    -0.0,
+    float("inf"),
+    1e-310,
+    complex(1, -2),
+    "",
+    "é\ud800",
+    b"\x00\xff",
+    [1, [2]],
+    (1, (2,)),
+    {"a": [1], 2: None, (1, 2): 3},
+    {1, "a"},
+    frozenset({(1, 2)}),
+    collections.Counter("aab"),
+    collections.OrderedDict([(2, 1), (1, 2)]),
+    collections.deque([1, 2]),
+]
 
 
 @pytest.mark.parametrize("value", PLAIN, ids=repr)
@@ -808,11 +986,26 @@ def test_nan_and_iterators_cross():
     assert iter(items) is items and list(items) == [0, 1, 4]
 
 
-@pytest.mark.parametrize("node", [
-    "x", [], ["int"], ["int", 5], ["int", "zz"], ["bool", 1], ["str", 5], ["list", "ab"],
-    ["dict", [[["list", []], ["none"]]]], ["dict", [["none"]]], ["object", []], ["none", 1], ["float", "1e5x"],
-    ["set", [["list", []]]],
-], ids=repr)
+@pytest.mark.parametrize(
+    "node",
+    [
+        "x",
+        [],
+        ["int"],
+        ["int", 5],
+        ["int", "zz"],
+        ["bool", 1],
+        ["str", 5],
+        ["list", "ab"],
+        ["dict", [[["list", []], ["none"]]]],
+        ["dict", [["none"]]],
+        ["object", []],
+        ["none", 1],
+        ["float", "1e5x"],
+        ["set", [["list", []]]],
+    ],
+    ids=repr,
+)
 def test_anything_else_is_not_plain_data(node):
     from gppo.rewards import _wire
 
@@ -823,8 +1016,10 @@ def test_anything_else_is_not_plain_data(node):
 def test_a_stdio_verdict_is_the_output_and_the_exit_status():
     """No harness record vouches for a stdin/stdout program: its output and exit status 0 are its
     answer, however it ends (it cannot know the expected output)."""
-    for program in ("import os, sys\nprint(2)\nsys.stdout.flush()\nos._exit(0)\n",
-                    "import atexit\natexit.register(print, 2)\n"):
+    for program in (
+        "import os, sys\nprint(2)\nsys.stdout.flush()\nos._exit(0)\n",
+        "import atexit\natexit.register(print, 2)\n",
+    ):
         assert run_test(program, STDIO, FAST).status is CaseStatus.PASSED
     assert run_test("print(2)\nraise SystemExit(3)\n", STDIO, FAST).status is CaseStatus.RUNTIME_ERROR
 
@@ -832,11 +1027,15 @@ def test_a_stdio_verdict_is_the_output_and_the_exit_status():
 def test_assert_tests_run_outside_the_program_and_call_it_by_value():
     """The test's names are the prelude's and the program's; a program's exception reaches the test
     as the built-in of that name, so tests that expect an error still work."""
-    program = ("import sys\nLIMIT = 3\nclass Solution:\n    def f(self, x):\n        return x * LIMIT\n"
-               "def g(x):\n    if x < 0:\n        raise ValueError('negative')\n    return sys.version_info[0]\n")
-    test_code = ("import sys\nassert Solution().f(2) == 6 and LIMIT == 3\nassert g(1) == 3\n"
-                 "try:\n    g(-1)\n    assert False\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
-                 "assert 'solution' not in sys.modules and List[int] is not None\n")
+    program = (
+        "import sys\nLIMIT = 3\nclass Solution:\n    def f(self, x):\n        return x * LIMIT\n"
+        "def g(x):\n    if x < 0:\n        raise ValueError('negative')\n    return sys.version_info[0]\n"
+    )
+    test_code = (
+        "import sys\nassert Solution().f(2) == 6 and LIMIT == 3\nassert g(1) == 3\n"
+        "try:\n    g(-1)\n    assert False\nexcept ValueError as e:\n    assert 'negative' in str(e)\n"
+        "assert 'solution' not in sys.modules and List[int] is not None\n"
+    )
     result = run_test(program, AssertTest(test_code), FAST)
     assert result.status is CaseStatus.PASSED, result
 

@@ -74,13 +74,20 @@ def cppo_loss(batch, keep):
 def test_cppo_matches_algorithm_1(seed, estimator, mode):
     batch, log_pi, log_mu = random_batch(B=8, T=12, seed=seed, spread=0.8)
     div = binary_tv(batch) if estimator == "binary" else topk_tv(batch, log_pi, log_mu, 5)
-    p90 = torch.stack([torch.quantile(div[i, :int(n)], 0.9) for i, n in enumerate(batch.mask.sum(-1))])
+    p90 = torch.stack([torch.quantile(div[i, : int(n)], 0.9) for i, n in enumerate(batch.mask.sum(-1))])
     # p90: a budget that leaves some responses' percentile inside [budget, 2 budget], some clamped
     delta, w_min, budget = 0.15, 0.8, (0.03 if mode == "fixed" else 0.75 * float(p90.median()))
-    config = gppo.preset("cppo", estimator=estimator, delta_high=delta, prefix_budget=budget,
-                         prefix_budget_mode=mode, **({"top_k": 5} if estimator == "topk" else {}))
-    keep, why = cppo_keep(div, batch.advantages, batch.logp.detach() - batch.logp_behavior, batch.mask,
-                          delta, w_min, budget, mode)
+    config = gppo.preset(
+        "cppo",
+        estimator=estimator,
+        delta_high=delta,
+        prefix_budget=budget,
+        prefix_budget_mode=mode,
+        **({"top_k": 5} if estimator == "topk" else {}),
+    )
+    keep, why = cppo_keep(
+        div, batch.advantages, batch.logp.detach() - batch.logp_behavior, batch.mask, delta, w_min, budget, mode
+    )
     # every branch occurs: the prefix budget binds (fixed), the percentile is clamped or not (p90)
     assert {"toward", "inside", "token", "prefix" if mode == "fixed" else "token"} <= set(why.values())
     if mode == "p90":
@@ -97,12 +104,14 @@ def test_cppo_matches_algorithm_1(seed, estimator, mode):
 def test_cppo_reduces_to_dppo_without_position_weight_or_budget():
     """w_min = 1 and a budget too large to bind: CPPO is DPPO's mask with the single radius delta."""
     batch, _, _ = random_batch(B=8, T=12, seed=3, spread=0.8)
-    _, grad, _ = loss_and_grad(batch, gppo.preset("cppo", estimator="binary", position_weight_min=1.0,
-                                                  prefix_budget=10.0))
+    _, grad, _ = loss_and_grad(
+        batch, gppo.preset("cppo", estimator="binary", position_weight_min=1.0, prefix_budget=10.0)
+    )
     _, dppo, _ = loss_and_grad(batch, gppo.preset("dppo-binary-tv"))
     assert_same(grad, dppo)
-    _, tighter, _ = loss_and_grad(batch, gppo.preset("cppo", estimator="binary", position_weight_min=1.0,
-                                                     prefix_budget=0.01))
+    _, tighter, _ = loss_and_grad(
+        batch, gppo.preset("cppo", estimator="binary", position_weight_min=1.0, prefix_budget=0.01)
+    )
     assert not torch.allclose(tighter, dppo)  # the budget binds
 
 
@@ -142,8 +151,11 @@ def test_cppo_and_drpo_in_float32_match_float64(name, overrides):
     config = gppo.preset(name, top_k=5, **overrides) if name == "cppo" else gppo.preset(name)
     results = []
     for dtype in (torch.float64, torch.float32):
-        fields = {k: (v.to(dtype) if torch.is_floating_point(v) else v)
-                  for k, v in vars(batch).items() if isinstance(v, torch.Tensor) and k != "logp"}
+        fields = {
+            k: (v.to(dtype) if torch.is_floating_point(v) else v)
+            for k, v in vars(batch).items()
+            if isinstance(v, torch.Tensor) and k != "logp"
+        }
         leaf = batch.logp.detach().to(dtype).requires_grad_(True)
         loss, _ = gppo.policy_loss(gppo.TokenBatch(logp=leaf, **fields), config)
         (grad,) = torch.autograd.grad(loss, leaf)
@@ -151,12 +163,15 @@ def test_cppo_and_drpo_in_float32_match_float64(name, overrides):
     assert_float32_matches_float64(results)
 
 
-@pytest.mark.parametrize("field,value,expected", [
-    ("position_weight_min", 0.0, "in (0, 1]"),
-    ("position_weight_min", 1.5, "in (0, 1]"),
-    ("prefix_budget", -0.1, "> 0 and finite"),
-    ("prefix_budget_mode", "median", "fixed"),
-])
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("position_weight_min", 0.0, "in (0, 1]"),
+        ("position_weight_min", 1.5, "in (0, 1]"),
+        ("prefix_budget", -0.1, "> 0 and finite"),
+        ("prefix_budget_mode", "median", "fixed"),
+    ],
+)
 def test_cppo_parameters_are_validated(field, value, expected):
     with pytest.raises(gppo.GPPOConfigError, match=field) as err:
         gppo.preset("cppo", **{field: value})

@@ -59,7 +59,8 @@ def test_between_is_batched_over_leading_axes(label, div, ref, alpha):
     for i in range(3):
         for j in range(4):
             assert batched[i, j].item() == pytest.approx(
-                brute_force_divergence(ref, p[i, j], q[i, j], alpha or 0.5), rel=1e-9)
+                brute_force_divergence(ref, p[i, j], q[i, j], alpha or 0.5), rel=1e-9
+            )
 
 
 @pytest.mark.parametrize("label,div,ref,alpha", DIVS, ids=IDS)
@@ -138,8 +139,11 @@ def test_large_zipf_vocabulary(label, div, ref, alpha):
     assert got == pytest.approx(expected, rel=1e-7)
 
 
-@pytest.mark.parametrize("label,div,ref,alpha", [d for d in DIVS if d[3] is None or -1 <= d[3] <= 2],
-                         ids=[d[0] for d in DIVS if d[3] is None or -1 <= d[3] <= 2])
+@pytest.mark.parametrize(
+    "label,div,ref,alpha",
+    [d for d in DIVS if d[3] is None or -1 <= d[3] <= 2],
+    ids=[d[0] for d in DIVS if d[3] is None or -1 <= d[3] <= 2],
+)
 def test_tv_bound_holds(label, div, ref, alpha):
     tv = gppo.divergence("tv")
     for seed in range(30):
@@ -150,8 +154,11 @@ def test_tv_bound_holds(label, div, ref, alpha):
         assert tv.between(p, q).item() <= div.tv_bound(div.between(p, q).item()) + 1e-12
 
 
-@pytest.mark.parametrize("label,div,ref,alpha", [d for d in DIVS if d[3] is None or -1 <= d[3] <= 2],
-                         ids=[d[0] for d in DIVS if d[3] is None or -1 <= d[3] <= 2])
+@pytest.mark.parametrize(
+    "label,div,ref,alpha",
+    [d for d in DIVS if d[3] is None or -1 <= d[3] <= 2],
+    ids=[d[0] for d in DIVS if d[3] is None or -1 <= d[3] <= 2],
+)
 def test_tv_bound_is_non_decreasing_and_at_most_one(label, div, ref, alpha):
     """A looser region never gets a tighter TV bound (Hellinger's Le Cam bound fell after
     delta = 2 and reached 0 at delta = 4)."""

@@ -65,8 +65,15 @@ def blocks(path: Path) -> list[Block]:
         end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith(fence.group(1))), None)
         assert end is not None, f"{path.relative_to(ROOT)}:{i + 1}: unclosed code fence"
         marker = MARKER.search(lines[i - 1]) if i else None
-        found.append(Block(path, i + 1, fence.group(2).lower(), "\n".join(lines[i + 1:end]) + "\n",
-                           (marker.group(1), marker.group(2)) if marker else None))
+        found.append(
+            Block(
+                path,
+                i + 1,
+                fence.group(2).lower(),
+                "\n".join(lines[i + 1 : end]) + "\n",
+                (marker.group(1), marker.group(2)) if marker else None,
+            )
+        )
         i = end + 1
     return found
 
@@ -86,15 +93,20 @@ def test_every_block_is_run_or_marked_and_every_marker_says_why():
     for block in ALL:
         if block.marker:
             assert block.marker[1], f"{block.where}: a marker needs its reason or flags"
-            assert block.language in (*SHELL, "python"), f"{block.where}: a marker on a {block.language or 'text'} block"
+            assert block.language in (*SHELL, "python"), (
+                f"{block.where}: a marker on a {block.language or 'text'} block"
+            )
         if not block.language:  # text: output or a listing, never a command to type
             first = block.text.lstrip().split("\n", 1)[0]
-            assert not re.match(r"(\$ |gppo |python |pip |bash )", first), f"{block.where}: a command in an untagged block"
+            assert not re.match(r"(\$ |gppo |python |pip |bash )", first), (
+                f"{block.where}: a command in an untagged block"
+            )
         if block.language in SHELL and (block.marker or ("",))[0] != "not run":
             for argv in commands(block):
                 assert argv[0] == "gppo" and argv[1] in COMMANDS, (
                     f"{block.where}: `{' '.join(argv)}` is not a gppo command the test can run: mark the block "
-                    "<!-- not run: REASON -->")
+                    "<!-- not run: REASON -->"
+                )
 
 
 @pytest.mark.parametrize("block", SHELL_BLOCKS, ids=lambda b: b.where)
@@ -125,7 +137,9 @@ def test_shell_blocks_run(block, scratch, monkeypatch):
     monkeypatch.chdir(scratch(block.path))
     extra = shlex.split(block.marker[1], comments=True) if block.marker else []
     for argv in commands(block):
-        if "smollm2" in argv and any(importlib.util.find_spec(name) is None for name in NAMED_MODELS["smollm2"].requires):
+        if "smollm2" in argv and any(
+            importlib.util.find_spec(name) is None for name in NAMED_MODELS["smollm2"].requires
+        ):
             pytest.skip(f"needs `{NAMED_MODELS['smollm2'].install}`")
         assert main([*argv[1:], *extra]) == 0, f"{block.where}: `{' '.join(argv)}` failed"
 
@@ -140,10 +154,12 @@ def test_python_blocks_run_as_written(tmp_path):
     for path in PYTHON_FILES:
         runnable = [b for b in blocks(path) if b.language == "python" and not b.marker]
         script += "ns = {'__name__': '__main__'}\n" + "".join(
-            f"exec(compile({b.text!r}, {b.where!r}, 'exec'), ns)\n" for b in runnable)
+            f"exec(compile({b.text!r}, {b.where!r}, 'exec'), ns)\n" for b in runnable
+        )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(PYTHON_FILES) >= 4  # README.md, extending.md, library.md, benchmarks.md at least
     assert ROOT / "README.md" in PYTHON_FILES, "the README's library example is no longer an unmarked python block"

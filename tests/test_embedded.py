@@ -41,7 +41,11 @@ def test_round_trip_after_save_and_load(saved):
     for text in TEXTS:
         assert loaded(text)["input_ids"] == tok(text)["input_ids"]
         assert loaded.decode(loaded(text)["input_ids"]) == text
-    assert (loaded.eos_token_id, loaded.pad_token_id, loaded.padding_side) == (tok.eos_token_id, tok.pad_token_id, "left")
+    assert (loaded.eos_token_id, loaded.pad_token_id, loaded.padding_side) == (
+        tok.eos_token_id,
+        tok.pad_token_id,
+        "left",
+    )
     assert type(model).__name__ == "Qwen2ForCausalLM" and not model.training
 
 
@@ -94,10 +98,10 @@ def test_warm_start_saves_a_loadable_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("task_name, low, high", [("addition", 0.3, 0.6), ("countdown", 0.02, 0.35)])
 def test_shipped_warm_start_is_an_imperfect_teacher(task_name, low, high):
+    from gppo.models.assets import ASSETS, embedded_checkpoint
     from gppo.rollout.base import SamplingParams
     from gppo.rollout.hf import HFEngine
     from gppo.tasks import get_task, heldout_problems
-    from gppo.models.assets import ASSETS, embedded_checkpoint
 
     path = ASSETS / task_name
     assert (path / "config.json").exists(), "shipped warm start missing: regenerate it (gppo warmstart)"

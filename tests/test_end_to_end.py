@@ -11,8 +11,24 @@ pytestmark = pytest.mark.slow
 
 def test_default_run_improves_held_out_accuracy_and_eval_reads_the_result(tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["train", "--output_dir", str(run), "--steps", "20", "--eval_every", "0", "--eval_size", "256",
-                 "--progress", "false"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--output_dir",
+                str(run),
+                "--steps",
+                "20",
+                "--eval_every",
+                "0",
+                "--eval_size",
+                "256",
+                "--progress",
+                "false",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((run / "summary.json").read_text())
     before, after = summary["before"], summary["after"]
     assert after["eval/greedy"] > before["eval/greedy"] + 0.3

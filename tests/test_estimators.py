@@ -1,6 +1,5 @@
 """Estimator axis: data-processing order, equality cases, brute-force partitions, missing inputs."""
 
-
 import math
 
 import pytest
@@ -9,8 +8,17 @@ import torch
 import gppo
 from tests.reference import partition_divergence
 
-DIVERGENCE_POINTS = [("tv", {}), ("kl", {}), ("rkl", {}), ("chi2", {}), ("neyman", {}),
-                     ("hellinger", {}), ("js", {}), ("alpha", {"alpha": 0.5}), ("alpha", {"alpha": -0.5})]
+DIVERGENCE_POINTS = [
+    ("tv", {}),
+    ("kl", {}),
+    ("rkl", {}),
+    ("chi2", {}),
+    ("neyman", {}),
+    ("hellinger", {}),
+    ("js", {}),
+    ("alpha", {"alpha": 0.5}),
+    ("alpha", {"alpha": -0.5}),
+]
 DIV_IDS = [n + (f"={p['alpha']}" if p else "") for n, p in DIVERGENCE_POINTS]
 
 
@@ -21,10 +29,15 @@ def make_batch(log_pi, log_mu, k, seed=0, mask=None):
     ids = torch.multinomial(log_mu.exp(), 1, generator=gen)  # [N,1]
     top_logq, top_ids = log_mu.topk(k, dim=-1)
     return gppo.TokenBatch(
-        logp=log_pi.gather(-1, ids), logp_behavior=log_mu.gather(-1, ids),
-        advantages=torch.ones(n), mask=torch.ones(n, 1) if mask is None else mask,
-        token_ids=ids, topk_ids=top_ids[:, None], topk_logp_behavior=top_logq[:, None],
-        topk_logp=log_pi.gather(-1, top_ids)[:, None], logits=log_pi[:, None],
+        logp=log_pi.gather(-1, ids),
+        logp_behavior=log_mu.gather(-1, ids),
+        advantages=torch.ones(n),
+        mask=torch.ones(n, 1) if mask is None else mask,
+        token_ids=ids,
+        topk_ids=top_ids[:, None],
+        topk_logp_behavior=top_logq[:, None],
+        topk_logp=log_pi.gather(-1, top_ids)[:, None],
+        logits=log_pi[:, None],
         logp_behavior_full=log_mu[:, None],
     )
 
@@ -72,12 +85,15 @@ def test_sample_estimate_is_unbiased(name, params):
     log_pi, log_mu = distributions("random", 1, 30, seed=7)
     vocab = log_mu.shape[-1]
     ids = torch.arange(vocab)[:, None]
-    batch = gppo.TokenBatch(logp=log_pi[0][ids], logp_behavior=log_mu[0][ids],
-                            advantages=torch.ones(vocab), mask=torch.ones(vocab, 1))
+    batch = gppo.TokenBatch(
+        logp=log_pi[0][ids], logp_behavior=log_mu[0][ids], advantages=torch.ones(vocab), mask=torch.ones(vocab, 1)
+    )
     cfg = gppo.preset("ppo", divergence=name, **params)
     per_token = gppo.estimate(cfg, batch)[:, 0]
     expectation = (log_mu[0].exp() * per_token).sum()
-    assert expectation.item() == pytest.approx(gppo.divergence(name, **params).between_log(log_pi[0], log_mu[0]).item(), rel=1e-9)
+    assert expectation.item() == pytest.approx(
+        gppo.divergence(name, **params).between_log(log_pi[0], log_mu[0]).item(), rel=1e-9
+    )
 
 
 @pytest.mark.parametrize("name,params", DIVERGENCE_POINTS, ids=DIV_IDS)
@@ -99,9 +115,15 @@ def test_partitions_match_brute_force(name, params):
                 nucleus.append(j)
             mass += float(mu[i, j])
         topp_cells = [{j} for j in nucleus] + ([] if a in nucleus else [{a}])
-        assert e["topk"][i].item() == pytest.approx(partition_divergence(name, pi[i], mu[i], topk_cells, alpha), rel=1e-9, abs=1e-13)
-        assert e["topp"][i].item() == pytest.approx(partition_divergence(name, pi[i], mu[i], topp_cells, alpha), rel=1e-9, abs=1e-13)
-        assert e["binary"][i].item() == pytest.approx(partition_divergence(name, pi[i], mu[i], [{a}], alpha), rel=1e-9, abs=1e-13)
+        assert e["topk"][i].item() == pytest.approx(
+            partition_divergence(name, pi[i], mu[i], topk_cells, alpha), rel=1e-9, abs=1e-13
+        )
+        assert e["topp"][i].item() == pytest.approx(
+            partition_divergence(name, pi[i], mu[i], topp_cells, alpha), rel=1e-9, abs=1e-13
+        )
+        assert e["binary"][i].item() == pytest.approx(
+            partition_divergence(name, pi[i], mu[i], [{a}], alpha), rel=1e-9, abs=1e-13
+        )
         cell_only = float(mu[i, a]) * gppo.divergence(name, **params).f_normalized(pi[i, a] / mu[i, a]).item()
         assert e["cell"][i].item() == pytest.approx(cell_only, rel=1e-9, abs=1e-13)
 
@@ -173,8 +195,9 @@ def test_full_estimator_is_chunk_independent_and_masked():
     mask = torch.ones(12, 1)
     mask[3] = 0
     batch = make_batch(log_pi, log_mu, k=5, mask=mask)
-    results = [gppo.estimate(gppo.preset("dppo-topk-kl", estimator="full", full_chunk_size=c), batch)
-               for c in (1, 5, 1000)]
+    results = [
+        gppo.estimate(gppo.preset("dppo-topk-kl", estimator="full", full_chunk_size=c), batch) for c in (1, 5, 1000)
+    ]
     for r in results[1:]:
         torch.testing.assert_close(r, results[0])
     assert results[0][3].item() == 0.0
@@ -186,14 +209,23 @@ def test_float32_inputs_match_float64():
     b32 = make_batch(log_pi.float(), log_mu.float(), k=20)
     for est in ("sample", "cell", "binary", "topk", "topp", "full"):
         cfg = gppo.preset("dppo-topk-kl", estimator=est)
-        torch.testing.assert_close(gppo.estimate(cfg, b32).double(), gppo.estimate(cfg, b64).double(),
-                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            gppo.estimate(cfg, b32).double(), gppo.estimate(cfg, b64).double(), rtol=1e-4, atol=1e-6
+        )
 
 
-@pytest.mark.parametrize("estimator,field", [
-    ("topk", "topk_ids"), ("topk", "topk_logp"), ("topk", "topk_logp_behavior"), ("topk", "token_ids"),
-    ("topp", "topk_ids"), ("full", "logits"), ("full", "logp_behavior_full"),
-])
+@pytest.mark.parametrize(
+    "estimator,field",
+    [
+        ("topk", "topk_ids"),
+        ("topk", "topk_logp"),
+        ("topk", "topk_logp_behavior"),
+        ("topk", "token_ids"),
+        ("topp", "topk_ids"),
+        ("full", "logits"),
+        ("full", "logp_behavior_full"),
+    ],
+)
 def test_missing_inputs_name_the_field_and_the_fix(estimator, field):
     log_pi, log_mu = distributions("random", 4, 10, seed=0)
     batch = make_batch(log_pi, log_mu, k=3)
@@ -253,8 +285,12 @@ def test_binary_estimate_stays_finite_when_a_probability_rounds_to_one(name):
     # mass 0; chi2 / rkl / kl would be infinite there. The rest mass is floored as in top-K.
     logp = torch.tensor([[math.log(0.9), 0.0]])
     logq = torch.tensor([[0.0, math.log(0.9)]])
-    batch = gppo.TokenBatch(logp=logp.clone().requires_grad_(True), logp_behavior=logq,
-                            advantages=torch.tensor([-1.0]), mask=torch.ones(1, 2))
+    batch = gppo.TokenBatch(
+        logp=logp.clone().requires_grad_(True),
+        logp_behavior=logq,
+        advantages=torch.tensor([-1.0]),
+        mask=torch.ones(1, 2),
+    )
     cfg = gppo.preset("dppo-binary-tv", divergence=name)
     est = gppo.estimate(cfg, batch)
     assert torch.isfinite(est).all() and (est > 0).all()
@@ -274,20 +310,26 @@ def test_precomputed_vocabulary_reductions_equal_the_logits_path():
     mask = torch.ones(B, T)
     mask[0, 3:] = 0
     config = gppo.preset("dppo-binary-kl", estimator="full", kl_coef=0.3, kl_estimator="full")
-    common = dict(logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0],
-                  advantages=torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64), mask=mask)
+    common = dict(
+        logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0],
+        advantages=torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64),
+        mask=mask,
+    )
 
     log_pi = torch.log_softmax(logits, -1)
     logp = log_pi.gather(-1, ids[..., None])[..., 0]
-    via_logits = gppo.TokenBatch(logp=logp, logits=logits, logp_behavior_full=log_mu, logp_ref_full=log_ref,
-                                 **common)
+    via_logits = gppo.TokenBatch(logp=logp, logits=logits, logp_behavior_full=log_mu, logp_ref_full=log_ref, **common)
     loss_a, metrics_a = gppo.policy_loss(via_logits, config)
     (grad_a,) = torch.autograd.grad(loss_a, logits, retain_graph=True)
 
     pi = log_pi.exp()  # direct sums, written here: KL(pi || mu), KL(pi || ref), entropy
     reduced = gppo.TokenBatch(
-        logp=logp, full_estimate=(log_mu.exp() * (log_mu - log_pi)).sum(-1).detach(),
-        kl_ref_full=(pi * (log_pi - log_ref)).sum(-1), entropy=-(pi * log_pi).sum(-1), **common)
+        logp=logp,
+        full_estimate=(log_mu.exp() * (log_mu - log_pi)).sum(-1).detach(),
+        kl_ref_full=(pi * (log_pi - log_ref)).sum(-1),
+        entropy=-(pi * log_pi).sum(-1),
+        **common,
+    )
     loss_b, metrics_b = gppo.policy_loss(reduced, config)
     (grad_b,) = torch.autograd.grad(loss_b, logits)
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=1e-12)
@@ -298,7 +340,8 @@ def test_precomputed_vocabulary_reductions_equal_the_logits_path():
 
 
 def test_full_estimator_names_both_ways_to_feed_it():
-    batch = gppo.TokenBatch(logp=torch.zeros(1, 2) - 1, logp_behavior=torch.zeros(1, 2) - 1,
-                            advantages=torch.ones(1), mask=torch.ones(1, 2))
+    batch = gppo.TokenBatch(
+        logp=torch.zeros(1, 2) - 1, logp_behavior=torch.zeros(1, 2) - 1, advantages=torch.ones(1), mask=torch.ones(1, 2)
+    )
     with pytest.raises(gppo.GPPOInputError, match="TokenBatch.logits is missing.*or TokenBatch.full_estimate"):
         gppo.estimate(gppo.preset("dppo-binary-tv", estimator="full"), batch)

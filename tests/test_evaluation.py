@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 
 from gppo.evaluation import evaluate, flexible_answer, k_values, same_number
-from gppo.stats import avg_at_k, pass_at_k, standard_error
 from gppo.rollout.base import Generation, SamplingParams
+from gppo.stats import avg_at_k, pass_at_k, standard_error
 
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
 
@@ -37,7 +37,7 @@ class StubEngine:
         out = []
         for i, prompt in enumerate(prompts):
             texts = next(v for key, v in self.texts.items() if key in prompt)
-            out += [Generation(i, [], [], text) for text in texts[:params.n]]
+            out += [Generation(i, [], [], text) for text in texts[: params.n]]
         return out
 
 
@@ -47,8 +47,7 @@ def quiet() -> Console:
 
 def run(engine, out_dir, benchmarks=("aime24",), files=None, n=4, console=None, **kwargs):
     files = {"aime24": FIXTURES / "aime24.jsonl"} if files is None else files
-    return evaluate(engine, list(benchmarks), files, n, out_dir, progress=False, console=console or quiet(),
-                    **kwargs)
+    return evaluate(engine, list(benchmarks), files, n, out_dir, progress=False, console=console or quiet(), **kwargs)
 
 
 def test_pass_at_k_matches_the_closed_form():
@@ -89,12 +88,16 @@ def test_avg_and_pass_at_k_on_a_fixture_run(tmp_path):
 
 
 def test_bad_rows_are_reported_and_the_rest_is_evaluated(tmp_path):
-    texts = {"$1+1$": ["\\boxed{2}"], "$3+3$": ["\\boxed{6}"],
-             "print the input line": ["```python\nprint(input())\n```"]}
+    texts = {
+        "$1+1$": ["\\boxed{2}"],
+        "$3+3$": ["\\boxed{6}"],
+        "print the input line": ["```python\nprint(input())\n```"],
+    }
     console = quiet()
     files = {"aime24": FIXTURES / "aime24_bad.jsonl", "livecodebench": FIXTURES / "livecodebench_bad.jsonl"}
-    math_summary, code_summary = run(StubEngine(texts), tmp_path, ("aime24", "livecodebench"), files, n=1,
-                                     console=console)
+    math_summary, code_summary = run(
+        StubEngine(texts), tmp_path, ("aime24", "livecodebench"), files, n=1, console=console
+    )
     assert (math_summary.problems, len(math_summary.row_errors), math_summary.avg) == (2, 3, 1.0)
     assert (code_summary.problems, len(code_summary.row_errors), code_summary.avg) == (1, 2, 1.0)
     output = console.file.getvalue()
@@ -142,8 +145,15 @@ def test_resume_skips_scored_problems(tmp_path):
 def test_flexible_answer_reads_the_last_number_as_the_harness_does():
     # lm-evaluation-harness's flexible-extract: last match of -?[$0-9.,]{2,}|-?[0-9]+, then ',' '$' and a final '.'
     # dropped; expectations written by hand from that rule.
-    cases = {"So, the answer is 26%": "26", "She pays $1,234.50.": "1234.50", "3 boxes of 4 pens: 12 pens": "12",
-             "It drops to -7 degrees": "-7", "no number here": None, "7 apples ...": "7", "x = 2.": "2"}
+    cases = {
+        "So, the answer is 26%": "26",
+        "She pays $1,234.50.": "1234.50",
+        "3 boxes of 4 pens: 12 pens": "12",
+        "It drops to -7 degrees": "-7",
+        "no number here": None,
+        "7 apples ...": "7",
+        "x = 2.": "2",
+    }
     for text, expected in cases.items():
         assert flexible_answer(text) == expected, text
     assert same_number("2400", "2,400") and same_number("18.00", "18") and not same_number("17", "18")
@@ -165,8 +175,9 @@ GSM8K_TEXTS = {  # strict needs \boxed{} / "the answer is" / ####; flexible take
 
 def test_gsm8k_reports_strict_and_flexible_side_by_side(tmp_path):
     console = quiet()
-    [summary] = run(StubEngine(GSM8K_TEXTS), tmp_path, ("gsm8k",), {"gsm8k": FIXTURES / "gsm8k.jsonl"}, n=None,
-                    console=console)
+    [summary] = run(
+        StubEngine(GSM8K_TEXTS), tmp_path, ("gsm8k",), {"gsm8k": FIXTURES / "gsm8k.jsonl"}, n=None, console=console
+    )
     assert (summary.problems, summary.n) == (2, 1)
     assert summary.avg == pytest.approx(0.5) and summary.flexible == pytest.approx(1.0)
     assert summary.avg_se == pytest.approx(standard_error([1.0, 0.0])) and summary.flexible_se == 0.0
@@ -178,8 +189,15 @@ def test_gsm8k_reports_strict_and_flexible_side_by_side(tmp_path):
     assert f"results in {tmp_path}/" in console.file.getvalue()
     # a file written before flexible scoring (no 'flexible_correct') is scored from its text on resume
     path = tmp_path / "gsm8k.jsonl"
-    path.write_text("".join(json.dumps({**r, "samples": [{k: v for k, v in s.items() if not k.startswith("flexible")}
-                                                          for s in r["samples"]]}) + "\n" for r in records))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {**r, "samples": [{k: v for k, v in s.items() if not k.startswith("flexible")} for s in r["samples"]]}
+            )
+            + "\n"
+            for r in records
+        )
+    )
     [again] = run(StubEngine({}), tmp_path, ("gsm8k",), {"gsm8k": FIXTURES / "gsm8k.jsonl"}, n=None)
     assert again.flexible == pytest.approx(1.0)
 
@@ -207,8 +225,7 @@ def test_piped_progress_moves_per_completion_with_throughput_and_is_not_cut(tmp_
 
     with CompletionProgress(console, "aime24", total=12, enabled=True, every_s=0.0) as bar:
         engine = SteppingEngine(AIME_TEXTS)
-        generations = engine.generate(["$2+3$", "half of one", "6 \\cdot 7"],
-                                      SamplingParams(n=4, on_step=bar.on_step))
+        generations = engine.generate(["$2+3$", "half of one", "6 \\cdot 7"], SamplingParams(n=4, on_step=bar.on_step))
         bar.batch_done(len(generations), sum(len(g.completion_ids) for g in generations))
     lines = console.file.getvalue().splitlines()
     done = [int(line.split(": ")[1].split("/")[0]) for line in lines]
@@ -223,7 +240,8 @@ def test_hf_engine_reports_each_step(micro_model):
 
     model, tokenizer = load_model_and_tokenizer(micro_model)
     calls = []
-    gens = HFEngine(model, tokenizer).generate(["12+34=", "5+6="], SamplingParams(n=3, max_new_tokens=6, seed=0,
-                                                                                  on_step=lambda *a: calls.append(a)))
+    gens = HFEngine(model, tokenizer).generate(
+        ["12+34=", "5+6="], SamplingParams(n=3, max_new_tokens=6, seed=0, on_step=lambda *a: calls.append(a))
+    )
     assert sum(tokens for tokens, _ in calls) == sum(len(g.completion_ids) for g in gens)
     assert sum(finished for _, finished in calls) == 6

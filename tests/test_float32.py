@@ -12,8 +12,7 @@ from gppo.core.estimators import full_estimate
 from tests.reference import brute_force_divergence, partition_divergence
 
 NAMES = sorted(gppo.DIVERGENCES)
-POINTS = [(n, {}) for n in NAMES if n != "alpha"] + [
-    ("alpha", {"alpha": a}) for a in (-0.5, 0.3, 0.5, 1.5, 2.0)]
+POINTS = [(n, {}) for n in NAMES if n != "alpha"] + [("alpha", {"alpha": a}) for a in (-0.5, 0.3, 0.5, 1.5, 2.0)]
 POINT_IDS = [n + (f"={p['alpha']}" if p else "") for n, p in POINTS]
 
 
@@ -38,11 +37,17 @@ def token_batch(log_pi, log_mu, ids, top_ids, dtype):
     r = lambda x: x.to(dtype)  # noqa: E731
     n = len(ids)
     return gppo.TokenBatch(
-        logp=r(log_pi.gather(-1, ids)), logp_behavior=r(log_mu.gather(-1, ids)),
-        advantages=torch.ones(n), mask=torch.ones(n, 1), token_ids=ids, topk_ids=top_ids[:, None],
+        logp=r(log_pi.gather(-1, ids)),
+        logp_behavior=r(log_mu.gather(-1, ids)),
+        advantages=torch.ones(n),
+        mask=torch.ones(n, 1),
+        token_ids=ids,
+        topk_ids=top_ids[:, None],
         topk_logp_behavior=r(log_mu.gather(-1, top_ids))[:, None],
         topk_logp=r(log_pi.gather(-1, top_ids))[:, None],
-        logits=r(log_pi)[:, None], logp_behavior_full=r(log_mu)[:, None])
+        logits=r(log_pi)[:, None],
+        logp_behavior_full=r(log_mu)[:, None],
+    )
 
 
 def estimate(batch, name, params, estimator, **kw):
@@ -68,8 +73,12 @@ def test_topk_below_full_at_confident_positions(name, params, vocab):
         assert ((topk - topk64).abs() <= close * (1 + topk64)).all(), dtype
         if dtype == torch.float32:
             assert (topk <= exact + 1e-7).all()
-    torch.testing.assert_close(estimate(token_batch(log_pi, log_mu, ids, top_ids, torch.float32),
-                                        name, params, "full"), exact, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(
+        estimate(token_batch(log_pi, log_mu, ids, top_ids, torch.float32), name, params, "full"),
+        exact,
+        rtol=1e-5,
+        atol=2e-6,
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -104,7 +113,8 @@ def test_duplicate_topk_ids_are_merged():
         for i in range(6):
             cells = [{int(j)} for j in top_ids[i]]
             assert got[i].item() == pytest.approx(
-                partition_divergence(name, log_pi[i].exp(), log_mu[i].exp(), cells), rel=1e-9)
+                partition_divergence(name, log_pi[i].exp(), log_mu[i].exp(), cells), rel=1e-9
+            )
 
 
 def test_top_k_bounds_the_entries_used():
@@ -115,12 +125,16 @@ def test_top_k_bounds_the_entries_used():
     wide = token_batch(log_pi, log_mu, ids, shuffled, torch.float64)
     narrow = token_batch(log_pi, log_mu, ids, order[:, :20], torch.float64)
     for name in ("tv", "kl"):
-        torch.testing.assert_close(estimate(wide, name, {}, "topk", top_k=20),
-                                   estimate(narrow, name, {}, "topk", top_k=20))
-        torch.testing.assert_close(estimate(wide, name, {}, "topp", top_k=20, top_p=0.9),
-                                   estimate(narrow, name, {}, "topp", top_k=20, top_p=0.9))
-        assert not torch.allclose(estimate(wide, name, {}, "topk", top_k=30),
-                                  estimate(narrow, name, {}, "topk", top_k=20))
+        torch.testing.assert_close(
+            estimate(wide, name, {}, "topk", top_k=20), estimate(narrow, name, {}, "topk", top_k=20)
+        )
+        torch.testing.assert_close(
+            estimate(wide, name, {}, "topp", top_k=20, top_p=0.9),
+            estimate(narrow, name, {}, "topp", top_k=20, top_p=0.9),
+        )
+        assert not torch.allclose(
+            estimate(wide, name, {}, "topk", top_k=30), estimate(narrow, name, {}, "topk", top_k=20)
+        )
 
 
 def masked_column_batch(dtype=torch.float32):
@@ -133,9 +147,15 @@ def masked_column_batch(dtype=torch.float32):
     log_probs = torch.log_softmax(logits, -1)
     ids = torch.randint(0, 25, (2, 3), generator=gen)
     batch = gppo.TokenBatch(
-        logp=log_probs.gather(-1, ids[..., None])[..., 0], logp_behavior=log_ref.gather(-1, ids[..., None])[..., 0].to(dtype),
-        advantages=torch.tensor([1.0, -1.0]), mask=torch.ones(2, 3), token_ids=ids, logits=logits,
-        logp_behavior_full=log_ref.to(dtype), logp_ref_full=log_ref.to(dtype))
+        logp=log_probs.gather(-1, ids[..., None])[..., 0],
+        logp_behavior=log_ref.gather(-1, ids[..., None])[..., 0].to(dtype),
+        advantages=torch.tensor([1.0, -1.0]),
+        mask=torch.ones(2, 3),
+        token_ids=ids,
+        logits=logits,
+        logp_behavior_full=log_ref.to(dtype),
+        logp_ref_full=log_ref.to(dtype),
+    )
     return batch, logits, z, log_ref
 
 
@@ -173,8 +193,7 @@ def test_log_ratio_clamp_neither_admits_nor_freezes_a_huge_ratio():
     (p = 0.34) keeps its gradient. (Every p is a probability: log-probs above 0 are refused.)"""
     logq = torch.tensor([[math.log(6.7e-10)] * 2], dtype=torch.float64)
     logp = (logq + torch.tensor([[math.log(0.99 / 6.7e-10), math.log(5e8)]], dtype=torch.float64)).requires_grad_(True)
-    batch = gppo.TokenBatch(logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0]),
-                            mask=torch.ones(1, 2))
+    batch = gppo.TokenBatch(logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0]), mask=torch.ones(1, 2))
     cfg = gppo.preset("ppo", divergence="tv", estimator="binary", delta_low=0.9, delta_high=0.9)
     loss, metrics = gppo.policy_loss(batch, cfg)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -242,8 +261,9 @@ def test_a_user_divergence_falls_back_to_the_cell_sum():
 
     log_pi, log_mu, _ = peaked(300, n=4, spread=1.0)
     got = full_estimate(Triangular(), log_pi.float()[:, None], log_mu.float()[:, None], torch.ones(4, 1), 512)
-    expected = [sum((a - b) ** 2 / (a + b) for a, b in zip(p.tolist(), q.tolist()))
-                for p, q in zip(log_pi.exp(), log_mu.exp())]
+    expected = [
+        sum((a - b) ** 2 / (a + b) for a, b in zip(p.tolist(), q.tolist())) for p, q in zip(log_pi.exp(), log_mu.exp())
+    ]
     torch.testing.assert_close(got[:, 0].double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-7)
 
 
@@ -257,8 +277,11 @@ def test_cells_near_ratio_one_in_float32(name, params):
     log_p32 = log_q + x
     got = div.cell_terms(log_p32, log_q).double()
     q = math.exp(float(log_q[0]))
-    expected = [brute_force_divergence(name, [q * math.exp(xi)], [q], params.get("alpha", 0.5))
-                - div.f_prime_at_1 * q * math.expm1(xi) for xi in (log_p32.double() - log_q.double()).tolist()]
+    expected = [
+        brute_force_divergence(name, [q * math.exp(xi)], [q], params.get("alpha", 0.5))
+        - div.f_prime_at_1 * q * math.expm1(xi)
+        for xi in (log_p32.double() - log_q.double()).tolist()
+    ]
     if name == "tv":
         expected = [0.5 * abs(q * math.expm1(xi)) for xi in (log_p32.double() - log_q.double()).tolist()]
     torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=0)
@@ -293,8 +316,9 @@ def test_fused_vocabulary_pass_equals_the_eager_one(monkeypatch):
     entropy = loss.entropy_from_logits(z, mask.bool(), 512)
     monkeypatch.setattr(estimators, "FUSE_MIN_ELEMENTS", 0)
     for name, expected in eager.items():
-        torch.testing.assert_close(full_estimate(gppo.divergence(name), z, log_mu, mask, 16), expected,
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            full_estimate(gppo.divergence(name), z, log_mu, mask, 16), expected, rtol=1e-5, atol=1e-6
+        )
     torch.testing.assert_close(loss.entropy_from_logits(z, mask.bool(), 16), entropy, rtol=1e-5, atol=1e-6)
 
 
@@ -304,6 +328,7 @@ def test_fused_pass_falls_back_when_torch_compile_fails(monkeypatch):
     def broken_compile(fn, **kwargs):
         def compiled(*args):
             raise RuntimeError("no C++ compiler")
+
         return compiled
 
     z, log_mu, mask = fused_inputs()
@@ -370,8 +395,7 @@ def test_vespo_weight_at_extreme_sequence_ratios_in_float32(log_ratio):
     logp = torch.cat([torch.full((1, 64), -3.0 + log_ratio), torch.full((1, 64), -3.0)]).clamp(max=0.0)
     logq[0] = logp[0] - log_ratio
     logp = logp.requires_grad_(True)
-    batch = gppo.TokenBatch(logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0, -1.0]),
-                            mask=torch.ones(2, 64))
+    batch = gppo.TokenBatch(logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0, -1.0]), mask=torch.ones(2, 64))
     loss, _ = gppo.policy_loss(batch, gppo.preset("vespo"))
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()

@@ -26,7 +26,7 @@ def full_pass_logprobs(model, gen, temperature):
     """log_softmax(logits / T) of one unpadded forward pass over prompt + completion."""
     ids = torch.tensor([gen.prompt_ids + gen.completion_ids])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(gen.prompt_ids) - 1:-1].float()
+        logits = model(ids).logits[0, len(gen.prompt_ids) - 1 : -1].float()
     return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
 
 
@@ -34,15 +34,17 @@ def full_pass_logprobs(model, gen, temperature):
 def test_logprobs_and_topk_match_a_full_forward_pass(micro, temperature):
     model, tok = micro
     engine = HFEngine(model, tok, batch_size=5)  # 8 sequences: two chunks, mixed prompt lengths
-    gens = engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=10, n=2,
-                                                    top_k_logprobs=4, seed=0))
+    gens = engine.generate(
+        PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=10, n=2, top_k_logprobs=4, seed=0)
+    )
     assert [g.prompt_index for g in gens] == [0, 0, 1, 1, 2, 2, 3, 3]
     for g in gens:
         assert g.prompt_ids == tok(PROMPTS[g.prompt_index])["input_ids"]
         ref = full_pass_logprobs(model, g, temperature)
         ids = torch.tensor(g.completion_ids)
-        torch.testing.assert_close(torch.tensor(g.logprobs), ref.gather(-1, ids[:, None]).squeeze(-1),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), ref.gather(-1, ids[:, None]).squeeze(-1), atol=1e-5, rtol=0
+        )
         top_lp, top_ids = ref.topk(4, dim=-1)
         assert torch.equal(torch.tensor(g.topk_ids), top_ids)
         torch.testing.assert_close(torch.tensor(g.topk_logprobs), top_lp, atol=1e-5, rtol=0)
@@ -73,9 +75,12 @@ def test_eos_stops_each_sequence_and_padding_does_not_leak(micro):
             assert g.text == tok.decode(g.completion_ids, skip_special_tokens=True)
             assert "<eos>" not in g.text
             ref = full_pass_logprobs(model, g, 1.0)
-            torch.testing.assert_close(torch.tensor(g.logprobs),
-                                       ref.gather(-1, torch.tensor(g.completion_ids)[:, None]).squeeze(-1),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(g.logprobs),
+                ref.gather(-1, torch.tensor(g.completion_ids)[:, None]).squeeze(-1),
+                atol=1e-5,
+                rtol=0,
+            )
         # Greedy: a prompt gives the same completion alone as inside a left-padded batch.
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
         batched = engine.generate(PROMPTS, greedy)
@@ -107,8 +112,9 @@ def test_seeded_reproducibility(micro):
 
 def test_top_p_truncates_the_recorded_distribution(micro):
     model, tok = micro
-    gens = HFEngine(model, tok).generate(PROMPTS, SamplingParams(top_p=0.5, max_new_tokens=6, seed=0,
-                                                                  top_k_logprobs=len(tok)))
+    gens = HFEngine(model, tok).generate(
+        PROMPTS, SamplingParams(top_p=0.5, max_new_tokens=6, seed=0, top_k_logprobs=len(tok))
+    )
     for g in gens:
         for step_lps in g.topk_logprobs:
             kept = torch.tensor(step_lps).exp()
@@ -140,15 +146,25 @@ def test_other_architecture_with_absolute_positions():
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64,
-                        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        n_positions=64,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
     model = GPT2LMHeadModel(config).eval()
     gens = HFEngine(model, tok).generate(PROMPTS, SamplingParams(max_new_tokens=8, n=2, seed=0))
     for g in gens:
         ref = full_pass_logprobs(model, g, 1.0)
-        torch.testing.assert_close(torch.tensor(g.logprobs),
-                                   ref.gather(-1, torch.tensor(g.completion_ids)[:, None]).squeeze(-1),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs),
+            ref.gather(-1, torch.tensor(g.completion_ids)[:, None]).squeeze(-1),
+            atol=1e-5,
+            rtol=0,
+        )
 
 
 def test_every_eos_id_of_the_generation_config_stops(micro):
@@ -200,12 +216,15 @@ def test_top_p_records_the_nucleus_and_its_renormalised_log_probs(micro):
     model, tok = micro
     V = len(tok)
     gens = HFEngine(model, tok, batch_size=5).generate(
-        PROMPTS, SamplingParams(temperature=0.8, top_p=0.6, max_new_tokens=6, n=2, seed=0, top_k_logprobs=V,
-                                record_kept_ids=True))
+        PROMPTS,
+        SamplingParams(
+            temperature=0.8, top_p=0.6, max_new_tokens=6, n=2, seed=0, top_k_logprobs=V, record_kept_ids=True
+        ),
+    )
     for g in gens:
         ids = torch.tensor([g.prompt_ids + g.completion_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(g.prompt_ids) - 1:-1]
+            logits = model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
         kept, log_mu_s = nucleus64(logits, 0.8, 0.6)
         assert [sorted(s) for s in g.kept_ids] == [sorted(s) for s in kept]
         assert all(1 <= len(s) < V for s in kept)
@@ -229,14 +248,19 @@ def test_top_p_training_forward_gives_ratio_one_and_exact_divergences(micro):
 
     model, tok = micro
     K = 40  # of 55 tokens: the near-uniform micro model's nucleus of mass 0.6 holds about 30
-    gens = HFEngine(model, tok).generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.6, max_new_tokens=6, n=2,
-                                                                 seed=1, top_k_logprobs=K, record_kept_ids=True))
+    gens = HFEngine(model, tok).generate(
+        PROMPTS,
+        SamplingParams(
+            temperature=0.8, top_p=0.6, max_new_tokens=6, n=2, seed=1, top_k_logprobs=K, record_kept_ids=True
+        ),
+    )
     rollout = rollout_from_generations(gens, torch.linspace(-1, 1, len(gens)), tok.pad_token_id, top_k=K)
     valid = rollout.response_mask.bool()
     with torch.no_grad():
         out = policy_outputs(model, rollout, 0.8, return_log_probs=True)
-        untruncated = policy_outputs(model, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8,
-                                     return_log_probs=True)
+        untruncated = policy_outputs(
+            model, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8, return_log_probs=True
+        )
     torch.testing.assert_close(out.logp[valid], rollout.logp_behavior[valid], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.topk_logp.exp()[valid], rollout.topk_logp_behavior.exp()[valid], atol=1e-5, rtol=0)
     ratio_full_vocab = (untruncated.logp - rollout.logp_behavior).exp()[valid]
@@ -251,8 +275,9 @@ def test_top_p_training_forward_gives_ratio_one_and_exact_divergences(micro):
     full = gppo.estimate(gppo.preset("dppo-topk-tv", estimator="full"), batch)
     topk = gppo.estimate(gppo.preset("dppo-topk-tv", top_k=K), batch)
     with torch.no_grad():  # reference: full-vocabulary float64 softmax, masked to S by hand, renormalised
-        full_pi = policy_outputs(other, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8,
-                                 return_log_probs=True)
+        full_pi = policy_outputs(
+            other, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), 0.8, return_log_probs=True
+        )
     in_s = torch.zeros_like(valid[..., None].expand(-1, -1, len(tok)))
     for row, g in enumerate(gens):
         for t, ids in enumerate(g.kept_ids):

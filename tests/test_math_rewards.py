@@ -5,8 +5,15 @@ import time
 
 import pytest
 
-from gppo.rewards.math import (MathVerdict, check_golds, equation_sides, extract_answer, hedge_form, normalize_gold,
-                               score_math)
+from gppo.rewards.math import (
+    MathVerdict,
+    check_golds,
+    equation_sides,
+    extract_answer,
+    hedge_form,
+    normalize_gold,
+    score_math,
+)
 
 C, W, H = MathVerdict.CORRECT, MathVerdict.WRONG, MathVerdict.HEDGED
 
@@ -147,7 +154,11 @@ HEDGES = [
     (["3", "4"], "3 \\text{ or } 4", "a disjunction (or)"),
     (["3", "4"], "3 (or 4)", "a disjunction (or)"),
     (["3", "-3"], "\\pm 3", "a disjunction (\\pm)"),
-    (["3", "4"], "\\begin{cases} 3 & n \\text{ even} \\\\ 4 & \\text{otherwise} \\end{cases}", "a case split (\\begin{cases})"),
+    (
+        ["3", "4"],
+        "\\begin{cases} 3 & n \\text{ even} \\\\ 4 & \\text{otherwise} \\end{cases}",
+        "a case split (\\begin{cases})",
+    ),
     (["3", "4"], "3 \\text{ if } n \\text{ is even}, 4 \\text{ otherwise}", "a case split (if)"),
     (["3", "4"], "3 if n even, 4 otherwise", "a case split (if)"),
     (["3", "4"], "3 \\\\ 4", "several lines (\\\\)"),
@@ -173,10 +184,18 @@ def test_hedges_that_math_verify_alone_would_accept():
     """The rules are needed: math-verify keeps one side of these (run without them, in-process)."""
     from math_verify import parse, verify
 
-    for gold, answer in [("3", "4 = 3"), ("4", "3 \\lor 4"), ("3", "x \\approx 3"), ("4", "3 \\\\ 4"),
-                         ("4", "3 (or 4)"), ("4", "3 \\mid 4"), ("4", "3 | 4")]:
-        assert verify(parse(f"${gold}$", parsing_timeout=None), parse(f"${answer}$", parsing_timeout=None),
-                      timeout_seconds=None), (gold, answer)
+    for gold, answer in [
+        ("3", "4 = 3"),
+        ("4", "3 \\lor 4"),
+        ("3", "x \\approx 3"),
+        ("4", "3 \\\\ 4"),
+        ("4", "3 (or 4)"),
+        ("4", "3 \\mid 4"),
+        ("4", "3 | 4"),
+    ]:
+        assert verify(
+            parse(f"${gold}$", parsing_timeout=None), parse(f"${answer}$", parsing_timeout=None), timeout_seconds=None
+        ), (gold, answer)
 
 
 # Honest answers that keep scoring 1: named values, true equations, and golds that are themselves
@@ -223,27 +242,30 @@ def test_anchored_answers_are_checked_too():
     assert (hedged.verdict, hedged.answer, honest.verdict) == (H, "3 or 4", C)
 
 
-@pytest.mark.parametrize("answer, gold, form", [
-    ("3 \\lor 4", "", "a disjunction (\\lor)"),
-    ("\\left(3\\right)", "", None),
-    ("3 \\in S", "", "a relation (\\in)"),
-    ("\\infty", "", None),
-    ("\\inf S", "", None),
-    ("\\neg p", "", None),
-    ("3 \\ne 4", "", "a relation (\\ne)"),
-    ("\\text{north or south}", "\\text{east or west}", None),  # the gold has the same form
-    ("3 OR 4", "", "a disjunction (OR)"),
-    ("\\text{Gordon}", "", None),
-    ("3 \\\\ ", "", None),
-    ("3 \\mid 4", "3 \\mid 12", None),
-    ("3 \\not\\equiv 4", "", "a relation (\\not)"),
-    ("3 \\ltimes 4", "", None),
-    ("\\middle", "", None),
-    ("|x| + |y|", "", None),
-    ("\\|v\\| + \\left\\| w \\right\\|", "", None),
-    ("\\left. x^2 \\right|_0^1", "", None),
-    ("|x| | 4", "", "a relation (|)"),
-])
+@pytest.mark.parametrize(
+    "answer, gold, form",
+    [
+        ("3 \\lor 4", "", "a disjunction (\\lor)"),
+        ("\\left(3\\right)", "", None),
+        ("3 \\in S", "", "a relation (\\in)"),
+        ("\\infty", "", None),
+        ("\\inf S", "", None),
+        ("\\neg p", "", None),
+        ("3 \\ne 4", "", "a relation (\\ne)"),
+        ("\\text{north or south}", "\\text{east or west}", None),  # the gold has the same form
+        ("3 OR 4", "", "a disjunction (OR)"),
+        ("\\text{Gordon}", "", None),
+        ("3 \\\\ ", "", None),
+        ("3 \\mid 4", "3 \\mid 12", None),
+        ("3 \\not\\equiv 4", "", "a relation (\\not)"),
+        ("3 \\ltimes 4", "", None),
+        ("\\middle", "", None),
+        ("|x| + |y|", "", None),
+        ("\\|v\\| + \\left\\| w \\right\\|", "", None),
+        ("\\left. x^2 \\right|_0^1", "", None),
+        ("|x| | 4", "", "a relation (|)"),
+    ],
+)
 def test_hedge_form_reads_commands_whole(answer, gold, form):
     assert hedge_form(answer, gold) == form
 
@@ -266,7 +288,11 @@ def test_bad_gold_answers_are_reported_not_raised():
     assert empty.verdict is MathVerdict.UNPARSABLE and "empty" in empty.error
     assert unreadable.verdict is MathVerdict.UNPARSABLE and "gold answer" in unreadable.error
     assert check_golds(["\\frac{1}{\\sqrt{2}}", "", "\\text{}", 27.0]) == [
-        None, "the gold answer is empty", "math-verify cannot parse the gold answer '$\\\\text{}$'", None]
+        None,
+        "the gold answer is empty",
+        "math-verify cannot parse the gold answer '$\\\\text{}$'",
+        None,
+    ]
 
 
 def test_gold_answers_are_wrapped_for_math_verify():

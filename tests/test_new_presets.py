@@ -114,7 +114,7 @@ def test_dr_grpo_and_luspo(seed):
 @pytest.mark.parametrize("seed", [1, 2, 3])  # seed 0 has no A<0 sequence with mean log(mu/pi) > 0
 def test_off_policy_sequence_mask(seed):
     batch, (logp, logq, adv, mask) = inputs(seed, spread=1.0)
-    drift = (((logq - logp.detach()) * mask).sum(-1) / mask.sum(-1))
+    drift = ((logq - logp.detach()) * mask).sum(-1) / mask.sum(-1)
     threshold = 0.5 * drift[adv < 0].max().item()  # some negative sequences dropped, some kept
     loss, grad, metrics = loss_and_grad(batch, gppo.preset("grpo", off_policy_threshold=threshold))
     expected = ref.opsm_grpo_loss(logp, logq, adv, mask, 0.2, threshold)
@@ -129,26 +129,36 @@ def test_off_policy_sequence_mask(seed):
     assert_same(grad, mask_grad)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("cov_ratio", 0.0, "GPPOConfig.cov_ratio must be in \\(0, 1\\]"),
-    ("cov_ratio", 1.5, "GPPOConfig.cov_ratio must be in \\(0, 1\\]"),
-    ("cov_low", 6.0, "cov_low=6.0 must be below cov_high=5.0.*lower cov_low or raise cov_high"),
-    ("cov_high", float("nan"), "GPPOConfig.cov_high must be a number"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("cov_ratio", 0.0, "GPPOConfig.cov_ratio must be in \\(0, 1\\]"),
+        ("cov_ratio", 1.5, "GPPOConfig.cov_ratio must be in \\(0, 1\\]"),
+        ("cov_low", 6.0, "cov_low=6.0 must be below cov_high=5.0.*lower cov_low or raise cov_high"),
+        ("cov_high", float("nan"), "GPPOConfig.cov_high must be a number"),
+    ],
+)
 def test_clip_cov_parameters_are_validated(field, value, message):
     with pytest.raises(gppo.GPPOConfigError, match=message):
         gppo.preset("clip-cov", **{field: value})
 
 
-@pytest.mark.parametrize("preset, field, value, message", [
-    ("dro", "kl_tau", -0.1, "GPPOConfig.kl_tau must be > 0 and finite, or None"),
-    ("vespo", "lambda_neg", 0.0, "GPPOConfig.lambda_neg must be > 0 and finite"),
-    ("vespo", "k_pos", -1.0, "GPPOConfig.k_pos must be >= 0"),
-    ("kl-cov", "cov_kl_coef", float("inf"), "GPPOConfig.cov_kl_coef must be >= 0 and finite"),
-    ("ppo", "kl_tau", 0.1, "kl_tau=0.1 is not used by the point tv x sample x clip: kl_tau is a "
-                           "parameter of rules mask, pg"),
-    ("gpg", "cov_ratio", 0.1, "cov_ratio is a parameter of rules clip-cov, kl-cov"),
-])
+@pytest.mark.parametrize(
+    "preset, field, value, message",
+    [
+        ("dro", "kl_tau", -0.1, "GPPOConfig.kl_tau must be > 0 and finite, or None"),
+        ("vespo", "lambda_neg", 0.0, "GPPOConfig.lambda_neg must be > 0 and finite"),
+        ("vespo", "k_pos", -1.0, "GPPOConfig.k_pos must be >= 0"),
+        ("kl-cov", "cov_kl_coef", float("inf"), "GPPOConfig.cov_kl_coef must be >= 0 and finite"),
+        (
+            "ppo",
+            "kl_tau",
+            0.1,
+            "kl_tau=0.1 is not used by the point tv x sample x clip: kl_tau is a parameter of rules mask, pg",
+        ),
+        ("gpg", "cov_ratio", 0.1, "cov_ratio is a parameter of rules clip-cov, kl-cov"),
+    ],
+)
 def test_new_parameters_are_validated(preset, field, value, message):
     with pytest.raises(gppo.GPPOConfigError, match=message):
         gppo.preset(preset, **{field: value})
@@ -165,8 +175,9 @@ def test_advantage_linearity_is_declared_by_the_rules():
         losses = []
         for c in (1.0, 10.0):
             torch.manual_seed(0)  # clip-cov draws the same permutation
-            scaled = gppo.TokenBatch(logp=batch.logp, logp_behavior=batch.logp_behavior,
-                                     advantages=c * batch.advantages, mask=batch.mask)
+            scaled = gppo.TokenBatch(
+                logp=batch.logp, logp_behavior=batch.logp_behavior, advantages=c * batch.advantages, mask=batch.mask
+            )
             losses.append(gppo.policy_loss(scaled, cfg)[0])
         linear = gppo.RULES[cfg.rule].is_advantage_linear(cfg)
         assert torch.isclose(losses[1], 10.0 * losses[0], rtol=1e-9).item() == linear, name

@@ -24,18 +24,31 @@ def token_rollout(logp_behavior, logp_old, mask, tag=0.0):
     """A Rollout holding only what the mismatch metrics and the queue read ([N, T] tensors)."""
     n, t = logp_behavior.shape
     zeros = torch.zeros((n, t), dtype=torch.long)
-    return Rollout(input_ids=zeros, attention_mask=zeros, prompt_length=1, response_mask=mask,
-                   token_ids=zeros, logp_behavior=logp_behavior, advantages=torch.full((n,), tag),
-                   logp_old=logp_old)
+    return Rollout(
+        input_ids=zeros,
+        attention_mask=zeros,
+        prompt_length=1,
+        response_mask=mask,
+        token_ids=zeros,
+        logp_behavior=logp_behavior,
+        advantages=torch.full((n,), tag),
+        logp_old=logp_old,
+    )
 
 
 # ------------------------------------------------------------------------------ int8 weights
 def test_int8_fake_quantization_against_hand_computed_values():
     linear = torch.nn.Linear(3, 3, bias=False)
     with torch.no_grad():
-        linear.weight.copy_(torch.tensor([[1.27, 0.333, -0.0061],  # s = 0.01: 33.3 -> 33, -0.61 -> -1
-                                          [0.0, 0.0, 0.0],  # a zero row stays zero
-                                          [2.54, 1.011, -0.035]]))  # s = 0.02: 50.55 -> 51, -1.75 -> -2
+        linear.weight.copy_(
+            torch.tensor(
+                [
+                    [1.27, 0.333, -0.0061],  # s = 0.01: 33.3 -> 33, -0.61 -> -1
+                    [0.0, 0.0, 0.0],  # a zero row stays zero
+                    [2.54, 1.011, -0.035],
+                ]
+            )
+        )  # s = 0.02: 50.55 -> 51, -1.75 -> -2
     expected = torch.tensor([[1.27, 0.33, -0.01], [0.0, 0.0, 0.0], [2.54, 1.02, -0.04]])
     torch.testing.assert_close(fake_quantize_int8(linear.weight), expected, atol=1e-6, rtol=0)
 
@@ -69,11 +82,15 @@ def test_mismatch_metrics_against_hand_computed_values():
     old = torch.tensor([[0.25, 0.4, float("nan")]]).log()  # the padded third token is never read
     metrics = mismatch_metrics(token_rollout(mu, old, torch.tensor([[1.0, 1.0, 0.0]])))
     log2 = math.log(2)
-    expected = {"mismatch/prob_diff/mean": 0.225, "mismatch/prob_diff/max": 0.25,
-                "mismatch/kl_sample": 0.0,  # (log 2 - log 2) / 2
-                "mismatch/kl_k3": ((0.5 - 1 + log2) + (2 - 1 - log2)) / 2,  # r - 1 - log r at r = 1/2, 2
-                "mismatch/ratio/q0.01": 0.5 + 0.01 * 1.5, "mismatch/ratio/q0.5": 1.25,
-                "mismatch/ratio/q0.99": 0.5 + 0.99 * 1.5}
+    expected = {
+        "mismatch/prob_diff/mean": 0.225,
+        "mismatch/prob_diff/max": 0.25,
+        "mismatch/kl_sample": 0.0,  # (log 2 - log 2) / 2
+        "mismatch/kl_k3": ((0.5 - 1 + log2) + (2 - 1 - log2)) / 2,  # r - 1 - log r at r = 1/2, 2
+        "mismatch/ratio/q0.01": 0.5 + 0.01 * 1.5,
+        "mismatch/ratio/q0.5": 1.25,
+        "mismatch/ratio/q0.99": 0.5 + 0.99 * 1.5,
+    }
     assert metrics.keys() == expected.keys()
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, abs=1e-6), key
@@ -92,7 +109,7 @@ def test_mismatch_metrics_against_float64_references_from_float32_inputs(scale):
     m, o = mu.numpy().astype(np.float64)[valid], old.numpy().astype(np.float64)[valid]
     d = o - m
     if scale < 1e-3:  # Taylor series of e^d - 1 - d, error below d^5 / 120
-        k3 = np.mean(d ** 2 / 2 + d ** 3 / 6 + d ** 4 / 24)
+        k3 = np.mean(d**2 / 2 + d**3 / 6 + d**4 / 24)
     else:
         k3 = np.mean(np.exp(d) - 1 - d)
     gap = np.abs(np.exp(o) - np.exp(m))
@@ -135,13 +152,15 @@ def test_queue_serves_the_batch_sampled_k_steps_earlier_and_survives_a_state_rou
 def count_forwards(monkeypatch):
     calls = []
     original = gppo.trainer.trainer.policy_outputs
-    monkeypatch.setattr(gppo.trainer.trainer, "policy_outputs",
-                        lambda *a, **kw: calls.append(a[0]) or original(*a, **kw))
+    monkeypatch.setattr(
+        gppo.trainer.trainer, "policy_outputs", lambda *a, **kw: calls.append(a[0]) or original(*a, **kw)
+    )
     return calls
 
 
 def test_without_a_knob_the_engine_samples_the_trained_weights_and_pi_old_is_not_recomputed(
-        micro_model, tmp_path, monkeypatch):
+    micro_model, tmp_path, monkeypatch
+):
     trainer = Trainer(micro_config(micro_model, tmp_path / "run", steps=1, eval_every=0, save_every=0))
     assert not trainer.rollout_policy.is_copy
     assert trainer.engine.model is trainer.rollout_policy.model is trainer.model
@@ -153,8 +172,11 @@ def test_without_a_knob_the_engine_samples_the_trained_weights_and_pi_old_is_not
 
 
 def test_bf16_rollout_copy_is_refreshed_in_place_and_its_mismatch_is_measured(micro_model, tmp_path, monkeypatch):
-    trainer = Trainer(micro_config(micro_model, tmp_path / "run", steps=2, eval_every=0, save_every=0,
-                                   rollout_dtype="bfloat16", **LEARNS))
+    trainer = Trainer(
+        micro_config(
+            micro_model, tmp_path / "run", steps=2, eval_every=0, save_every=0, rollout_dtype="bfloat16", **LEARNS
+        )
+    )
     copy = trainer.rollout_policy.model
     assert trainer.engine.model is copy and copy is not trainer.model
     assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
@@ -164,7 +186,7 @@ def test_bf16_rollout_copy_is_refreshed_in_place_and_its_mismatch_is_measured(mi
 
     calls = count_forwards(monkeypatch)
     rollout, _ = trainer.rollout()
-    prepared = trainer.prepare(rollout)
+    trainer.prepare(rollout)
     micro_batches = math.ceil(rollout.size / trainer.config.micro_batch_size)
     assert calls == [trainer.model] * micro_batches  # pi_old once per batch, with the trained weights
     with torch.no_grad():
@@ -190,8 +212,9 @@ def test_bf16_rollout_copy_is_refreshed_in_place_and_its_mismatch_is_measured(mi
 
 
 def test_full_estimator_reads_mu_from_the_rollout_copy_and_pi_old_from_the_trained_weights(micro_model, tmp_path):
-    trainer = Trainer(micro_config(micro_model, tmp_path / "run", preset="dppo-binary-kl", estimator="full",
-                                   rollout_dtype="bfloat16"))
+    trainer = Trainer(
+        micro_config(micro_model, tmp_path / "run", preset="dppo-binary-kl", estimator="full", rollout_dtype="bfloat16")
+    )
     rollout, _ = trainer.rollout()
     prepared = trainer.prepare(rollout)
     with torch.no_grad():
@@ -206,8 +229,19 @@ def test_full_estimator_reads_mu_from_the_rollout_copy_and_pi_old_from_the_train
 def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(micro_model, tmp_path, objective):
     """... and with estimator 'full', mu's whole distribution is that of the weights of step t - k too."""
     k = 2
-    trainer = Trainer(micro_config(micro_model, tmp_path / "run", steps=4, eval_every=0, save_every=1,
-                                   keep_checkpoints=10, off_policy_steps=k, **objective, **LEARNS))
+    trainer = Trainer(
+        micro_config(
+            micro_model,
+            tmp_path / "run",
+            steps=4,
+            eval_every=0,
+            save_every=1,
+            keep_checkpoints=10,
+            off_policy_steps=k,
+            **objective,
+            **LEARNS,
+        )
+    )
     trained = []
     update = trainer.update
     trainer.update = lambda rollout: trained.append((trainer.step, rollout)) or update(rollout)
@@ -227,8 +261,9 @@ def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(
             sampler, current = sampler_outputs.logp, policy_outputs(weights(t), rollout, 1.0).logp
         torch.testing.assert_close(sampler[valid], rollout.logp_behavior[valid], atol=1e-5, rtol=0)
         if objective:
-            torch.testing.assert_close(rollout.logp_behavior_full[valid], sampler_outputs.log_probs[valid],
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                rollout.logp_behavior_full[valid], sampler_outputs.log_probs[valid], atol=1e-5, rtol=0
+            )
         else:
             assert rollout.logp_behavior_full is None
         torch.testing.assert_close(current[valid], rollout.logp_old[valid], atol=1e-5, rtol=0)
@@ -239,18 +274,25 @@ def test_off_policy_batches_were_sampled_by_the_saved_weights_of_step_t_minus_k(
     assert records[1]["mismatch/prob_diff/max"] < 1e-5 < records[2]["mismatch/prob_diff/max"]
 
 
-NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="engine 'vllm' is refused earlier, for not being installed")
+NEEDS_VLLM = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="engine 'vllm' is refused earlier, for not being installed"
+)
 
 
-@pytest.mark.parametrize("changes,message", [
-    (dict(rollout_dtype="fp8"), "rollout_dtype: 'fp8' is not one of \\['float32', 'bfloat16', 'float16'\\]"),
-    (dict(rollout_quantization="int4"), "rollout_quantization: 'int4' is not one of \\['none', 'int8'\\]"),
-    (dict(off_policy_steps=-1), "off_policy_steps must be >= 0 \\(got -1\\)"),
-    pytest.param(dict(engine="vllm", rollout_quantization="int8"), "engine 'vllm' samples with its own weights",
-                 marks=NEEDS_VLLM),
-    (dict(rollout_overlap=True), "needs off_policy_steps >= 1 \\(got 0\\)"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(rollout_dtype="fp8"), "rollout_dtype: 'fp8' is not one of \\['float32', 'bfloat16', 'float16'\\]"),
+        (dict(rollout_quantization="int4"), "rollout_quantization: 'int4' is not one of \\['none', 'int8'\\]"),
+        (dict(off_policy_steps=-1), "off_policy_steps must be >= 0 \\(got -1\\)"),
+        pytest.param(
+            dict(engine="vllm", rollout_quantization="int8"),
+            "engine 'vllm' samples with its own weights",
+            marks=NEEDS_VLLM,
+        ),
+        (dict(rollout_overlap=True), "needs off_policy_steps >= 1 \\(got 0\\)"),
+    ],
+)
 def test_bad_mismatch_knobs_are_refused_with_the_field_and_the_fix(micro_model, tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message):
         Trainer(micro_config(micro_model, tmp_path / "run", **changes))
@@ -261,8 +303,17 @@ def test_background_rollouts_give_the_same_run_as_sequential_ones(micro_model, t
     update (from a copy of the step-t weights): parameters and logged batches are identical."""
     runs = {}
     for overlap in (False, True):
-        trainer = Trainer(micro_config(micro_model, tmp_path / str(overlap), eval_every=0, save_every=0,
-                                       off_policy_steps=1, rollout_overlap=overlap, **LEARNS))
+        trainer = Trainer(
+            micro_config(
+                micro_model,
+                tmp_path / str(overlap),
+                eval_every=0,
+                save_every=0,
+                off_policy_steps=1,
+                rollout_overlap=overlap,
+                **LEARNS,
+            )
+        )
         assert trainer.rollout_policy.is_copy == overlap
         trainer.train()
         rows = [json.loads(line) for line in (tmp_path / str(overlap) / "metrics.jsonl").read_text().splitlines()]

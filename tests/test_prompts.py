@@ -12,8 +12,10 @@ from gppo.trainer import ConfigError
 from gppo.trainer.config import from_dict
 
 # a toy template whose rendering can be written by hand: <role>content|, then <assistant>
-TOY_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
-                "{% if add_generation_prompt %}<assistant>{% endif %}")
+TOY_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,13 @@ def toy_chat_tokenizer(char_tokenizer):
 
 
 def test_chat_template_choices_accept_yaml_booleans():
-    assert [PromptConfig(v).chat_template for v in (True, False, "auto", "TRUE", "no")] == \
-        ["true", "false", "auto", "true", "false"]
+    assert [PromptConfig(v).chat_template for v in (True, False, "auto", "TRUE", "no")] == [
+        "true",
+        "false",
+        "auto",
+        "true",
+        "false",
+    ]
     with pytest.raises(ValueError, match="chat_template must be auto, true or false, got 'maybe'"):
         PromptConfig("maybe")
     assert from_dict({"chat_template": True}).chat_template == "true"
@@ -43,7 +50,9 @@ def test_chat_template_choices_accept_yaml_booleans():
 def test_prompt_template_must_hold_prompt_and_nothing_else():
     with pytest.raises(ValueError, match=r"prompt_template 'Question:' has no \{prompt\} field"):
         PromptConfig(prompt_template="Question:")
-    with pytest.raises(ValueError, match=r"has fields \['answer'\] that gppo does not fill; the only field is \{prompt\}"):
+    with pytest.raises(
+        ValueError, match=r"has fields \['answer'\] that gppo does not fill; the only field is \{prompt\}"
+    ):
         PromptConfig(prompt_template="{prompt} {answer}")
     with pytest.raises(ValueError, match="is not a valid template"):
         PromptConfig(prompt_template="{prompt} {")
@@ -66,8 +75,11 @@ def test_conversations_system_prompt_and_template_rules(toy_chat_tokenizer, char
     builder = PromptBuilder(toy_chat_tokenizer, config)
     assert builder.uses_chat_template  # auto, and the tokenizer has one
     assert builder("2+2?") == "<system>Be brief.|<user>Q: 2+2?|<assistant>"
-    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-            {"role": "user", "content": "2+2?"}]
+    talk = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
     # the template formats the last user turn only; the system prompt goes first
     assert builder(talk) == "<system>Be brief.|<user>hi|<assistant>hello|<user>Q: 2+2?|<assistant>"
     own_system = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "2+2?"}]
@@ -109,15 +121,17 @@ def test_smollm2_chat_template_round_trip(smollm2_tokenizer):
     assert builder.uses_chat_template
     prompt = builder(prompt_text)
     # SmolLM2's template adds its default system message when none is given
-    assert prompt == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                      "<|im_end|>\n<|im_start|>user\n" + prompt_text + "<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\n" + prompt_text + "<|im_end|>\n<|im_start|>assistant\n"
+    )
     with_system = PromptBuilder(tokenizer, PromptConfig(system_prompt="Answer in \\boxed{}."))(prompt_text)
     assert with_system.startswith("<|im_start|>system\nAnswer in \\boxed{}.<|im_end|>\n<|im_start|>user\n")
     for text in (prompt, with_system):
         ids = tokenizer(text)["input_ids"]  # as the engines tokenize prompts
         assert tokenizer.decode(ids) == text
         header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-        assert ids[-len(header):] == header and header[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+        assert ids[-len(header) :] == header and header[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
         assert ids.count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2  # one per message, none doubled
 
 
@@ -135,8 +149,9 @@ def test_trainer_and_eval_build_prompts_with_the_builder(micro_model, toy_chat_t
     engine = StubEngine({"$2+3$": ["\\boxed{5}"], "half of one": ["\\boxed{0.5}"], "6 \\cdot 7": ["\\boxed{42}"]})
     chat = PromptBuilder(toy_chat_tokenizer, PromptConfig(system_prompt="S"))
     files = {"aime24": FIXTURES / "aime24.jsonl"}
-    (summary,) = evaluate(engine, ["aime24"], files, 1, tmp_path / "eval", prompts=chat, progress=False,
-                          console=quiet())
+    (summary,) = evaluate(
+        engine, ["aime24"], files, 1, tmp_path / "eval", prompts=chat, progress=False, console=quiet()
+    )
     assert summary.avg == 1.0 and len(engine.prompts) == 3
     assert all(p.startswith("<system>S|<user>") and p.endswith("\\boxed{}.|<assistant>") for p in engine.prompts)
     other = PromptBuilder(toy_chat_tokenizer, PromptConfig(system_prompt="T"))
@@ -147,8 +162,21 @@ def test_trainer_and_eval_build_prompts_with_the_builder(micro_model, toy_chat_t
 def test_gppo_eval_prompt_flags(micro_model, tmp_path, capsys):
     from gppo.cli import main
 
-    base = ["eval", "--model", str(micro_model), "--task", "addition", "--eval_size", "4", "-n", "2",
-            "--max_tokens", "4", "--device", "cpu"]
+    base = [
+        "eval",
+        "--model",
+        str(micro_model),
+        "--task",
+        "addition",
+        "--eval_size",
+        "4",
+        "-n",
+        "2",
+        "--max_tokens",
+        "4",
+        "--device",
+        "cpu",
+    ]
     assert main(base + ["--chat_template", "maybe"]) == 2
     assert "--chat_template: 'maybe' is not one of ['auto', 'true', 'false']" in capsys.readouterr().err
     assert main(base + ["--prompt_template", "no field"]) == 2
@@ -158,28 +186,50 @@ def test_gppo_eval_prompt_flags(micro_model, tmp_path, capsys):
     assert main(base + ["--prompt_template", "{prompt}", "--chat_template", "auto"]) == 0
 
 
-def test_a_chat_template_that_raises_is_an_error_naming_the_fix_before_training(micro_model, toy_chat_tokenizer,
-                                                                                 tmp_path, capsys):
+def test_a_chat_template_that_raises_is_an_error_naming_the_fix_before_training(
+    micro_model, toy_chat_tokenizer, tmp_path, capsys
+):
     """A template that refuses system messages (as Gemma's does) raises from jinja when rendered:
     the builder says which roles it failed on and what to change; `gppo train` stops at load."""
     from gppo.cli import main
 
     refusing = copy.deepcopy(toy_chat_tokenizer)
-    refusing.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
-                              "supported') }}{% endif %}" + TOY_TEMPLATE)
+    refusing.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+        "supported') }}{% endif %}" + TOY_TEMPLATE
+    )
     builder = PromptBuilder(refusing, PromptConfig(system_prompt="S"))
-    with pytest.raises(ValueError, match=r"chat template failed on a prompt with roles \['system', 'user'\] "
-                                         r"\(TemplateError: System role not supported\): use --chat_template "
-                                         r"false, leave out --system_prompt"):
+    with pytest.raises(
+        ValueError,
+        match=r"chat template failed on a prompt with roles \['system', 'user'\] "
+        r"\(TemplateError: System role not supported\): use --chat_template "
+        r"false, leave out --system_prompt",
+    ):
         builder("1+2=")
     assert PromptBuilder(refusing, PromptConfig())("1+2=") == "<user>1+2=|<assistant>"
 
     model_dir = tmp_path / "model"
     import shutil
+
     shutil.copytree(micro_model, model_dir)
     refusing.save_pretrained(model_dir)
-    args = ["train", "--model", str(model_dir), "--system_prompt", "S", "--output_dir", str(tmp_path / "run"),
-            "--steps", "1", "--eval_size", "2", "--progress", "false", "--threads", "1"]
+    args = [
+        "train",
+        "--model",
+        str(model_dir),
+        "--system_prompt",
+        "S",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "1",
+        "--eval_size",
+        "2",
+        "--progress",
+        "false",
+        "--threads",
+        "1",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "gppo train: error: the tokenizer's chat template failed" in err and "Traceback" not in err

@@ -4,7 +4,8 @@ are finite, masks are {0,1}, fractions lie in [0,1] and estimates are >= 0."""
 import math
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gppo
 
@@ -32,10 +33,18 @@ def batches(draw):
     logits = log_pi.clone().requires_grad_(True)
     log_pi_graph = torch.log_softmax(logits, -1)
     return gppo.TokenBatch(
-        logp=log_pi_graph.gather(-1, ids[..., None])[..., 0], logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0],
-        advantages=adv, mask=mask, token_ids=ids, topk_ids=top_ids, topk_logp_behavior=top_logq,
-        topk_logp=log_pi_graph.gather(-1, top_ids).detach(), logits=logits, logp_behavior_full=log_mu,
-        logp_ref=log_mu.gather(-1, ids[..., None])[..., 0], logp_old=log_old.gather(-1, ids[..., None])[..., 0],
+        logp=log_pi_graph.gather(-1, ids[..., None])[..., 0],
+        logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0],
+        advantages=adv,
+        mask=mask,
+        token_ids=ids,
+        topk_ids=top_ids,
+        topk_logp_behavior=top_logq,
+        topk_logp=log_pi_graph.gather(-1, top_ids).detach(),
+        logits=logits,
+        logp_behavior_full=log_mu,
+        logp_ref=log_mu.gather(-1, ids[..., None])[..., 0],
+        logp_old=log_old.gather(-1, ids[..., None])[..., 0],
     ), logits
 
 
@@ -55,8 +64,12 @@ def test_every_preset_gives_finite_loss_gradient_and_bounded_metrics(data, name,
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=batches(), divergence=st.sampled_from(sorted(gppo.DIVERGENCES)),
-       estimator=st.sampled_from(sorted(gppo.ESTIMATORS)), name=st.sampled_from(MASK_PRESETS))
+@given(
+    data=batches(),
+    divergence=st.sampled_from(sorted(gppo.DIVERGENCES)),
+    estimator=st.sampled_from(sorted(gppo.ESTIMATORS)),
+    name=st.sampled_from(MASK_PRESETS),
+)
 def test_every_divergence_estimator_pair_runs_with_mask_rules(data, divergence, estimator, name):
     batch, logits = data
     cfg = gppo.preset(name, divergence=divergence, estimator=estimator)

@@ -17,15 +17,20 @@ from gppo.trainer.batch import policy_outputs
 from gppo.trainer.config import from_dict
 from tests.test_hf_engine import nucleus64
 
-QUESTIONS = ["What is 12 + 30? Answer with the number.", "Reply with one word: what colour is the sky?",
-             "Name a prime number below 10."]
+QUESTIONS = [
+    "What is 12 + 30? Answer with the number.",
+    "Reply with one word: what colour is the sky?",
+    "Name a prime number below 10.",
+]
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     model, tokenizer = load_model_and_tokenizer(smollm2_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True) for q in QUESTIONS]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
     return model, tokenizer, prompts
 
 
@@ -36,21 +41,25 @@ def test_engine_log_probs_equal_a_fresh_forward(smollm2, top_p):
     top_p 0.9 the nucleus itself and its renormalised log-probs."""
     model, tokenizer, prompts = smollm2
     gens = HFEngine(model, tokenizer, batch_size=4).generate(  # 6 rows in chunks of 4: a group split
-        prompts, SamplingParams(temperature=0.7, top_p=top_p, max_new_tokens=10, n=2, seed=0, top_k_logprobs=5,
-                                record_kept_ids=True))
+        prompts,
+        SamplingParams(
+            temperature=0.7, top_p=top_p, max_new_tokens=10, n=2, seed=0, top_k_logprobs=5, record_kept_ids=True
+        ),
+    )
     assert len(gens) == 6 and all(len(g.completion_ids) > 1 for g in gens)
     for g in gens:
         ids = torch.tensor([g.prompt_ids + g.completion_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(g.prompt_ids) - 1:-1]
+            logits = model(ids).logits[0, len(g.prompt_ids) - 1 : -1]
         kept, log_mu = nucleus64(logits, 0.7, top_p)
         if top_p < 1:
             assert [sorted(s) for s in g.kept_ids] == [sorted(s) for s in kept]
         else:
             assert g.kept_ids is None
         token = torch.tensor(g.completion_ids)[:, None]
-        torch.testing.assert_close(torch.tensor(g.logprobs, dtype=torch.float64), log_mu.gather(-1, token).squeeze(-1),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs, dtype=torch.float64), log_mu.gather(-1, token).squeeze(-1), atol=1e-4, rtol=0
+        )
         top = torch.tensor(g.topk_logprobs, dtype=torch.float64).exp()
         torch.testing.assert_close(top, log_mu.gather(-1, torch.tensor(g.topk_ids)).exp(), atol=1e-4, rtol=0)
 
@@ -64,8 +73,10 @@ def test_generation_stops_at_every_eos_id(smollm2):
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, newline]
     try:
         engine = HFEngine(model, tokenizer)
-        gens = engine.generate(prompts[1:] + ["725+599=", "The capital of France is"],
-                               SamplingParams(temperature=0.7, max_new_tokens=24, n=2, seed=0))
+        gens = engine.generate(
+            prompts[1:] + ["725+599=", "The capital of France is"],
+            SamplingParams(temperature=0.7, max_new_tokens=24, n=2, seed=0),
+        )
     finally:
         model.generation_config.eos_token_id = saved
     assert engine.eos_ids.tolist() == sorted([tokenizer.eos_token_id, newline])
@@ -77,11 +88,24 @@ def test_generation_stops_at_every_eos_id(smollm2):
 
 
 def _trainer(smollm2_dir, tmp_path, **changes):
-    values = dict(model=str(smollm2_dir), output_dir=str(tmp_path / "run"), steps=1, prompts_per_step=2,
-                  group_size=2, max_new_tokens=8, temperature=0.7, rollout_top_p=0.9, epochs=1,
-                  mini_batch_size=4, micro_batch_size=2, lr=1e-5, eval_size=1, progress=False,
-                  threads=int(os.environ.get("GPPO_TEST_THREADS", "2")),
-                  reward_funcs=["tests.reward_fns:length_bonus"])
+    values = dict(
+        model=str(smollm2_dir),
+        output_dir=str(tmp_path / "run"),
+        steps=1,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=8,
+        temperature=0.7,
+        rollout_top_p=0.9,
+        epochs=1,
+        mini_batch_size=4,
+        micro_batch_size=2,
+        lr=1e-5,
+        eval_size=1,
+        progress=False,
+        threads=int(os.environ.get("GPPO_TEST_THREADS", "2")),
+        reward_funcs=["tests.reward_fns:length_bonus"],
+    )
     values.update(changes)
     return Trainer(from_dict(values))
 
@@ -104,11 +128,14 @@ def test_first_minibatch_ratio_is_one_at_top_p_0_9(smollm2_dir, tmp_path):
     assert biased.min() < 0.95 and biased.max() < 1 + 1e-4
 
 
-@pytest.mark.parametrize("preset,changes", [
-    ("dppo-binary-tv", {}),
-    ("dppo-topk-kl", {"top_k": 20}),
-    ("dppo-binary-tv", {"estimator": "full"}),
-])
+@pytest.mark.parametrize(
+    "preset,changes",
+    [
+        ("dppo-binary-tv", {}),
+        ("dppo-topk-kl", {"top_k": 20}),
+        ("dppo-binary-tv", {"estimator": "full"}),
+    ],
+)
 def test_one_rl_step(smollm2_dir, tmp_path, preset, changes):
     """Rollout, reward, advantages and one GPPO update on the real model with top-p rollouts:
     finite loss metrics (the entropy of the truncated policy included) and moved weights."""
@@ -139,8 +166,16 @@ def test_eval_with_the_chat_template_gives_answers(smollm2_dir, tmp_path):
     texts = {}
     for choice in ("auto", "false"):
         out = tmp_path / choice
-        evaluate(engine, ["gsm8k"], {"gsm8k": data}, n=1, out_dir=out, max_tokens=96, limit=2,
-                 prompts=PromptBuilder(tokenizer, PromptConfig(chat_template=choice)))
+        evaluate(
+            engine,
+            ["gsm8k"],
+            {"gsm8k": data},
+            n=1,
+            out_dir=out,
+            max_tokens=96,
+            limit=2,
+            prompts=PromptBuilder(tokenizer, PromptConfig(chat_template=choice)),
+        )
         records = [json.loads(line) for line in (out / "gsm8k.jsonl").read_text().splitlines()]
         texts[choice] = [(s["text"], s["extracted"]) for r in records for s in r["samples"]]
     assert len(texts["auto"]) == 2 and all(text.strip() for text, _ in texts["auto"])

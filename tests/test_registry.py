@@ -27,6 +27,7 @@ def registered():
 
     def add(axis, name):
         added.append((axis, name))
+
     yield add
     for axis, name in added:
         axis.remove(name)
@@ -111,12 +112,15 @@ def test_generic_numerics_reproduce_the_built_in_closed_forms(name, registered):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("name,closed_form", [
-    ("tv", lambda d: min(d, 1.0)),
-    ("chi2", lambda d: math.sqrt(d) / 2 if d <= 1 else d / (1 + d)),  # binary min: 4V^2, then V / (1 - V)
-    ("hellinger", lambda d: math.sqrt(d * (1 - d / 4)) if d <= 2 else 1.0),  # Le Cam, tight
-    ("triangular", lambda d: min(math.sqrt(d / 2), 1.0)),  # binary min at q = (1 - V) / 2: 2 V^2
-])
+@pytest.mark.parametrize(
+    "name,closed_form",
+    [
+        ("tv", lambda d: min(d, 1.0)),
+        ("chi2", lambda d: math.sqrt(d) / 2 if d <= 1 else d / (1 + d)),  # binary min: 4V^2, then V / (1 - V)
+        ("hellinger", lambda d: math.sqrt(d * (1 - d / 4)) if d <= 2 else 1.0),  # Le Cam, tight
+        ("triangular", lambda d: min(math.sqrt(d / 2), 1.0)),  # binary min at q = (1 - V) / 2: 2 V^2
+    ],
+)
 def test_generic_tv_bound_is_the_tight_closed_form(name, closed_form, registered):
     f = triangular if name == "triangular" else GENERATORS[name]
     gppo.register_divergence(f"bound-{name}", f)
@@ -175,16 +179,27 @@ def test_registered_divergence_in_every_estimator_rule_preset_and_theory(tri):
     logits = log_pi.clone().requires_grad_(True)
     batch = gppo.TokenBatch(
         logp=torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0],
-        logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0], advantages=torch.tensor([1.0, -1, 0.5, -2]),
-        mask=torch.ones(4, 6), token_ids=ids, topk_ids=top_ids, topk_logp_behavior=top_logq,
-        topk_logp=log_pi.gather(-1, top_ids), logits=log_pi, logp_behavior_full=log_mu)
+        logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0],
+        advantages=torch.tensor([1.0, -1, 0.5, -2]),
+        mask=torch.ones(4, 6),
+        token_ids=ids,
+        topk_ids=top_ids,
+        topk_logp_behavior=top_logq,
+        topk_logp=log_pi.gather(-1, top_ids),
+        logits=log_pi,
+        logp_behavior_full=log_mu,
+    )
     q, p = batch.logp_behavior.exp(), batch.logp.detach().exp()
     binary = (p - q) ** 2 / (p + q) + (q - p) ** 2 / (2 - p - q)  # the rest cell: 1 - p vs 1 - q
     torch.testing.assert_close(gppo.estimate(gppo.preset("gppo", divergence="triangular"), batch), binary)
     full = ((log_pi.exp() - log_mu.exp()) ** 2 / (log_pi.exp() + log_mu.exp())).sum(-1)
-    torch.testing.assert_close(gppo.estimate(gppo.preset("gppo", divergence="triangular", estimator="full"), batch), full)
+    torch.testing.assert_close(
+        gppo.estimate(gppo.preset("gppo", divergence="triangular", estimator="full"), batch), full
+    )
     for name in ("dppo-binary-tv", "dppo-topk-tv", "ppo", "ripo", "gspo", "gmpo", "trm"):
-        loss, metrics = gppo.policy_loss(batch, gppo.preset(name, divergence="triangular", **({"top_k": 5} if "topk" in name else {})))
+        loss, metrics = gppo.policy_loss(
+            batch, gppo.preset(name, divergence="triangular", **({"top_k": 5} if "topk" in name else {}))
+        )
         (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
         assert torch.isfinite(loss) and torch.isfinite(grad).all() and metrics["divergence/mean"] >= 0, name
     # the binary ratio interval: its boundary is where the binary estimate equals the radius
@@ -196,7 +211,8 @@ def test_registered_divergence_in_every_estimator_rule_preset_and_theory(tri):
     np.testing.assert_allclose(binary_at(lo)[lo > 0], 0.02, rtol=1e-9)
     assert lo[0] == 0 and binary_at(0.0)[0] <= 0.02  # q = 0.01 may drop to p = 0 inside the radius
     assert theory.improvement_bound("triangular", 0.02, xi=1.0, horizon=10) == pytest.approx(
-        -min(2 * 10 * 9 * 0.01, 4 * 10 * 0.1))  # TV <= sqrt(0.02 / 2) = 0.1
+        -min(2 * 10 * 9 * 0.01, 4 * 10 * 0.1)
+    )  # TV <= sqrt(0.02 / 2) = 0.1
 
 
 def test_two_training_steps_with_a_registered_divergence(tri, micro_model, tmp_path):
@@ -204,8 +220,15 @@ def test_two_training_steps_with_a_registered_divergence(tri, micro_model, tmp_p
     from gppo.trainer.config import from_dict
 
     assert from_dict({"divergence": "triangular"}).gppo_config().divergence == "triangular"
-    config = micro_config(micro_model, tmp_path / "run", steps=2, eval_every=0, save_every=0,
-                          preset="dppo-binary-tv", divergence="triangular")
+    config = micro_config(
+        micro_model,
+        tmp_path / "run",
+        steps=2,
+        eval_every=0,
+        save_every=0,
+        preset="dppo-binary-tv",
+        divergence="triangular",
+    )
     Trainer(config).train()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -225,19 +248,24 @@ def test_cli_help_lists_registered_names(tri, capsys):
 def test_registered_per_token_estimator_is_a_ratio_interval_estimator(registered):
     """A hand-written binary estimator, registered per token: clip accepts it, its loss and gradient
     equal the built-in binary's, and theory gives it the same interval (by bisection)."""
+
     @gppo.register_estimator("my-binary", per_token=True)
     def my_binary(div, logp, logq):
         """D_f on {sampled, rest}, written directly."""
         log_rest = lambda x: torch.log1p(-x.exp().clamp(max=1 - 1e-12))
         return div.cell_terms(logp, logq) + div.cell_terms(log_rest(logp), log_rest(logq))
+
     registered(gppo.ESTIMATORS, "my-binary")
     entry = gppo.ESTIMATORS["my-binary"]
     assert entry.has_ratio_interval and not entry.needs_rollout_topk and entry.summary.startswith("D_f on")
     gen = torch.Generator().manual_seed(3)
     logp = torch.log(torch.rand(5, 7, generator=gen, dtype=torch.float64) * 0.9 + 0.05).requires_grad_(True)
-    batch = gppo.TokenBatch(logp=logp, logp_behavior=(logp + 0.3 * torch.randn(5, 7, generator=gen,
-                            dtype=torch.float64)).detach().clamp(max=-1e-3),
-                            advantages=torch.randn(5, generator=gen, dtype=torch.float64), mask=torch.ones(5, 7))
+    batch = gppo.TokenBatch(
+        logp=logp,
+        logp_behavior=(logp + 0.3 * torch.randn(5, 7, generator=gen, dtype=torch.float64)).detach().clamp(max=-1e-3),
+        advantages=torch.randn(5, generator=gen, dtype=torch.float64),
+        mask=torch.ones(5, 7),
+    )
     for rule in ("clip", "mask"):
         mine, _ = gppo.policy_loss(batch, gppo.preset("ripo", rule=rule, estimator="my-binary"))
         ref, _ = gppo.policy_loss(batch, gppo.preset("ripo", rule=rule, estimator="binary"))
@@ -255,11 +283,17 @@ def test_registered_batch_estimator_declares_fields_and_parameters(registered):
         """Cell estimate on tokens with id < top_k, 0 elsewhere."""
         cell = div.cell_terms(batch.logp, anchor.logq)
         return torch.where(batch.token_ids < config.top_k, cell, 0.0)
+
     registered(gppo.ESTIMATORS, "sampled-or-zero")
     cfg = gppo.preset("gppo", estimator="sampled-or-zero", top_k=2)
     assert cfg.rollout_top_k == 0  # needs no top-K at rollout
-    batch = gppo.TokenBatch(logp=torch.log(torch.full((1, 3), 0.5)), logp_behavior=torch.log(torch.full((1, 3), 0.25)),
-                            advantages=torch.ones(1), mask=torch.ones(1, 3), token_ids=torch.tensor([[0, 1, 2]]))
+    batch = gppo.TokenBatch(
+        logp=torch.log(torch.full((1, 3), 0.5)),
+        logp_behavior=torch.log(torch.full((1, 3), 0.25)),
+        advantages=torch.ones(1),
+        mask=torch.ones(1, 3),
+        token_ids=torch.tensor([[0, 1, 2]]),
+    )
     expected = 0.5 * 0.25 * 1.0  # TV cell q f~(2) = 0.25 * |2 - 1| / 2
     torch.testing.assert_close(gppo.estimate(cfg, batch), torch.tensor([[expected, expected, 0.0]]))
     with pytest.raises(gppo.GPPOInputError, match="TokenBatch.token_ids is missing but estimator 'sampled-or-zero'"):
@@ -281,11 +315,13 @@ def test_registered_rule_with_declared_parameters(registered):
     def plain_pg(ctx):
         """-A r: the policy gradient without a region."""
         return gppo.RuleOutput(-ctx.adv * ctx.ratio, None)
+
     registered(gppo.RULES, "plain-pg")
     gen = torch.Generator().manual_seed(4)
     logp = torch.log(torch.rand(3, 5, generator=gen) * 0.9 + 0.05).requires_grad_(True)
-    batch = gppo.TokenBatch(logp=logp, logp_behavior=logp.detach() + 0.1, advantages=torch.tensor([1.0, -1, 2]),
-                            mask=torch.ones(3, 5))
+    batch = gppo.TokenBatch(
+        logp=logp, logp_behavior=logp.detach() + 0.1, advantages=torch.tensor([1.0, -1, 2]), mask=torch.ones(3, 5)
+    )
     cfg = gppo.preset("cispo", rule="plain-pg")
     assert cfg.truncation == 5.0  # kept from the preset: the rule declares it
     mine, _ = gppo.policy_loss(batch, dataclasses.replace(cfg, truncation=None))
@@ -306,9 +342,16 @@ def test_every_preset_sets_only_parameters_its_point_uses():
         cfg = gppo.preset(name)
         for key in p.fields:
             assert getattr(cfg, key) == p.fields[key], (name, key)  # nothing dropped
-        unused = [k for k in gppo.core.config.PARAM_FIELDS if getattr(cfg, k) is not None
-                  and k not in gppo.RULES[cfg.rule].params
-                  and not (cfg.uses_estimate and k in gppo.ESTIMATORS[cfg.estimator].params + gppo.DIVERGENCES[cfg.divergence].params)]
+        unused = [
+            k
+            for k in gppo.core.config.PARAM_FIELDS
+            if getattr(cfg, k) is not None
+            and k not in gppo.RULES[cfg.rule].params
+            and not (
+                cfg.uses_estimate
+                and k in gppo.ESTIMATORS[cfg.estimator].params + gppo.DIVERGENCES[cfg.divergence].params
+            )
+        ]
         assert unused == [], name
 
 
@@ -321,8 +364,9 @@ def test_overrides_drop_preset_parameters_the_new_point_does_not_use():
     assert gppo.preset("ppo", divergence="alpha").alpha == 0.5  # the divergence's own default
     # dataclasses.replace keeps a valid config valid (the trainer sets norm_length this way)
     assert dataclasses.replace(gppo.preset("sapo"), norm_length=8).tau_neg == 1.05
-    grid = gppo.core.config.drop_unused({"divergence": "kl", "estimator": "binary", "rule": "mask",
-                                         "alpha": 0.3, "top_k": 4, "lr": 1e-3})
+    grid = gppo.core.config.drop_unused(
+        {"divergence": "kl", "estimator": "binary", "rule": "mask", "alpha": 0.3, "top_k": 4, "lr": 1e-3}
+    )
     assert grid == {"divergence": "kl", "estimator": "binary", "rule": "mask", "lr": 1e-3}
 
 
@@ -345,9 +389,13 @@ def test_plugins_load_once_on_first_read(monkeypatch):
     def load():
         calls.append(1)
         gppo.register_divergence("plugin-tri", triangular)
+
     monkeypatch.setattr(registry, "_plugins", "unloaded")
-    monkeypatch.setattr(registry.metadata, "entry_points",
-                        lambda group: [FakeEntryPoint("tri", load)] if group == registry.PLUGIN_GROUP else [])
+    monkeypatch.setattr(
+        registry.metadata,
+        "entry_points",
+        lambda group: [FakeEntryPoint("tri", load)] if group == registry.PLUGIN_GROUP else [],
+    )
     try:
         assert "plugin-tri" in gppo.DIVERGENCES and "plugin-tri" in list(gppo.ESTIMATORS) + list(gppo.DIVERGENCES)
         assert calls == [1]
@@ -359,6 +407,7 @@ def test_plugins_load_once_on_first_read(monkeypatch):
 def test_a_broken_plugin_is_an_error_naming_it(monkeypatch):
     def load():
         raise ModuleNotFoundError("No module named 'missing_dep'")
+
     monkeypatch.setattr(registry, "_plugins", "unloaded")
     monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [FakeEntryPoint("broken", load)])
     with pytest.raises(ImportError, match="gppo plugin 'broken' .*failed to import: ModuleNotFoundError"):
@@ -374,7 +423,9 @@ def test_lookup_names_the_closest_entry():
 
 def test_gppo_config_has_one_field_per_parameter_in_the_params_table():
     from dataclasses import fields
+
     from gppo.core.params import PARAMS
+
     declared = [f.name for f in fields(gppo.GPPOConfig) if f.metadata.get("param")]
     assert declared == list(PARAMS)
     assert gppo.core.PARAM_DEFAULTS["top_k"] == 20 and gppo.core.PARAM_DEFAULTS["truncation"] is None

@@ -9,19 +9,19 @@ import warnings
 
 import pytest
 
-from gppo.rewards.pipeline import RewardFunctionError, RewardPipeline, load_function
 from gppo.problem import Problem
+from gppo.rewards.pipeline import RewardFunctionError, RewardPipeline, load_function
 from tests import reward_fns
 
 PROBLEMS = [Problem("1+1=", "2")] * 2
-REWARD_FILE = '''
+REWARD_FILE = """
 def exclaims(prompts, completions, **kwargs):
     return [float(c.endswith("!")) for c in completions]
 
 
 def length(prompts, completions, **kwargs):
     return [len(c) for c in completions]
-'''
+"""
 
 
 def pipeline(fn, **knobs) -> RewardPipeline:
@@ -33,8 +33,9 @@ def score(p: RewardPipeline) -> list[float]:
 
 
 # ------------------------------------------------------------------------------ loading
-@pytest.mark.parametrize("spec", ["reward.py:exclaims", "./reward.py:exclaims", "ABSOLUTE/reward.py:exclaims",
-                                  "sub/reward.py:exclaims"])
+@pytest.mark.parametrize(
+    "spec", ["reward.py:exclaims", "./reward.py:exclaims", "ABSOLUTE/reward.py:exclaims", "sub/reward.py:exclaims"]
+)
 def test_a_reward_file_loads_by_relative_or_absolute_path(tmp_path, monkeypatch, spec):
     (tmp_path / "sub").mkdir()
     for folder in (tmp_path, tmp_path / "sub"):
@@ -74,23 +75,38 @@ def test_loading_errors_name_the_file_or_module_the_function_and_what_exists(tmp
     (tmp_path / "broken.py").write_text("import no_such_dependency_xyz\n")
     (tmp_path / "syntax.py").write_text("def f(:\n")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"file 'reward.py' has no function 'exclaim' \(did you mean 'exclaims'\?\) "
-                                         r"\(reward function 'reward.py:exclaim'\); its functions: exclaims, length"):
+    with pytest.raises(
+        ValueError,
+        match=r"file 'reward.py' has no function 'exclaim' \(did you mean 'exclaims'\?\) "
+        r"\(reward function 'reward.py:exclaim'\); its functions: exclaims, length",
+    ):
         load_function("reward.py:exclaim")
-    with pytest.raises(ValueError, match=r"reward function file 'rewards.py' does not exist \(reward function "
-                                         r"'rewards.py:exclaims', looked in .*\) \(did you mean 'reward.py'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward function file 'rewards.py' does not exist \(reward function "
+        r"'rewards.py:exclaims', looked in .*\) \(did you mean 'reward.py'\?\)",
+    ):
         load_function("rewards.py:exclaims")
-    with pytest.raises(ValueError, match=r"cannot import module 'rewardz' of reward function 'rewardz:fn': No module "
-                                         r"named 'rewardz' \(looked in the working directory .* \(did you mean "
-                                         r"'reward'\?\); give path/to/file.py:function"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot import module 'rewardz' of reward function 'rewardz:fn': No module "
+        r"named 'rewardz' \(looked in the working directory .* \(did you mean "
+        r"'reward'\?\); give path/to/file.py:function",
+    ):
         load_function("rewardz:fn")
-    with pytest.raises(ValueError, match=r"module 'broken' of reward function 'broken:f' failed to import: No module "
-                                         r"named 'no_such_dependency_xyz'"):
+    with pytest.raises(
+        ValueError,
+        match=r"module 'broken' of reward function 'broken:f' failed to import: No module "
+        r"named 'no_such_dependency_xyz'",
+    ):
         load_function("broken:f")
     with pytest.raises(ValueError, match=r"reward function file 'syntax.py' failed to import: SyntaxError"):
         load_function("syntax.py:f")
-    with pytest.raises(ValueError, match=r"module 'tests.reward_fns' has no function 'raise' \(did you mean "
-                                         r"'raises'\?\) .*its functions: .*length_bonus"):
+    with pytest.raises(
+        ValueError,
+        match=r"module 'tests.reward_fns' has no function 'raise' \(did you mean "
+        r"'raises'\?\) .*its functions: .*length_bonus",
+    ):
         load_function("tests.reward_fns:raise")
     with pytest.raises(ValueError, match="must be given as path/to/file.py:function or module:function"):
         load_function("reward")
@@ -107,9 +123,12 @@ def test_a_function_that_always_raises_stops_after_max_failures_calls_in_a_row()
     for _ in range(2):
         with pytest.warns(RuntimeWarning, match="reward function raises: 2 of 2 samples"):
             assert score(p) == [0.0, 0.0]
-    with pytest.raises(RewardFunctionError, match=r"reward function raises \(defined in .*reward_fns.py\) failed on "
-                                                  r"3 calls in a row, the last with RuntimeError: this reward function "
-                                                  r"is broken; fix it .*--reward_fn_max_failures") as err:
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"reward function raises \(defined in .*reward_fns.py\) failed on "
+        r"3 calls in a row, the last with RuntimeError: this reward function "
+        r"is broken; fix it .*--reward_fn_max_failures",
+    ) as err:
         score(p)
     assert isinstance(err.value.__cause__, RuntimeError)  # GPPO_DEBUG=1 shows the function's traceback
 
@@ -149,30 +168,40 @@ class Scripted:
         return outcome
 
 
-@pytest.mark.parametrize("fn, first", [
-    (reward_fns.raises, "the call raised RuntimeError: this reward function is broken"),
-    (reward_fns.half_nan, "sample 1 gave nan"),
-    (Scripted([None, "n/a"]), "sample 1 gave 'n/a' (ValueError: "),
-    (Scripted([[1.0], 1e9]), "sample 0 gave [1.0] (TypeError: "),
-], ids=["raises", "nan", "text", "list"])
+@pytest.mark.parametrize(
+    "fn, first",
+    [
+        (reward_fns.raises, "the call raised RuntimeError: this reward function is broken"),
+        (reward_fns.half_nan, "sample 1 gave nan"),
+        (Scripted([None, "n/a"]), "sample 1 gave 'n/a' (ValueError: "),
+        (Scripted([[1.0], 1e9]), "sample 0 gave [1.0] (TypeError: "),
+    ],
+    ids=["raises", "nan", "text", "list"],
+)
 def test_the_warning_shows_the_first_failure(fn, first):
     with pytest.warns(RuntimeWarning, match=r"samples gave no finite reward .*; they get 0\. The first: ") as caught:
         score(pipeline(fn, max_failures=0))
     assert first in str(caught[0].message), caught[0].message
 
 
-@pytest.mark.parametrize("values, last, cause", [
-    (["n/a", "n/a"], "sample 0 gave 'n/a' (ValueError: ", ValueError),
-    ([None, math.inf], "sample 1 gave inf", None),
-    ([math.nan, math.inf], "sample 0 gave nan", None),
-])
+@pytest.mark.parametrize(
+    "values, last, cause",
+    [
+        (["n/a", "n/a"], "sample 0 gave 'n/a' (ValueError: ", ValueError),
+        ([None, math.inf], "sample 1 gave inf", None),
+        ([math.nan, math.inf], "sample 0 gave nan", None),
+    ],
+)
 def test_a_function_failing_on_every_sample_stops_the_run_as_one_that_raises(values, last, cause):
     p = pipeline(Scripted(*[values] * 3), max_failures=3)
     for _ in range(2):
         with pytest.warns(RuntimeWarning, match=f"{sum(v is not None for v in values)} of 2 samples"):
             assert score(p) == [0.0, 0.0]
-    with pytest.raises(RewardFunctionError, match=r"reward function flaky failed on 3 calls in a row, the last with "
-                                                  r"no usable value from any of its 2 samples, the first: ") as err:
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"reward function flaky failed on 3 calls in a row, the last with "
+        r"no usable value from any of its 2 samples, the first: ",
+    ) as err:
         score(p)
     assert last in str(err.value) and "--reward_fn_max_failures (0: never stop)" in str(err.value)
     assert type(err.value.__cause__) is cause or (cause is None and err.value.__cause__ is None)
@@ -183,14 +212,18 @@ def test_a_function_failing_on_every_sample_stops_the_run_as_one_that_raises(val
 
 def test_raising_calls_and_calls_without_a_usable_value_make_one_row_that_a_usable_value_ends():
     down = ConnectionError("the grading service is down")
-    p = pipeline(Scripted(down, [None, None], [1.0, None], down, [math.nan, None], [0.5, 0.5], down, [None, None],
-                          down, down), max_failures=3)
+    p = pipeline(
+        Scripted(down, [None, None], [1.0, None], down, [math.nan, None], [0.5, 0.5], down, [None, None], down, down),
+        max_failures=3,
+    )
     with pytest.warns(RuntimeWarning):
         # usable values on calls 3 and 6 end the rows; a call of None alone (2, 8) neither ends nor extends one
         outcomes = [score(p) for _ in range(9)]
     assert outcomes == [[0.0, 0.0]] * 2 + [[1.0, 0.0]] + [[0.0, 0.0]] * 2 + [[0.5, 0.5]] + [[0.0, 0.0]] * 3
-    with pytest.raises(RewardFunctionError, match="failed on 3 calls in a row, the last with ConnectionError: the "
-                                                  "grading service is down"):
+    with pytest.raises(
+        RewardFunctionError,
+        match="failed on 3 calls in a row, the last with ConnectionError: the grading service is down",
+    ):
         score(p)
 
 
@@ -211,8 +244,11 @@ def test_none_is_a_reward_that_does_not_apply_as_in_trl():
 def test_a_function_that_does_not_return_in_time_is_an_error_naming_it():
     p = pipeline(reward_fns.sleeps, timeout_s=0.3)
     start = time.monotonic()
-    with pytest.raises(RewardFunctionError, match=r"reward function sleeps \(defined in .*reward_fns.py\) did not "
-                                                  r"return within 0.3 s \(--reward_fn_timeout\) for 2 completions"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"reward function sleeps \(defined in .*reward_fns.py\) did not "
+        r"return within 0.3 s \(--reward_fn_timeout\) for 2 completions",
+    ):
         score(p)
     assert time.monotonic() - start < 5
 

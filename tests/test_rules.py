@@ -1,7 +1,6 @@
 """Trust-region rules and presets: every seed method against an independent reference, on loss
 values and on gradients with respect to logp; the claimed equivalences; aggregation; KL penalty."""
 
-
 import math
 
 import pytest
@@ -25,7 +24,11 @@ def random_batch(B=6, T=7, V=30, K=5, seed=0, spread=0.4, token_advantages=False
     batch = gppo.TokenBatch(
         logp=log_pi.gather(-1, ids[..., None])[..., 0].clone().requires_grad_(True),
         logp_behavior=log_mu.gather(-1, ids[..., None])[..., 0],
-        advantages=adv, mask=mask, token_ids=ids, topk_ids=top_ids, topk_logp_behavior=top_logq,
+        advantages=adv,
+        mask=mask,
+        token_ids=ids,
+        topk_ids=top_ids,
+        topk_logp_behavior=top_logq,
         topk_logp=log_pi.gather(-1, top_ids),
     )
     return batch, log_pi, log_mu
@@ -94,8 +97,9 @@ def test_dppo_binary(seed, name, binary_fn, cap):
     cfg = gppo.preset(name, truncation=cap)
     loss, grad, _ = loss_and_grad(batch, cfg)
     d = binary_fn(batch.logp.detach().exp(), batch.logp_behavior.exp())
-    expected = ref.dppo_loss(batch.logp, batch.logp_behavior, batch.advantages, batch.mask, d,
-                             cfg.delta_low, cfg.delta_high, cap)
+    expected = ref.dppo_loss(
+        batch.logp, batch.logp_behavior, batch.advantages, batch.mask, d, cfg.delta_low, cfg.delta_high, cap
+    )
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
 
@@ -111,10 +115,10 @@ def test_dppo_topk(seed, name, div_name):
     for i in range(B):
         for t in range(T):
             top = set(batch.topk_ids[i, t].tolist()) | {int(batch.token_ids[i, t])}
-            d[i, t] = ref.partition_divergence(div_name, log_pi[i, t].exp(), log_mu[i, t].exp(),
-                                               [{j} for j in top])
-    expected = ref.dppo_loss(batch.logp, batch.logp_behavior, batch.advantages, batch.mask, d,
-                             cfg.delta_low, cfg.delta_high)
+            d[i, t] = ref.partition_divergence(div_name, log_pi[i, t].exp(), log_mu[i, t].exp(), [{j} for j in top])
+    expected = ref.dppo_loss(
+        batch.logp, batch.logp_behavior, batch.advantages, batch.mask, d, cfg.delta_low, cfg.delta_high
+    )
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
 
@@ -140,7 +144,9 @@ def test_ripo_is_clip_to_sqrt_delta_over_q(seed):
 def test_gspo(seed):
     batch, _, _ = random_batch(seed=seed, spread=0.0)
     with torch.no_grad():  # sequence ratios within a few 1e-4 of 1, so that both sides are exercised
-        batch.logp += 6e-4 * torch.randn(batch.logp.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        batch.logp += 6e-4 * torch.randn(
+            batch.logp.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+        )
     loss, grad, metrics = loss_and_grad(batch, gppo.preset("gspo"))
     expected = ref.gspo_loss(batch.logp, batch.logp_behavior, batch.advantages, batch.mask, 3e-4, 4e-4)
     assert_same(loss, expected)
@@ -176,8 +182,9 @@ def test_minirl(seed):
     batch.logp_old = (batch.logp_behavior + 3.0 * noise).clamp(max=0.0)  # some pi_old / mu above the cap
     assert (torch.exp(batch.logp_old - batch.logp_behavior) > 10).any()
     loss, grad, _ = loss_and_grad(batch, gppo.preset("minirl"))
-    expected = ref.decoupled_ppo_loss(batch.logp, batch.logp_old, batch.logp_behavior, batch.advantages,
-                                      batch.mask, 0.2, 10.0)
+    expected = ref.decoupled_ppo_loss(
+        batch.logp, batch.logp_old, batch.logp_behavior, batch.advantages, batch.mask, 0.2, 10.0
+    )
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
 
@@ -205,8 +212,9 @@ def test_dcpo_upper_bound_is_capped_at_ten():
     formula gives 45.2, so r = 20 with A > 0 is clipped (zero gradient) and r = 9 is not."""
     logq = torch.full((1, 2), math.log(1e-4), dtype=torch.float64)
     logp = (logq + torch.log(torch.tensor([[20.0, 9.0]], dtype=torch.float64))).requires_grad_(True)
-    batch = gppo.TokenBatch(logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0], dtype=torch.float64),
-                            mask=torch.ones(1, 2))
+    batch = gppo.TokenBatch(
+        logp=logp, logp_behavior=logq, advantages=torch.tensor([1.0], dtype=torch.float64), mask=torch.ones(1, 2)
+    )
     loss, grad, metrics = loss_and_grad(batch, gppo.preset("dcpo"))
     assert grad[0, 0] == 0 and grad[0, 1] == pytest.approx(-9.0 / 2)
     assert loss.item() == pytest.approx(-(10.0 + 9.0) / 2)
@@ -256,7 +264,9 @@ def test_truncation_caps_the_gradient_weight(preset_name):
 
 def test_anchor_old_uses_the_recomputed_policy():
     batch, _, _ = random_batch(seed=5, spread=1.0)
-    old = batch.logp_behavior + 0.1 * torch.randn(batch.logp.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    old = batch.logp_behavior + 0.1 * torch.randn(
+        batch.logp.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
     swapped = gppo.TokenBatch(logp=batch.logp, logp_behavior=old, advantages=batch.advantages, mask=batch.mask)
     batch.logp_old = old
     for name in ("ppo", "dppo-binary-kl", "gmpo"):
@@ -268,10 +278,13 @@ def test_anchor_old_uses_the_recomputed_policy():
 
 def test_behavior_weight_cap_is_truncated_importance_sampling():
     batch, _, _ = random_batch(seed=6, spread=0.5)
-    batch.logp_old = batch.logp_behavior + 0.3 * torch.randn(batch.logp.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    batch.logp_old = batch.logp_behavior + 0.3 * torch.randn(
+        batch.logp.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
     loss, grad, _ = loss_and_grad(batch, gppo.preset("ppo", anchor="old", behavior_weight_cap=1.1))
-    expected = ref.decoupled_ppo_loss(batch.logp, batch.logp_old, batch.logp_behavior, batch.advantages,
-                                      batch.mask, 0.2, 1.1)
+    expected = ref.decoupled_ppo_loss(
+        batch.logp, batch.logp_old, batch.logp_behavior, batch.advantages, batch.mask, 0.2, 1.1
+    )
     assert_same(loss, expected)
     assert_same(grad, grad_of(expected, batch))
     with pytest.raises(gppo.GPPOConfigError, match="anchor='old'"):
@@ -288,8 +301,7 @@ def test_blocked_tokens_have_zero_gradient(preset_name):
     assert torch.isfinite(loss)
     assert (grad[batch.mask == 0] == 0).all()  # padding never receives gradient
     # (a kl_tau penalty acts on blocked tokens too: prime-dppo-kl's are checked in test_new_presets)
-    if "masked_frac" in metrics and cfg.rule in ("mask", "clip", "seq-mask", "band", "clip-cov") \
-            and cfg.kl_tau is None:
+    if "masked_frac" in metrics and cfg.rule in ("mask", "clip", "seq-mask", "band", "clip-cov") and cfg.kl_tau is None:
         zero = ((grad == 0) & (batch.mask == 1)).sum() / batch.mask.sum()
         assert metrics["masked_frac"] == pytest.approx(zero.item())
 
@@ -305,8 +317,10 @@ def test_aggregation_modes_and_global_normalisers():
     # micro-batches with the global counts sum to the full-batch value
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         whole = gppo.aggregate(values, mask, mode)
-        parts = sum(gppo.aggregate(values[s], mask[s], mode, norm_length=3, num_tokens=6, num_sequences=3)
-                    for s in (slice(0, 1), slice(1, 3)))
+        parts = sum(
+            gppo.aggregate(values[s], mask[s], mode, norm_length=3, num_tokens=6, num_sequences=3)
+            for s in (slice(0, 1), slice(1, 3))
+        )
         assert parts.item() == pytest.approx(whole.item())
 
 
@@ -316,8 +330,12 @@ def test_policy_loss_with_global_counts_equals_whole_batch_gradient():
     whole, grad, _ = loss_and_grad(batch, cfg)
     halves = []
     for part in (slice(0, 2), slice(2, 6)):
-        sub = gppo.TokenBatch(logp=batch.logp[part], logp_behavior=batch.logp_behavior[part],
-                              advantages=batch.advantages[part], mask=batch.mask[part])
+        sub = gppo.TokenBatch(
+            logp=batch.logp[part],
+            logp_behavior=batch.logp_behavior[part],
+            advantages=batch.advantages[part],
+            mask=batch.mask[part],
+        )
         halves.append(gppo.policy_loss(sub, cfg, num_tokens=batch.mask.sum(), num_sequences=6)[0])
     assert_same(halves[0] + halves[1], whole)
     assert_same(grad_of(halves[0] + halves[1], batch), grad)
@@ -341,7 +359,9 @@ def test_reference_kl_estimators():
     with_kl, metrics = gppo.policy_loss(batch, gppo.preset("grpo", kl_coef=0.04))
     k3 = gppo.aggregate(torch.exp(-x) - 1 + x, batch.mask, "seq-mean-token-mean")
     assert_same(with_kl - base, 0.04 * k3)
-    assert metrics["kl_ref"] == pytest.approx(((torch.exp(-x) - 1 + x) * batch.mask).sum().item() / batch.mask.sum().item())
+    assert metrics["kl_ref"] == pytest.approx(
+        ((torch.exp(-x) - 1 + x) * batch.mask).sum().item() / batch.mask.sum().item()
+    )
     full_loss, _ = gppo.policy_loss(batch, gppo.preset("grpo", kl_coef=1.0, kl_estimator="full"))
     (g,) = torch.autograd.grad(full_loss, logits)
     assert torch.isfinite(g).all() and g.abs().sum() > 0
@@ -356,8 +376,18 @@ def test_metrics_are_split_by_advantage_sign_and_probability_bucket():
     for key, value in metrics.items():
         if "frac" in key:
             assert 0.0 <= value <= 1.0, key
-    assert {"masked_frac", "masked_frac/adv_pos", "masked_frac/adv_neg", "divergence/mean",
-            "divergence/max", "ratio/mean", "ratio/min", "ratio/max", "entropy", "loss/policy"} <= set(metrics)
+    assert {
+        "masked_frac",
+        "masked_frac/adv_pos",
+        "masked_frac/adv_neg",
+        "divergence/mean",
+        "divergence/max",
+        "ratio/mean",
+        "ratio/min",
+        "ratio/max",
+        "entropy",
+        "loss/policy",
+    } <= set(metrics)
     expected_entropy = -(log_pi.exp() * log_pi).sum(-1)[batch.mask.bool()].mean()
     assert metrics["entropy"] == pytest.approx(expected_entropy.item(), rel=1e-5)
     # each bucket's masked fraction is the share of zero-gradient tokens among its tokens
@@ -365,8 +395,13 @@ def test_metrics_are_split_by_advantage_sign_and_probability_bucket():
     zero_grad = grad_of(loss, batch) == 0
     q = batch.logp_behavior.exp()
     valid = batch.mask.bool()
-    edges = [(0, 1e-3, "q[0,0.001)"), (1e-3, 1e-2, "q[0.001,0.01)"), (1e-2, 0.1, "q[0.01,0.1)"),
-             (0.1, 0.5, "q[0.1,0.5)"), (0.5, 1.01, "q[0.5,1]")]
+    edges = [
+        (0, 1e-3, "q[0,0.001)"),
+        (1e-3, 1e-2, "q[0.001,0.01)"),
+        (1e-2, 0.1, "q[0.01,0.1)"),
+        (0.1, 0.5, "q[0.1,0.5)"),
+        (0.5, 1.01, "q[0.5,1]"),
+    ]
     for lo, hi, name in edges:
         group = valid & (q >= lo) & (q < hi)
         if group.any():

@@ -8,9 +8,32 @@ import math
 from gppo.cli import main
 from gppo.trainer.logging import accuracy_summary, curve_marker
 
-RUN = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "6", "--eval_size", "8",
-       "--eval_samples", "2", "--eval_every", "0", "--mini_batch_size", "16", "--micro_batch_size", "16",
-       "--save_every", "1", "--lr", "1e-3", "--threads", "1"]
+RUN = [
+    "--steps",
+    "2",
+    "--prompts_per_step",
+    "4",
+    "--group_size",
+    "4",
+    "--max_new_tokens",
+    "6",
+    "--eval_size",
+    "8",
+    "--eval_samples",
+    "2",
+    "--eval_every",
+    "0",
+    "--mini_batch_size",
+    "16",
+    "--micro_batch_size",
+    "16",
+    "--save_every",
+    "1",
+    "--lr",
+    "1e-3",
+    "--threads",
+    "1",
+]
 
 
 def test_piped_run_prints_steps_accuracy_with_errors_and_storage(micro_model, tmp_path, capsys):
@@ -36,8 +59,10 @@ def test_piped_run_prints_steps_accuracy_with_errors_and_storage(micro_model, tm
 def test_summary_without_errors_or_sizes_reads_old_metrics():
     old = {"eval/greedy": 0.25, "eval/avg@k": 0.5}  # metrics.jsonl written before standard errors were logged
     text = accuracy_summary(old, {"eval/greedy": 0.5, "eval/avg@k": 0.75}, 4, 2)
-    assert text == ("held-out accuracy before RL: greedy 0.250, sampled avg@2 0.500  ->  after 4 steps: greedy 0.500, "
-                    "sampled avg@2 0.750")
+    assert text == (
+        "held-out accuracy before RL: greedy 0.250, sampled avg@2 0.500  ->  after 4 steps: greedy 0.500, "
+        "sampled avg@2 0.750"
+    )
 
 
 def test_sparse_curves_get_markers():

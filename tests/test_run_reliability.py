@@ -21,9 +21,17 @@ from safetensors.torch import load_file
 
 from gppo.cli import main
 from gppo.trainer import ConfigError, RunError, Trainer
+from gppo.trainer.checkpoint import (
+    MANIFEST,
+    NoSpaceError,
+    RunLock,
+    checkpoint_problem,
+    is_no_space,
+    latest_checkpoint,
+    save_checkpoint,
+    write_dir,
+)
 from gppo.trainer.config import from_dict
-from gppo.trainer.checkpoint import (MANIFEST, NoSpaceError, RunLock, checkpoint_problem, is_no_space,
-                                     latest_checkpoint, save_checkpoint, write_dir)
 from gppo.trainer.logging import MetricsLog
 from gppo.trainer.trainer import UnstableTrainingError
 from tests.test_trainer import micro_config
@@ -71,8 +79,9 @@ def _hold_lock(path, ready, release):
     lock.release()
 
 
-def test_a_second_process_is_refused_with_the_holders_pid_and_a_dead_holder_does_not_block(micro_model, tmp_path,
-                                                                                           capsys):
+def test_a_second_process_is_refused_with_the_holders_pid_and_a_dead_holder_does_not_block(
+    micro_model, tmp_path, capsys
+):
     run = tmp_path / "run"
     context = multiprocessing.get_context("fork")
     ready, release = context.Event(), context.Event()
@@ -123,8 +132,7 @@ def test_overrides_given_with_resume_survive_the_next_interruption(micro_model, 
     assert (later.config.preset, later.config.steps) == ("ripo", 4)
 
 
-def test_restarting_a_run_without_checkpoint_starts_clean_and_keeps_the_old_attempt(micro_model, tmp_path,
-                                                                                    reference):
+def test_restarting_a_run_without_checkpoint_starts_clean_and_keeps_the_old_attempt(micro_model, tmp_path, reference):
     run = interrupted(micro_model, tmp_path / "run", after=2, save_every=0)
     assert latest_checkpoint(run) is None and steps_logged(run) == [0, 1, 2]
     (run / "console.log").write_text("not the trainer's\n")
@@ -165,6 +173,7 @@ def test_checkpoints_carry_a_manifest_and_final_is_replaced_whole(micro_model, t
         checkpoint = saved()
         monkeypatch.setattr(resumed.tokenizer, "save_pretrained", broken)
         return checkpoint
+
     monkeypatch.setattr(resumed, "save", save)
     with pytest.raises(RuntimeError, match="killed while writing"):
         resumed.train()
@@ -190,6 +199,7 @@ def test_every_file_and_folder_is_fsynced_before_latest_moves(micro_model, tmp_p
     def recording_replace(src, dst):
         events.append(("replace", str(dst)))
         replace(src, dst)
+
     monkeypatch.setattr("gppo.trainer.checkpoint.os.fsync", recording_fsync)
     monkeypatch.setattr("gppo.trainer.checkpoint.os.replace", recording_replace)
     run = tmp_path / "run"
@@ -200,8 +210,9 @@ def test_every_file_and_folder_is_fsynced_before_latest_moves(micro_model, tmp_p
     renamed = events.index(("replace", str(root / "step_000001")))
     synced = [path for kind, path in events[:renamed] if kind == "fsync"]
     temp = os.path.commonpath(synced)  # the temporary folder the checkpoint was written in
-    assert sorted(os.path.relpath(p, temp) for p in synced if p != temp) == \
-        sorted(p.name for p in (root / "step_000001").iterdir())
+    assert sorted(os.path.relpath(p, temp) for p in synced if p != temp) == sorted(
+        p.name for p in (root / "step_000001").iterdir()
+    )
     assert temp in synced and ("fsync", str(root)) in events[renamed:pointer]  # the folder, then its rename
     assert events[pointer - 1][0] == "fsync"  # the pointer's own content
 
@@ -215,6 +226,7 @@ def test_a_failed_rename_puts_the_previous_directory_back(tmp_path, monkeypatch)
         if str(src).startswith(str(tmp_path / ".tmp-final-")):
             raise OSError(errno.EIO, "Input/output error")
         replace(src, dst)
+
     monkeypatch.setattr("gppo.trainer.checkpoint.os.replace", failing)
     with pytest.raises(OSError, match="Input/output error"):
         write_dir(target, lambda tmp: (tmp / "a").write_text("new"))
@@ -244,7 +256,7 @@ def test_pruning_keeps_the_new_checkpoint_and_drops_abandoned_newer_ones(micro_m
 # ------------------------------------------------------------------------------ corrupt checkpoints
 def _truncate(path):
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])
+    path.write_bytes(data[: len(data) // 2])
 
 
 def _garble(path):  # same size, not a zip any more
@@ -256,15 +268,19 @@ def _bad_json(path):  # same size, not JSON any more
     path.write_text("}" + text[1:])
 
 
-@pytest.mark.parametrize("name,damage,problem", [
-    ("model.safetensors", _truncate, "model.safetensors has .* bytes instead of"),
-    ("tokenizer.json", os.remove, "tokenizer.json is missing"),
-    ("config.json", _bad_json, "config.json is not valid JSON"),
-    ("trainer_state.pt", _garble, "trainer_state.pt does not load"),
-    (MANIFEST, os.remove, "its manifest.json is missing"),
-])
-def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(micro_model, tmp_path, reference, name,
-                                                                    damage, problem):
+@pytest.mark.parametrize(
+    "name,damage,problem",
+    [
+        ("model.safetensors", _truncate, "model.safetensors has .* bytes instead of"),
+        ("tokenizer.json", os.remove, "tokenizer.json is missing"),
+        ("config.json", _bad_json, "config.json is not valid JSON"),
+        ("trainer_state.pt", _garble, "trainer_state.pt does not load"),
+        (MANIFEST, os.remove, "its manifest.json is missing"),
+    ],
+)
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(
+    micro_model, tmp_path, reference, name, damage, problem
+):
     run = interrupted(micro_model, tmp_path / "run", after=2)
     damage(run / "checkpoints" / "step_000002" / name)
     with pytest.warns(RuntimeWarning, match=f"step_000002: {problem}.*falling back to step_000001"):
@@ -279,8 +295,10 @@ def test_no_usable_checkpoint_is_refused_on_resume(micro_model, tmp_path):
     for step in (1, 2):
         (run / "checkpoints" / f"step_{step:06d}" / "config.json").unlink()
     assert checkpoint_problem(run / "checkpoints" / "step_000001") == "config.json is missing"
-    with pytest.warns(RuntimeWarning, match="no usable checkpoint"), \
-            pytest.raises(ConfigError, match="no usable checkpoint to resume from"):
+    with (
+        pytest.warns(RuntimeWarning, match="no usable checkpoint"),
+        pytest.raises(ConfigError, match="no usable checkpoint to resume from"),
+    ):
         Trainer.resume(run)
 
 
@@ -289,6 +307,7 @@ def _enospc_in_tokenizer(trainer, monkeypatch):
     def full(path, *args, **kwargs):
         (path / "tokenizer.json").write_text('{"partial')
         raise ENOSPC
+
     monkeypatch.setattr(trainer.tokenizer, "save_pretrained", full)
 
 
@@ -298,7 +317,8 @@ def _enospc_in_torch_save(trainer, monkeypatch):
         try:
             raise ENOSPC
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904 (as torch raises it)
+
     monkeypatch.setattr("gppo.trainer.checkpoint.torch.save", full)
 
 
@@ -309,12 +329,14 @@ def _enospc_in_safetensors(trainer, monkeypatch):
     def full(path, *args, **kwargs):
         (path / "model.safetensors").write_bytes(b"\0" * 100)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
     monkeypatch.setattr(trainer.model, "save_pretrained", full)
 
 
 @pytest.mark.parametrize("fill", [_enospc_in_tokenizer, _enospc_in_torch_save, _enospc_in_safetensors])
-def test_a_full_disk_is_a_clear_error_that_keeps_the_last_good_checkpoint(micro_model, tmp_path, reference,
-                                                                          monkeypatch, fill):
+def test_a_full_disk_is_a_clear_error_that_keeps_the_last_good_checkpoint(
+    micro_model, tmp_path, reference, monkeypatch, fill
+):
     run = tmp_path / "run"
     trainer = Trainer(micro_config(micro_model, run))
     saved = trainer.save
@@ -323,9 +345,13 @@ def test_a_full_disk_is_a_clear_error_that_keeps_the_last_good_checkpoint(micro_
         if trainer.step == 2:
             fill(trainer, monkeypatch)
         return saved()
+
     monkeypatch.setattr(trainer, "save", save)
-    with pytest.raises(NoSpaceError, match="no space left on device at .*step_000002; the last good checkpoint "
-                                           ".*step_000001 is intact: free some space"):
+    with pytest.raises(
+        NoSpaceError,
+        match="no space left on device at .*step_000002; the last good checkpoint "
+        ".*step_000001 is intact: free some space",
+    ):
         trainer.train()
     monkeypatch.undo()
     assert temps(run) == []
@@ -337,20 +363,20 @@ def test_a_full_disk_is_a_clear_error_that_keeps_the_last_good_checkpoint(micro_
     assert_same_weights(run / "final", reference)
 
 
-def test_no_space_is_recognised_through_wrappers_and_reported_by_the_cli(micro_model, tmp_path, monkeypatch,
-                                                                         capsys):
+def test_no_space_is_recognised_through_wrappers_and_reported_by_the_cli(micro_model, tmp_path, monkeypatch, capsys):
     assert is_no_space(ENOSPC) and is_no_space(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)))
     try:
         try:
             raise ENOSPC
         except OSError:
-            raise RuntimeError("basic_ios::clear: iostream error")
+            raise RuntimeError("basic_ios::clear: iostream error")  # noqa: B904 (as torch raises it)
     except RuntimeError as wrapped:
         assert is_no_space(wrapped)
     assert not is_no_space(OSError(errno.EACCES, "Permission denied")) and not is_no_space(RuntimeError("x"))
 
     def full(*args, **kwargs):
         raise ENOSPC
+
     log = MetricsLog(tmp_path / "metrics.jsonl", [], {})
     monkeypatch.setattr("gppo.trainer.logging.os.fsync", full)
     with pytest.raises(NoSpaceError, match=f"no space left on device at {tmp_path / 'metrics.jsonl'}"):
@@ -358,9 +384,34 @@ def test_no_space_is_recognised_through_wrappers_and_reported_by_the_cli(micro_m
     monkeypatch.undo()
     monkeypatch.setattr("gppo.trainer.checkpoint.torch.save", full)
     run = tmp_path / "run"
-    assert main(["train", "--model", str(micro_model), "--output_dir", str(run), "--steps", "1",
-                 "--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "4", "--eval_size", "4",
-                 "--eval_samples", "1", "--progress", "false", "--threads", "1"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                str(micro_model),
+                "--output_dir",
+                str(run),
+                "--steps",
+                "1",
+                "--prompts_per_step",
+                "2",
+                "--group_size",
+                "2",
+                "--max_new_tokens",
+                "4",
+                "--eval_size",
+                "4",
+                "--eval_samples",
+                "1",
+                "--progress",
+                "false",
+                "--threads",
+                "1",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "gppo train: error: no space left on device at" in err and "no checkpoint was written yet" in err
     assert "Traceback" not in err and temps(run) == []
@@ -398,11 +449,14 @@ def test_a_nan_gradient_stops_the_run_naming_the_step_the_metric_and_the_last_go
     run = tmp_path / "run"
     trainer = Trainer(embedded_config(run, steps=4))
     _poison_gradients(trainer.model, when=lambda: trainer.step == 1, factor=math.nan)  # in step 2's update
-    with pytest.raises(UnstableTrainingError, match=f"step 2: optim/grad_norm is nan, so training stopped before "
-                                                    f"applying that update .*last good checkpoint is "
-                                                    f"{run / 'checkpoints' / 'step_000001'}: resume from it with a "
-                                                    f"lower learning rate, e.g. `gppo train --resume {run} --lr "
-                                                    f"1e-05`"):
+    with pytest.raises(
+        UnstableTrainingError,
+        match=f"step 2: optim/grad_norm is nan, so training stopped before "
+        f"applying that update .*last good checkpoint is "
+        f"{run / 'checkpoints' / 'step_000001'}: resume from it with a "
+        f"lower learning rate, e.g. `gppo train --resume {run} --lr "
+        f"1e-05`",
+    ):
         trainer.train()
     assert all(p.isfinite().all() for p in trainer.model.parameters())  # the NaN update was not applied
     lines = (run / "metrics.jsonl").read_text().splitlines()
@@ -418,10 +472,13 @@ def test_an_exploding_update_stops_the_run_before_it_is_saved(tmp_path):
     run = tmp_path / "run"
     trainer = Trainer(embedded_config(run, lr=1e6, epochs=1, mini_batch_size=16, steps=3))
     before = trainer.weight_norm
-    with pytest.raises(UnstableTrainingError, match=r"step 1: optim/weight_norm went from \S+ to \S+ in one update "
-                                                    r"\(more than 10x: the update exploded\), so training stopped "
-                                                    r"without saving it .*no checkpoint was written yet: start the "
-                                                    r"run again with a lower learning rate \(e.g. --lr 100000\)"):
+    with pytest.raises(
+        UnstableTrainingError,
+        match=r"step 1: optim/weight_norm went from \S+ to \S+ in one update "
+        r"\(more than 10x: the update exploded\), so training stopped "
+        r"without saving it .*no checkpoint was written yet: start the "
+        r"run again with a lower learning rate \(e.g. --lr 100000\)",
+    ):
         trainer.train()
     assert not trainer.weight_norm <= 10 * before
     assert not (run / "checkpoints" / "latest").exists() and not (run / "final").exists()
@@ -434,9 +491,12 @@ def test_gradients_stuck_at_zero_stop_the_run_after_three_steps(tmp_path):
     run = tmp_path / "run"
     trainer = Trainer(embedded_config(run, steps=6, eval_every=0))
     _poison_gradients(trainer.model, when=lambda: trainer.step >= 1, factor=0.0)
-    with pytest.raises(UnstableTrainingError, match=f"step 4: optim/grad_norm was exactly 0 in every update of the "
-                                                    f"last 3 steps although the advantages were not 0.*last good "
-                                                    f"checkpoint is {run / 'checkpoints' / 'step_000003'}"):
+    with pytest.raises(
+        UnstableTrainingError,
+        match=f"step 4: optim/grad_norm was exactly 0 in every update of the "
+        f"last 3 steps although the advantages were not 0.*last good "
+        f"checkpoint is {run / 'checkpoints' / 'step_000003'}",
+    ):
         trainer.train()
     grad_norms = [r.get("optim/grad_norm") for r in MetricsLog(run / "metrics.jsonl", [], {}).read()]
     assert grad_norms[1] > 0 and grad_norms[2:] == [0.0, 0.0, 0.0]
@@ -456,8 +516,13 @@ def test_metrics_record_non_finite_values_as_strings_and_read_them_back(tmp_path
     log = MetricsLog(tmp_path / "metrics.jsonl", [], {})
     log.write(3, {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "x": 0.5, "n": 2})
     raw = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert {k: raw[k] for k in ("nan", "inf", "-inf", "x", "n")} == {"nan": "nan", "inf": "inf", "-inf": "-inf",
-                                                                       "x": 0.5, "n": 2}
+    assert {k: raw[k] for k in ("nan", "inf", "-inf", "x", "n")} == {
+        "nan": "nan",
+        "inf": "inf",
+        "-inf": "-inf",
+        "x": 0.5,
+        "n": 2,
+    }
     (record,) = log.read()
     assert math.isnan(record["nan"]) and record["inf"] == math.inf and record["-inf"] == -math.inf
     assert record["step"] == 3 and record["x"] == 0.5
@@ -491,8 +556,9 @@ def test_sigterm_stops_train_like_ctrl_c_with_exit_143_and_a_resumable_checkpoin
     run = tmp_path / "run"
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(micro_config(micro_model, run, steps=200).to_dict()))
-    code, log = _terminate_after_first_checkpoint(["train", "--config", str(config)], "run/checkpoints/latest",
-                                                  tmp_path)
+    code, log = _terminate_after_first_checkpoint(
+        ["train", "--config", str(config)], "run/checkpoints/latest", tmp_path
+    )
     assert code == 143, log
     log = " ".join(log.split())  # rich wraps long lines when not writing to a terminal
     latest = latest_checkpoint(run)
@@ -505,10 +571,39 @@ def test_sigterm_stops_train_like_ctrl_c_with_exit_143_and_a_resumable_checkpoin
 
 
 def test_sigterm_stops_a_sweep_saying_how_to_continue(micro_model, tmp_path):
-    argv = ["sweep", "--model", str(micro_model), "--out", str(tmp_path / "sweep"), "--workers", "1",
-            "--presets", "grpo", "--seeds", "0", "--steps", "200", "--prompts_per_step", "4", "--group_size", "4",
-            "--max_new_tokens", "6", "--eval_size", "8", "--eval_samples", "2", "--save_every", "1",
-            "--mini_batch_size", "16", "--micro_batch_size", "16", "--threads", "1"]
+    argv = [
+        "sweep",
+        "--model",
+        str(micro_model),
+        "--out",
+        str(tmp_path / "sweep"),
+        "--workers",
+        "1",
+        "--presets",
+        "grpo",
+        "--seeds",
+        "0",
+        "--steps",
+        "200",
+        "--prompts_per_step",
+        "4",
+        "--group_size",
+        "4",
+        "--max_new_tokens",
+        "6",
+        "--eval_size",
+        "8",
+        "--eval_samples",
+        "2",
+        "--save_every",
+        "1",
+        "--mini_batch_size",
+        "16",
+        "--micro_batch_size",
+        "16",
+        "--threads",
+        "1",
+    ]
     code, log = _terminate_after_first_checkpoint(argv, "sweep/*/checkpoints/latest", tmp_path)
     assert code == 143, log
     assert "gppo sweep: stopped by SIGTERM; run the same command again to continue" in log

@@ -18,17 +18,38 @@ import torch
 
 from gppo import theory
 from gppo.cli import main
-from gppo.theory import matched_radii
 from gppo.commands.probe import average_ranks, faithfulness, spearman
 from gppo.commands.sweep import contrast_table, contrasts, plan, run_stats, run_sweep
 from gppo.commands.sweep_plots import cell_curve
 from gppo.stats import mean_ci, t_quantile_975
+from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.config import from_dict
 
-MICRO_RUN = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "6",
-             "--eval_size", "8", "--eval_samples", "2", "--eval_every", "1", "--mini_batch_size", "16",
-             "--micro_batch_size", "16", "--save_every", "1", "--lr", "1e-3"]
+MICRO_RUN = [
+    "--steps",
+    "2",
+    "--prompts_per_step",
+    "4",
+    "--group_size",
+    "4",
+    "--max_new_tokens",
+    "6",
+    "--eval_size",
+    "8",
+    "--eval_samples",
+    "2",
+    "--eval_every",
+    "1",
+    "--mini_batch_size",
+    "16",
+    "--micro_batch_size",
+    "16",
+    "--save_every",
+    "1",
+    "--lr",
+    "1e-3",
+]
 
 
 def read_csv(path):
@@ -57,8 +78,9 @@ def test_mean_ci_by_hand():
 def test_run_stats_by_hand(tmp_path):
     records = [{"step": 0, "eval/greedy": 0.1, "eval/avg@k": 0.2}]
     for step in range(1, 13):
-        records.append({"step": step, "loss/masked_frac": 0.01 * step, "loss/entropy": 1.0 + step,
-                        "perf/step_seconds": 2.0})
+        records.append(
+            {"step": step, "loss/masked_frac": 0.01 * step, "loss/entropy": 1.0 + step, "perf/step_seconds": 2.0}
+        )
     records[6].update({"eval/greedy": 0.5, "eval/avg@k": 0.6})  # step 6
     records[12].update({"eval/greedy": 0.7, "eval/avg@k": 0.5})  # step 12
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -154,22 +176,58 @@ def test_workers_of_a_killed_sweep_exit(tmp_path):
 def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
     out = tmp_path / "sweep"
     grid = ["--divergences", "tv", "kl", "--estimators", "binary", "topk", "--seeds", "0", "1", "--delta", "0.15"]
-    base = {"model": str(micro_model), "steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6,
-            "eval_size": 8, "eval_samples": 2, "eval_every": 1, "mini_batch_size": 16, "micro_batch_size": 16,
-            "save_every": 1, "lr": 1e-3, "rollout_dtype": "bfloat16"}  # bf16 rollouts: a mismatch to report
+    base = {
+        "model": str(micro_model),
+        "steps": 2,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "max_new_tokens": 6,
+        "eval_size": 8,
+        "eval_samples": 2,
+        "eval_every": 1,
+        "mini_batch_size": 16,
+        "micro_batch_size": 16,
+        "save_every": 1,
+        "lr": 1e-3,
+        "rollout_dtype": "bfloat16",
+    }  # bf16 rollouts: a mismatch to report
     jobs = plan(base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], delta=0.15)
-    assert [(j.cell, j.seed) for j in jobs][:5] == [("tv-binary", 0), ("tv-topk", 0), ("kl-binary", 0),
-                                                   ("kl-topk", 0), ("tv-binary", 1)]  # seed by seed
+    assert [(j.cell, j.seed) for j in jobs][:5] == [
+        ("tv-binary", 0),
+        ("tv-topk", 0),
+        ("kl-binary", 0),
+        ("kl-topk", 0),
+        ("tv-binary", 1),
+    ]  # seed by seed
     # an interrupted run: stopped after step 1 of 2, with its checkpoint
     interrupted = jobs[0].config
     assert Trainer(interrupted).train(stop_after=1) is None
     before = (interrupted.run_dir() / "metrics.jsonl").read_text().splitlines()
 
-    assert main(["sweep", "--model", str(micro_model), "--out", str(out), "--workers", "1", "--target", "0.5",
-                 *grid, *MICRO_RUN, "--rollout_dtype", "bfloat16"]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                "--model",
+                str(micro_model),
+                "--out",
+                str(out),
+                "--workers",
+                "1",
+                "--target",
+                "0.5",
+                *grid,
+                *MICRO_RUN,
+                "--rollout_dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out  # piped: one line per finished run, and where everything went
-    assert [line.split()[1] for line in printed.splitlines() if line.startswith("sweep: ") and " runs, last " in line] \
-        == [f"{i}/8" for i in range(1, 9)]
+    assert [
+        line.split()[1] for line in printed.splitlines() if line.startswith("sweep: ") and " runs, last " in line
+    ] == [f"{i}/8" for i in range(1, 9)]
     assert f"results in {out}/: sweep.md, sweep.csv, contrasts.csv, curves.png, heatmap.png" in printed
     after = (interrupted.run_dir() / "metrics.jsonl").read_text().splitlines()
     assert after[:2] == before and len(after) == 3  # steps 0 and 1 kept, step 2 trained on resume
@@ -183,14 +241,20 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
     assert float(rows[0]["delta_low"]) == pytest.approx(0.15)
     assert kl["target_reached"] == "0/2"  # the untrained micro model solves nothing
     # the mismatch column: mean over seeds of each run's mean mismatch/kl_k3 over its (last) steps
-    per_run = [np.mean([r["mismatch/kl_k3"] for r in map(json.loads, (out / f"kl-binary-s{seed}" / "metrics.jsonl")
-                                                          .read_text().splitlines()) if r["step"] > 0])
-               for seed in (0, 1)]
+    per_run = [
+        np.mean(
+            [
+                r["mismatch/kl_k3"]
+                for r in map(json.loads, (out / f"kl-binary-s{seed}" / "metrics.jsonl").read_text().splitlines())
+                if r["step"] > 0
+            ]
+        )
+        for seed in (0, 1)
+    ]
     assert float(kl["mismatch_kl"]) == pytest.approx(np.mean(per_run), rel=1e-9) and np.mean(per_run) > 0
     assert "| tv-binary | mask | 0.15 / 0.15 | 2 |" in (out / "sweep.md").read_text()
     # where the cell started: the mean over seeds of each run's step-0 evaluation, shown as start -> end
-    starts = [json.loads((out / f"kl-binary-s{seed}" / "metrics.jsonl").read_text().splitlines()[0])
-              for seed in (0, 1)]
+    starts = [json.loads((out / f"kl-binary-s{seed}" / "metrics.jsonl").read_text().splitlines()[0]) for seed in (0, 1)]
     assert float(kl["start_avg_at_k"]) == pytest.approx(np.mean([r["eval/avg@k"] for r in starts]))
     assert f"| {float(kl['start_greedy']):.3f} → {float(kl['greedy']):.3f}" in (out / "sweep.md").read_text()
     assert (out / "heatmap.png").read_bytes()[:4] == b"\x89PNG"
@@ -205,8 +269,9 @@ def test_sweep_end_to_end_resumes_then_skips(micro_model, tmp_path, capsys):
     assert len(summaries) == 8
     # a summary of what has finished, training nothing: one seed of each cell gone -> 1 seed per cell
     (out / "tv-binary-s1" / "summary.json").rename(out / "tv-binary-s1" / "summary.moved")
-    partial = run_sweep(base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], workers=1, progress=False,
-                        summarize_only=True)
+    partial = run_sweep(
+        base, out, [0, 1], ["tv", "kl"], ["binary", "topk"], workers=1, progress=False, summarize_only=True
+    )
     assert partial["trained"] == 0 and not (out / "tv-binary-s1" / "summary.json").exists()
     assert [r["seeds"] for r in partial["rows"]] == [1, 2, 2, 2]
     (out / "tv-binary-s1" / "summary.moved").rename(out / "tv-binary-s1" / "summary.json")
@@ -239,8 +304,10 @@ def test_paired_contrasts_are_per_seed_differences():
 
 
 def test_cell_curve_is_the_mean_over_seeds_then_a_trailing_mean():
-    runs = [[{"step": 0, "x": 1.0}, {"step": 1, "x": 3.0}, {"step": 2, "x": 5.0}, {"step": 3, "x": 7.0}],
-            [{"step": 0, "x": 3.0}, {"step": 1, "x": 5.0}, {"step": 2, "x": 9.0}]]  # seed 2 stopped at step 2
+    runs = [
+        [{"step": 0, "x": 1.0}, {"step": 1, "x": 3.0}, {"step": 2, "x": 5.0}, {"step": 3, "x": 7.0}],
+        [{"step": 0, "x": 3.0}, {"step": 1, "x": 5.0}, {"step": 2, "x": 9.0}],
+    ]  # seed 2 stopped at step 2
     steps, mean = cell_curve(runs, "x")
     assert steps.tolist() == [0, 1, 2] and mean.tolist() == [2.0, 4.0, 7.0]
     assert cell_curve(runs, "x", smooth=2)[1].tolist() == [2.0, 3.0, 5.5]
@@ -248,10 +315,18 @@ def test_cell_curve_is_the_mean_over_seeds_then_a_trailing_mean():
 
 
 def test_grid_main_effects_average_over_the_other_axis():
-    points = {"tv-binary": ("tv", "binary"), "tv-topk": ("tv", "topk"), "kl-binary": ("kl", "binary"),
-              "kl-topk": ("kl", "topk")}
-    per_seed = {"tv-binary": _stats({0: 0.50, 1: 0.40}), "tv-topk": _stats({0: 0.60, 1: 0.45}),
-                "kl-binary": _stats({0: 0.30, 1: 0.20}), "kl-topk": _stats({0: 0.50, 1: 0.20})}
+    points = {
+        "tv-binary": ("tv", "binary"),
+        "tv-topk": ("tv", "topk"),
+        "kl-binary": ("kl", "binary"),
+        "kl-topk": ("kl", "topk"),
+    }
+    per_seed = {
+        "tv-binary": _stats({0: 0.50, 1: 0.40}),
+        "tv-topk": _stats({0: 0.60, 1: 0.45}),
+        "kl-binary": _stats({0: 0.30, 1: 0.20}),
+        "kl-topk": _stats({0: 0.50, 1: 0.20}),
+    }
     rows = contrasts(per_seed, points, "tv-binary")
     assert len([r for r in rows if r["kind"] == "cell"]) == 6 * 3  # every pair, 3 metrics
     est = next(r for r in rows if r["kind"] == "estimator" and r["metric"] == "avg_at_k")
@@ -271,8 +346,10 @@ def test_grid_main_effects_average_over_the_other_axis():
 
 def test_sweep_plans_presets_and_refuses_what_it_sets(tmp_path):
     jobs = plan({"steps": 5}, tmp_path, [3], presets=["ppo", "ripo"])
-    assert [(j.cell, j.seed, j.config.preset, j.config.threads) for j in jobs] == [("ppo", 3, "ppo", 1),
-                                                                                   ("ripo", 3, "ripo", 1)]
+    assert [(j.cell, j.seed, j.config.preset, j.config.threads) for j in jobs] == [
+        ("ppo", 3, "ppo", 1),
+        ("ripo", 3, "ripo", 1),
+    ]
     assert jobs[1].config.gppo_config().delta_high == 0.05  # presets keep their radii
     assert jobs[0].config.run_dir() == tmp_path / "ppo-s3"
     with pytest.raises(ConfigError, match="'seed'.*--seeds"):
@@ -300,11 +377,26 @@ def test_a_killed_worker_is_reported_once_and_the_sweep_ends(micro_model, tmp_pa
 
     from rich.console import Console
 
-    base = {"model": str(micro_model), "steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3,
-            "eval_size": 4, "eval_every": 0, "reward_funcs": ["tests.reward_fns:kills_its_process"]}
+    base = {
+        "model": str(micro_model),
+        "steps": 1,
+        "prompts_per_step": 2,
+        "group_size": 2,
+        "max_new_tokens": 3,
+        "eval_size": 4,
+        "eval_every": 0,
+        "reward_funcs": ["tests.reward_fns:kills_its_process"],
+    }
     printed = StringIO()
-    result = run_sweep(base, tmp_path / "sweep", [0, 1], presets=["gppo"], workers=2, progress=False,
-                       console=Console(file=printed, width=200))
+    result = run_sweep(
+        base,
+        tmp_path / "sweep",
+        [0, 1],
+        presets=["gppo"],
+        workers=2,
+        progress=False,
+        console=Console(file=printed, width=200),
+    )
     assert sorted(result["failed"]) == [str(tmp_path / "sweep" / f"gppo-s{seed}") for seed in (0, 1)]
     text = printed.getvalue()
     assert text.count("a worker process died") == 1 and "Rerun the same command" in text
@@ -319,10 +411,41 @@ def test_sweep_cli_names_the_closest_flag(capsys):
 # ------------------------------------------------------------------------------ probe
 def test_probe_is_internally_consistent(micro_model, tmp_path):
     out = tmp_path / "probe"
-    assert main(["probe", "--model", str(micro_model), "--out", str(out), "--divergences", "tv", "kl", "chi2",
-                 "--prompts_per_step", "8", "--group_size", "4", "--max_new_tokens", "6", "--mini_batch_size", "8",
-                 "--micro_batch_size", "16", "--reward_funcs", "tests.reward_fns:length_bonus", "--threads", "1",
-                 "--mass_k", "1", "5", "20", "64"]) == 0
+    assert (
+        main(
+            [
+                "probe",
+                "--model",
+                str(micro_model),
+                "--out",
+                str(out),
+                "--divergences",
+                "tv",
+                "kl",
+                "chi2",
+                "--prompts_per_step",
+                "8",
+                "--group_size",
+                "4",
+                "--max_new_tokens",
+                "6",
+                "--mini_batch_size",
+                "8",
+                "--micro_batch_size",
+                "16",
+                "--reward_funcs",
+                "tests.reward_fns:length_bonus",
+                "--threads",
+                "1",
+                "--mass_k",
+                "1",
+                "5",
+                "20",
+                "64",
+            ]
+        )
+        == 0
+    )
     rows = read_csv(out / "probe.csv")
     assert len(rows) == 3 * 6
     for r in rows:
@@ -341,14 +464,40 @@ def test_probe_is_internally_consistent(micro_model, tmp_path):
 def test_probe_needs_no_heldout_split_states_its_update_and_chunks_exactly(micro_model, tmp_path, capsys):
     """A 100-row file works (the probe evaluates nothing); the update size is reported and agrees
     with the exact TV row; one-sequence passes give the same values as one pass over all."""
-    from gppo.commands.probe import run_probe, token_values, update_size
+    from gppo.commands.probe import token_values, update_size
 
     data = tmp_path / "hundred.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(100)))
     out = tmp_path / "probe"
-    assert main(["probe", "--model", str(micro_model), "--data", str(data), "--out", str(out), "--divergences", "tv",
-                 "chi2", "--prompts_per_step", "8", "--group_size", "4", "--max_new_tokens", "6", "--mini_batch_size",
-                 "8", "--reward_funcs", "tests.reward_fns:length_bonus", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "probe",
+                "--model",
+                str(micro_model),
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--divergences",
+                "tv",
+                "chi2",
+                "--prompts_per_step",
+                "8",
+                "--group_size",
+                "4",
+                "--max_new_tokens",
+                "6",
+                "--mini_batch_size",
+                "8",
+                "--reward_funcs",
+                "tests.reward_fns:length_bonus",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     printed = " ".join(capsys.readouterr().out.split())
     assert f"results in {out}/" in printed and "Update size: mean exact TV(pi, mu) per token" in printed
     rows = {(r["divergence"], r["estimator"]): r for r in read_csv(out / "probe.csv")}
@@ -360,9 +509,20 @@ def test_probe_needs_no_heldout_split_states_its_update_and_chunks_exactly(micro
     assert float(rows[("chi2", "full")]["exact_median"]) <= float(rows[("chi2", "full")]["exact_mean"])
 
     # the values of token_values do not depend on how many sequences a pass takes
-    config = from_dict({"model": str(micro_model), "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 5,
-                        "reward_funcs": ["tests.reward_fns:length_bonus"], "output_dir": str(tmp_path / "t"),
-                        "threads": 1, "lr": 1e-2, "micro_batch_size": 8, "mini_batch_size": 8})
+    config = from_dict(
+        {
+            "model": str(micro_model),
+            "prompts_per_step": 4,
+            "group_size": 2,
+            "max_new_tokens": 5,
+            "reward_funcs": ["tests.reward_fns:length_bonus"],
+            "output_dir": str(tmp_path / "t"),
+            "threads": 1,
+            "lr": 1e-2,
+            "micro_batch_size": 8,
+            "mini_batch_size": 8,
+        }
+    )
     trainer = Trainer(config)
     rollout = trainer.prepare(trainer.rollout()[0])
     mu = copy.deepcopy(trainer.model)
@@ -381,15 +541,32 @@ def test_probe_needs_no_heldout_split_states_its_update_and_chunks_exactly(micro
 # ------------------------------------------------------------------------------ geometry
 def test_geometry_csv_matches_closed_forms(tmp_path):
     delta = 0.05
-    assert main(["geometry", "--raw", "--delta", str(delta), "--divergences", "tv", "chi2", "--points", "9",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "geometry",
+                "--raw",
+                "--delta",
+                str(delta),
+                "--divergences",
+                "tv",
+                "chi2",
+                "--points",
+                "9",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     rows = read_csv(tmp_path / "geometry.csv")
     assert len(rows) == 2 * 3 * 9
     for r in rows:
         q, lo, hi = float(r["q"]), float(r["lo"]), float(r["hi"])
         # half widths, capped at p <= 1: PPO's interval is the same for every q (until the cap)
-        width = {("tv", "sample"): 2 * delta, ("chi2", "cell"): math.sqrt(delta / q),
-                 ("tv", "binary"): delta / q}.get((r["divergence"], r["estimator"]))
+        width = {("tv", "sample"): 2 * delta, ("chi2", "cell"): math.sqrt(delta / q), ("tv", "binary"): delta / q}.get(
+            (r["divergence"], r["estimator"])
+        )
         if width is not None:
             assert lo == pytest.approx(max(0.0, 1 - width), rel=1e-6, abs=1e-12)
             assert hi == pytest.approx(min(1 + width, 1 / q), rel=1e-6)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gppo.models.embedded import build_tokenizer
-from gppo.tasks import TASKS, AdditionTask, CountdownTask, get_task, heldout_problems
 from gppo.problem import Problem
+from gppo.tasks import TASKS, AdditionTask, CountdownTask, get_task, heldout_problems
 from gppo.tasks.countdown import evaluate
 
 
@@ -73,11 +73,34 @@ def test_countdown_verifier():
     assert task.score(p, "3*5+7") == 0.0 and task.score(p, "56") == 0.0
 
 
-@pytest.mark.parametrize("text", [
-    "__import__('os')", "__import__('os').system('echo hi')", "2**99999", "9**9**9**9", "3**5",
-    "open('x')", "1e3", "0x3", "3_0", "7.0", "[3]", "(3,5)", "3;5", "lambda: 3", "", "   ",
-    "(" * 60 + "3" + ")" * 60, "3" * 10_000, "3+" * 200 + "3", "3 5", "((3+5)", "3+", "07",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os')",
+        "__import__('os').system('echo hi')",
+        "2**99999",
+        "9**9**9**9",
+        "3**5",
+        "open('x')",
+        "1e3",
+        "0x3",
+        "3_0",
+        "7.0",
+        "[3]",
+        "(3,5)",
+        "3;5",
+        "lambda: 3",
+        "",
+        "   ",
+        "(" * 60 + "3" + ")" * 60,
+        "3" * 10_000,
+        "3+" * 200 + "3",
+        "3 5",
+        "((3+5)",
+        "3+",
+        "07",
+    ],
+)
 def test_countdown_verifier_refuses_malformed_and_malicious(text):
     assert evaluate(text, [3, 5, 7, 30, 7, 9]) is None
 

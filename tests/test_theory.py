@@ -45,8 +45,8 @@ def test_intervals_solve_the_boundary_equation(name, estimator):
     div = gppo.divergence(name)
     delta = 0.05
     lo, hi = theory.ratio_interval(name, estimator, Q, delta)
-    for q, l, h in zip(Q, lo, hi):
-        for r, interior in ((l, l > 0), (h, h < 1 / q * (1 - 1e-12))):
+    for q, low, h in zip(Q, lo, hi):
+        for r, interior in ((low, low > 0), (h, h < 1 / q * (1 - 1e-12))):
             if not interior:
                 continue
             logq = torch.tensor(math.log(q), dtype=torch.float64)
@@ -56,10 +56,11 @@ def test_intervals_solve_the_boundary_equation(name, estimator):
             elif estimator == "cell":
                 value = div.cell_terms(logp, logq)
             else:
-                value = div.between(torch.tensor([q * r, 1 - q * r], dtype=torch.float64),
-                                    torch.tensor([q, 1 - q], dtype=torch.float64))
+                value = div.between(
+                    torch.tensor([q * r, 1 - q * r], dtype=torch.float64), torch.tensor([q, 1 - q], dtype=torch.float64)
+                )
             assert value.item() == pytest.approx(delta, rel=1e-6)
-        assert l <= 1 <= h
+        assert low <= 1 <= h
 
 
 def test_geometry_scaling_with_probability():
@@ -85,7 +86,8 @@ def test_improvement_bounds():
     assert theory.improvement_bound("tv", 0.1, xi=2.0, gamma=0.9, bound="dppo") == pytest.approx(-3.6)
     assert theory.improvement_bound("tv", 0.1, xi=2.0, gamma=0.9, bound="trpo") == pytest.approx(-7.2)
     assert theory.improvement_bound("kl", 0.02, xi=1.0, gamma=0.5, surrogate=1.0, bound="trpo") == pytest.approx(
-        1.0 - 4 * 1.0 * 0.5 / 0.25 * 0.01)
+        1.0 - 4 * 1.0 * 0.5 / 0.25 * 0.01
+    )
     with pytest.raises(ValueError, match="give gamma"):
         theory.improvement_bound("tv", 0.1, xi=1.0, horizon=10, bound="trpo")
     with pytest.raises(ValueError, match="choose 'dppo'"):

@@ -71,8 +71,7 @@ def make_case(n=10, width=16, vocab=300, k=4, dtype=torch.float64, bias=True, nu
             logits = logits.masked_fill(~kept, torch.finfo(torch.float64).min)
         return torch.log_softmax(logits, -1).to(dtype)
 
-    return Case(hidden, weight, bias_, token_ids, topk_ids, distribution(), distribution(),
-                kept_sizes, kept_ids, kept)
+    return Case(hidden, weight, bias_, token_ids, topk_ids, distribution(), distribution(), kept_sizes, kept_ids, kept)
 
 
 def work(dtype):
@@ -91,28 +90,42 @@ def reference(case: Case, temperature: float):
     def where_pi(x):  # 0 where pi = 0 (0 * log 0 = 0), in value and gradient
         return torch.where(pi > 0, x, 0.0)
 
-    return dict(logits=z, log_probs=log_pi, logp=log_pi.gather(1, case.token_ids[:, None])[:, 0],
-                topk_logp=log_pi.gather(1, case.topk_ids), entropy=-(pi * where_pi(log_pi)).sum(-1),
-                kl_ref_full=(pi * where_pi(log_pi - case.ref.to(dtype))).sum(-1))
+    return dict(
+        logits=z,
+        log_probs=log_pi,
+        logp=log_pi.gather(1, case.token_ids[:, None])[:, 0],
+        topk_logp=log_pi.gather(1, case.topk_ids),
+        entropy=-(pi * where_pi(log_pi)).sum(-1),
+        kl_ref_full=(pi * where_pi(log_pi - case.ref.to(dtype))).sum(-1),
+    )
 
 
-def run(case: Case, temperature=1.0, chunk_size=None, outputs=DIFFERENTIABLE, divergence="kl",
-        log_probs=False):
+def run(case: Case, temperature=1.0, chunk_size=None, outputs=DIFFERENTIABLE, divergence="kl", log_probs=False):
     return token_stats(
-        case.hidden, case.weight, case.token_ids, bias=case.bias, temperature=temperature,
-        topk_ids=case.topk_ids if "topk_logp" in outputs else None, kept_sizes=case.kept_sizes,
-        kept_ids=case.kept_ids, entropy="entropy" in outputs,
+        case.hidden,
+        case.weight,
+        case.token_ids,
+        bias=case.bias,
+        temperature=temperature,
+        topk_ids=case.topk_ids if "topk_logp" in outputs else None,
+        kept_sizes=case.kept_sizes,
+        kept_ids=case.kept_ids,
+        entropy="entropy" in outputs,
         ref_log_probs=case.ref if "kl_ref_full" in outputs else None,
         anchor_log_probs=case.anchor if "full_estimate" in outputs else None,
         divergence=gppo.divergence(divergence) if "full_estimate" in outputs else None,
-        return_log_probs=log_probs, chunk_size=chunk_size)
+        return_log_probs=log_probs,
+        chunk_size=chunk_size,
+    )
 
 
 def gradients(case: Case, values: dict, outputs, seed=1):
     """Gradients of sum_o <u_o, value_o> for fixed random u_o, wrt hidden, weight and bias."""
     gen = torch.Generator().manual_seed(seed)
-    loss = sum((values[o] * torch.randn(values[o].shape, generator=gen, dtype=torch.float64)
-                .to(values[o].dtype)).sum() for o in outputs)
+    loss = sum(
+        (values[o] * torch.randn(values[o].shape, generator=gen, dtype=torch.float64).to(values[o].dtype)).sum()
+        for o in outputs
+    )
     return torch.autograd.grad(loss, case.params())
 
 
@@ -165,8 +178,7 @@ def test_bfloat16_model_matches_the_same_logits_upcast():
     assert want["logits"].dtype == torch.float32 and got.logp.dtype == torch.float32
     for name in DIFFERENTIABLE:
         torch.testing.assert_close(getattr(got, name), want[name], **TOL[torch.float32], msg=name)
-    for mine, theirs in zip(gradients(case, vars(got), DIFFERENTIABLE),
-                            gradients(case, want, DIFFERENTIABLE)):
+    for mine, theirs in zip(gradients(case, vars(got), DIFFERENTIABLE), gradients(case, want, DIFFERENTIABLE)):
         assert mine.dtype == torch.bfloat16
         scale = theirs.float().abs().max()
         torch.testing.assert_close(mine.float(), theirs.float(), rtol=2e-2, atol=1e-2 * scale)
@@ -214,8 +226,7 @@ def test_float32_accuracy_at_a_50k_vocabulary():
     wide = make_case(n=4, width=16, vocab=50_000, dtype=torch.float64, seed=6)
     wide.hidden, wide.weight, wide.bias = (x.detach().double().requires_grad_() for x in case.params())
     want = reference(wide, 0.7)
-    for mine, theirs in zip(gradients(case, vars(got), DIFFERENTIABLE),
-                            gradients(wide, want, DIFFERENTIABLE)):
+    for mine, theirs in zip(gradients(case, vars(got), DIFFERENTIABLE), gradients(wide, want, DIFFERENTIABLE)):
         torch.testing.assert_close(mine.double(), theirs, rtol=1e-4, atol=1e-6)
 
 
@@ -227,8 +238,9 @@ def test_full_estimate_matches_the_full_estimator(name, dtype):
     got = run(case, 0.7, 4, outputs=("logp", "full_estimate"), divergence=name).full_estimate
     assert not got.requires_grad and torch.equal(case.anchor, anchor)  # the input is left as it was
     logits = reference(case, 0.7)["logits"].detach()
-    want = full_estimate(gppo.divergence(name), logits[None], case.anchor[None],
-                         torch.ones(1, logits.shape[0]), chunk_size=5)[0]
+    want = full_estimate(
+        gppo.divergence(name), logits[None], case.anchor[None], torch.ones(1, logits.shape[0]), chunk_size=5
+    )[0]
     # chi2 reaches ~30 on these logits: float32 sums in another order differ by a few ulps of it
     rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-12, 1e-12)
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
@@ -241,8 +253,7 @@ def test_full_estimate_closed_forms_for_kl_and_tv(dtype):
     log_pi = torch.log_softmax(reference(case, 0.7)["logits"].detach().double(), -1)
     log_mu = torch.log_softmax(case.anchor.double(), -1)
     pi, mu = log_pi.exp(), log_mu.exp()
-    closed = {"kl": torch.where(mu > 0, mu * (log_mu - log_pi), 0.0).sum(-1),
-              "tv": 0.5 * (pi - mu).abs().sum(-1)}
+    closed = {"kl": torch.where(mu > 0, mu * (log_mu - log_pi), 0.0).sum(-1), "tv": 0.5 * (pi - mu).abs().sum(-1)}
     for name, want in closed.items():
         got = run(case, 0.7, 3, outputs=("logp", "full_estimate"), divergence=name).full_estimate
         assert got.dtype == work(dtype)
@@ -256,9 +267,14 @@ def test_kl_ref_full_matches_gppo_reference_kl():
     got = run(case, 0.7, 3, outputs=("kl_ref_full",)).kl_ref_full
     logits = reference(case, 0.7)["logits"]
     n = logits.shape[0]
-    batch = gppo.TokenBatch(logp=torch.zeros(1, n), logp_behavior=torch.zeros(1, n),
-                            advantages=torch.ones(1), mask=torch.ones(1, n), logits=logits[None],
-                            logp_ref_full=case.ref[None])
+    batch = gppo.TokenBatch(
+        logp=torch.zeros(1, n),
+        logp_behavior=torch.zeros(1, n),
+        advantages=torch.ones(1),
+        mask=torch.ones(1, n),
+        logits=logits[None],
+        logp_ref_full=case.ref[None],
+    )
     want = reference_kl(batch, "full")[0]
     torch.testing.assert_close(got, want, **TOL[torch.float64])
     for mine, theirs in zip(gradients(case, {"kl": got}, ("kl",)), gradients(case, {"kl": want}, ("kl",))):
@@ -299,8 +315,7 @@ def test_default_chunk_rows(monkeypatch):
     assert module._chunk_rows(None, 151_936) == (1 << 24) // 151_936
     assert module._chunk_rows(None, 1 << 25) == 1
     monkeypatch.setattr(module, "CHUNK_ELEMENTS", 2 * 300)  # 2 rows per chunk of V = 300
-    check(make_case(dtype=torch.float64, nucleus=True, seed=12), 0.7, None, DIFFERENTIABLE,
-          TOL[torch.float64])
+    check(make_case(dtype=torch.float64, nucleus=True, seed=12), 0.7, None, DIFFERENTIABLE, TOL[torch.float64])
 
 
 def saved_shapes(fn):
@@ -324,8 +339,11 @@ def test_autograd_saves_no_n_by_v_tensor(nucleus):
     case = make_case(n=n, width=16, vocab=vocab, k=k, dtype=torch.float32, nucleus=nucleus, seed=13)
     outputs = ("logp", "topk_logp", "entropy", "full_estimate")
     saved = saved_shapes(lambda: run(case, 0.7, 5, outputs, log_probs=True))
-    inputs = {x.data_ptr() for x in (case.hidden, case.weight, case.bias, case.token_ids,
-                                     case.topk_ids, case.kept_sizes, case.kept_ids) if x is not None}
+    inputs = {
+        x.data_ptr()
+        for x in (case.hidden, case.weight, case.bias, case.token_ids, case.topk_ids, case.kept_sizes, case.kept_ids)
+        if x is not None
+    }
     assert saved and all(math.prod(shape) < n * vocab for shape, _ in saved)
     assert all(shape == (n,) for shape, ptr in saved if ptr not in inputs)  # per-row values
 
@@ -336,8 +354,14 @@ def test_autograd_saves_no_n_by_v_tensor(nucleus):
 
 def bad(**changes):
     case = make_case(n=6, vocab=50, dtype=torch.float32, nucleus=True, seed=14)
-    kwargs = dict(bias=case.bias, topk_ids=case.topk_ids, kept_sizes=case.kept_sizes,
-                  kept_ids=case.kept_ids, ref_log_probs=case.ref, entropy=True)
+    kwargs = dict(
+        bias=case.bias,
+        topk_ids=case.topk_ids,
+        kept_sizes=case.kept_sizes,
+        kept_ids=case.kept_ids,
+        ref_log_probs=case.ref,
+        entropy=True,
+    )
     args = dict(hidden=case.hidden, weight=case.weight, token_ids=case.token_ids)
     for name, value in changes.items():
         (args if name in args else kwargs)[name] = value(case) if callable(value) else value
@@ -346,32 +370,46 @@ def bad(**changes):
 
 BAD_INPUTS = {
     "hidden 1-D": (bad(hidden=torch.zeros(16)), r"hidden must have 2 dimension\(s\), got shape \[16\]"),
-    "hidden width": (bad(hidden=torch.zeros(6, 8)), r"hidden must be \[n, H\] with H = weight.shape\[1\] = 16, got \[6, 8\]"),
+    "hidden width": (
+        bad(hidden=torch.zeros(6, 8)),
+        r"hidden must be \[n, H\] with H = weight.shape\[1\] = 16, got \[6, 8\]",
+    ),
     "weight ints": (bad(weight=torch.zeros(50, 16, dtype=torch.long)), r"weight must be a floating-point tensor"),
     "token_ids float": (bad(token_ids=torch.zeros(6)), r"token_ids must be a long integer tensor, got torch.float32"),
     "token_ids int32": (bad(token_ids=torch.zeros(6, dtype=torch.int32)), r"token_ids must be a long integer"),
     "token_ids rows": (bad(token_ids=torch.zeros(5, dtype=torch.long)), r"token_ids must be \[6\] .*got \[5\]"),
     "token_ids 2-D": (bad(token_ids=torch.zeros(6, 1, dtype=torch.long)), r"token_ids must have 1 dimension"),
-    "token_ids range": (bad(token_ids=torch.full((6,), 50)), r"token_ids must lie in \[0, V = 50\), got values in \[50, 50\]"),
+    "token_ids range": (
+        bad(token_ids=torch.full((6,), 50)),
+        r"token_ids must lie in \[0, V = 50\), got values in \[50, 50\]",
+    ),
     "topk_ids 1-D": (bad(topk_ids=torch.zeros(6, dtype=torch.long)), r"topk_ids must have 2 dimension"),
     "topk_ids rows": (bad(topk_ids=torch.zeros(5, 3, dtype=torch.long)), r"topk_ids must be \[6, K\] .*got \[5, 3\]"),
     "topk_ids range": (bad(topk_ids=torch.full((6, 2), -1)), r"topk_ids must lie in \[0, V = 50\)"),
     "bias shape": (bad(bias=torch.zeros(49)), r"bias must be \[50\] .*got \[49\]"),
     "ref shape": (bad(ref_log_probs=torch.zeros(6, 49)), r"ref_log_probs must be \[6, 50\] .*got \[6, 49\]"),
     "ref ints": (bad(ref_log_probs=torch.zeros(6, 50, dtype=torch.long)), r"ref_log_probs must be a floating-point"),
-    "anchor shape": (bad(anchor_log_probs=torch.zeros(5, 50), divergence=gppo.divergence("kl")),
-                     r"anchor_log_probs must be \[6, 50\] .*got \[5, 50\]"),
+    "anchor shape": (
+        bad(anchor_log_probs=torch.zeros(5, 50), divergence=gppo.divergence("kl")),
+        r"anchor_log_probs must be \[6, 50\] .*got \[5, 50\]",
+    ),
     "anchor alone": (bad(anchor_log_probs=lambda c: c.anchor), r"anchor_log_probs and divergence together"),
     "divergence alone": (bad(divergence=gppo.divergence("tv")), r"anchor_log_probs and divergence together"),
-    "divergence name": (bad(anchor_log_probs=lambda c: c.anchor, divergence="kl"),
-                        r"divergence must be a gppo Divergence .*got str"),
+    "divergence name": (
+        bad(anchor_log_probs=lambda c: c.anchor, divergence="kl"),
+        r"divergence must be a gppo Divergence .*got str",
+    ),
     "kept_sizes alone": (bad(kept_ids=None), r"kept_sizes and kept_ids .* pass both or neither"),
     "kept_ids alone": (bad(kept_sizes=None), r"kept_sizes and kept_ids .* pass both or neither"),
     "kept sum": (bad(kept_ids=lambda c: c.kept_ids[1:]), r"sum to len\(kept_ids\) = \d+, got sum \d+"),
-    "kept negative": (bad(kept_sizes=lambda c: c.kept_sizes - 100 * (torch.arange(6) == 0) + 100 * (torch.arange(6) == 5)),
-                      r"kept_sizes must be >= 0 .*min -"),
-    "kept_sizes rows": (bad(kept_sizes=torch.zeros(5, dtype=torch.long), kept_ids=torch.zeros(0, dtype=torch.long)),
-                        r"kept_sizes must be \[6\] .*got \[5\]"),
+    "kept negative": (
+        bad(kept_sizes=lambda c: c.kept_sizes - 100 * (torch.arange(6) == 0) + 100 * (torch.arange(6) == 5)),
+        r"kept_sizes must be >= 0 .*min -",
+    ),
+    "kept_sizes rows": (
+        bad(kept_sizes=torch.zeros(5, dtype=torch.long), kept_ids=torch.zeros(0, dtype=torch.long)),
+        r"kept_sizes must be \[6\] .*got \[5\]",
+    ),
     "kept_ids range": (bad(kept_ids=lambda c: c.kept_ids + 50), r"kept_ids must lie in \[0, V = 50\)"),
     "chunk_size zero": (bad(chunk_size=0), r"chunk_size must be an integer >= 1 \(rows per chunk\), got 0; pass e.g."),
     "chunk_size float": (bad(chunk_size=2.0), r"chunk_size must be an integer >= 1 .*got 2.0"),

@@ -11,20 +11,34 @@ import yaml
 import gppo
 from gppo.advantages import group_advantages, informative_groups
 from gppo.models.loading import load_model_and_tokenizer
+from gppo.problem import Problem
 from gppo.rewards.pipeline import RewardPipeline, load_function, overlong_penalty
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
 from gppo.tasks import get_task
-from gppo.problem import Problem
 from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.batch import policy_outputs, rollout_from_generations, token_batch
 from gppo.trainer.config import from_dict
 
 
 def micro_config(model, out, **changes):
-    values = dict(model=str(model), output_dir=str(out), steps=3, prompts_per_step=4, group_size=4,
-                  max_new_tokens=6, eval_size=8, eval_samples=2, eval_every=2, mini_batch_size=8,
-                  micro_batch_size=4, save_every=1, progress=False, threads=1, lr=1e-3)
+    values = dict(
+        model=str(model),
+        output_dir=str(out),
+        steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=6,
+        eval_size=8,
+        eval_samples=2,
+        eval_every=2,
+        mini_batch_size=8,
+        micro_batch_size=4,
+        save_every=1,
+        progress=False,
+        threads=1,
+        lr=1e-3,
+    )
     values.update(changes)
     return from_dict(values)
 
@@ -33,12 +47,15 @@ def micro_config(model, out, **changes):
 def test_advantages_against_hand_computed_values():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     std = math.sqrt(1 / 3)  # unbiased std of (1, 0, 0, 1)
-    torch.testing.assert_close(group_advantages(rewards, "grpo", eps=0.0)[0],
-                               torch.tensor([0.5, -0.5, -0.5, 0.5]) / std)
+    torch.testing.assert_close(
+        group_advantages(rewards, "grpo", eps=0.0)[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / std
+    )
     assert (group_advantages(rewards, "grpo")[1] == 0).all()
     torch.testing.assert_close(group_advantages(rewards, "dr_grpo")[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
     # RLOO: reward minus the mean of the other three
-    torch.testing.assert_close(group_advantages(rewards, "rloo")[0], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]))
+    torch.testing.assert_close(
+        group_advantages(rewards, "rloo")[0], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3])
+    )
     centred = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
     expected = (centred - centred.mean()) / (centred.std() + 1e-6)
     torch.testing.assert_close(group_advantages(rewards, "reinforce++").flatten(), expected)
@@ -56,8 +73,13 @@ def test_overlong_penalty_and_format_reward():
     assert overlong_penalty(20, 20, 0) == 0.0
     task = get_task("addition")
     problem = task.sample(__import__("random").Random(0))
-    pipeline = RewardPipeline(lambda ps, cs: [task.score(p, c) for p, c in zip(ps, cs)],
-                              format_pattern=r"\d+", format_reward=0.1, max_length=6, overlong_buffer=2)
+    pipeline = RewardPipeline(
+        lambda ps, cs: [task.score(p, c) for p, c in zip(ps, cs)],
+        format_pattern=r"\d+",
+        format_reward=0.1,
+        max_length=6,
+        overlong_buffer=2,
+    )
     out = pipeline([problem, problem], [problem.answer, "x"], [[1] * 3, [1] * 6])
     assert out.accuracy == [1.0, 0.0]
     assert out.rewards == pytest.approx([1.1, -1.0])
@@ -66,7 +88,10 @@ def test_overlong_penalty_and_format_reward():
 def test_user_reward_functions_that_fail_count_warnings_and_give_zero():
     verifier = lambda ps, cs: [0.0] * len(cs)  # noqa: E731
     problems = [Problem("1+1=", "2")] * 4
-    fns = [(name, load_function(f"tests.reward_fns:{name}")) for name in ("raises", "half_nan", "wrong_length", "length_bonus")]
+    fns = [
+        (name, load_function(f"tests.reward_fns:{name}"))
+        for name in ("raises", "half_nan", "wrong_length", "length_bonus")
+    ]
     pipeline = RewardPipeline(verifier, fns)
     with pytest.warns(RuntimeWarning, match="gave no finite reward"):
         out = pipeline(problems, ["2", "22", "3", ""], [[1, 2]] * 4)
@@ -89,7 +114,9 @@ def test_training_forward_reproduces_the_rollout_log_probs(micro_model, temperat
     model, tokenizer = load_model_and_tokenizer(micro_model)
     engine = HFEngine(model, tokenizer, batch_size=16)
     prompts = ["1+2=", "345+678=", "9+99="]
-    gens = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=8, n=3, top_k_logprobs=5, seed=1))
+    gens = engine.generate(
+        prompts, SamplingParams(temperature=temperature, max_new_tokens=8, n=3, top_k_logprobs=5, seed=1)
+    )
     rollout = rollout_from_generations(gens, torch.zeros(len(gens)), tokenizer.pad_token_id, top_k=5)
     assert rollout.response_mask.sum(-1).tolist() == [len(g.completion_ids) for g in gens]
     with torch.no_grad():
@@ -112,18 +139,32 @@ def test_training_forward_reproduces_the_rollout_log_probs(micro_model, temperat
 
 # ------------------------------------------------------------------------------ training
 def test_three_step_run_writes_everything(micro_model, tmp_path):
-    config = micro_config(micro_model, tmp_path / "run", preset="dppo-topk-kl", top_k=4,
-                          reward_funcs=["tests.reward_fns:length_bonus", "tests.reward_fns:raises"],
-                          reward_fn_max_failures=0)
+    config = micro_config(
+        micro_model,
+        tmp_path / "run",
+        preset="dppo-topk-kl",
+        top_k=4,
+        reward_funcs=["tests.reward_fns:length_bonus", "tests.reward_fns:raises"],
+        reward_fn_max_failures=0,
+    )
     with pytest.warns(RuntimeWarning):
         summary = Trainer(config).train()
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     step = records[1]
-    for key in ("rollout/reward_mean", "rollout/accuracy", "rollout/length_mean", "rollout/truncated_frac",
-                "rollout/zero_variance_groups", "loss/masked_frac", "loss/entropy", "loss/divergence/mean",
-                "optim/grad_norm", "perf/rollout_tokens_per_s"):
+    for key in (
+        "rollout/reward_mean",
+        "rollout/accuracy",
+        "rollout/length_mean",
+        "rollout/truncated_frac",
+        "rollout/zero_variance_groups",
+        "loss/masked_frac",
+        "loss/entropy",
+        "loss/divergence/mean",
+        "optim/grad_norm",
+        "perf/rollout_tokens_per_s",
+    ):
         assert key in step, key
     assert any(k.startswith("loss/masked_frac/q[") for k in step)
     assert step["rollout/reward_fn_warnings"] == 16  # the raising function, for every sample
@@ -136,11 +177,17 @@ def test_three_step_run_writes_everything(micro_model, tmp_path):
     assert saved["preset"] == "dppo-topk-kl" and saved["top_k"] == 4
 
 
-@pytest.mark.parametrize("preset,changes", [
-    ("ppo", dict(anchor="old", kl_coef=0.05)),
-    ("gspo", dict(advantage="rloo", dynamic_sampling=True)),
-    ("dppo-binary-kl", dict(estimator="full", kl_coef=0.05, kl_estimator="full", loss_agg_mode="seq-mean-token-sum-norm")),
-])
+@pytest.mark.parametrize(
+    "preset,changes",
+    [
+        ("ppo", dict(anchor="old", kl_coef=0.05)),
+        ("gspo", dict(advantage="rloo", dynamic_sampling=True)),
+        (
+            "dppo-binary-kl",
+            dict(estimator="full", kl_coef=0.05, kl_estimator="full", loss_agg_mode="seq-mean-token-sum-norm"),
+        ),
+    ],
+)
 def test_options_run(micro_model, tmp_path, preset, changes):
     config = micro_config(micro_model, tmp_path / "run", preset=preset, steps=2, eval_every=0, save_every=0, **changes)
     Trainer(config).train()
@@ -170,9 +217,18 @@ def test_an_update_without_gradient_moves_the_weights_only_when_not_skipped(micr
 
     def final_weights(steps):
         reward_fns.varies_once.calls = 0
-        trainer = Trainer(micro_config(micro_model, tmp_path / f"run{steps}", steps=steps, eval_every=0, save_every=0,
-                                       epochs=1, reward_funcs=["tests.reward_fns:varies_once"],
-                                       skip_zero_gradient_updates=skip))
+        trainer = Trainer(
+            micro_config(
+                micro_model,
+                tmp_path / f"run{steps}",
+                steps=steps,
+                eval_every=0,
+                save_every=0,
+                epochs=1,
+                reward_funcs=["tests.reward_fns:varies_once"],
+                skip_zero_gradient_updates=skip,
+            )
+        )
         trainer.train()
         return [p.detach().clone() for p in trainer.model.parameters()], trainer.scheduler.last_epoch
 
@@ -185,7 +241,9 @@ def test_an_update_without_gradient_moves_the_weights_only_when_not_skipped(micr
     assert updates_two == (updates_one if skip else 2 * updates_one)  # the lr schedule counts the updates taken
 
 
-@pytest.mark.parametrize("changes", [{}, dict(off_policy_steps=1, rollout_dtype="bfloat16", rollout_quantization="int8")])
+@pytest.mark.parametrize(
+    "changes", [{}, dict(off_policy_steps=1, rollout_dtype="bfloat16", rollout_quantization="int8")]
+)
 def test_resume_reaches_the_same_parameters(micro_model, tmp_path, changes):
     """Also off-policy: the rollout sampled ahead at step 1 is restored from the checkpoint."""
     changes = dict(changes, reward_funcs=["tests.reward_fns:length_bonus"])  # rewards that vary: weights move
@@ -204,8 +262,10 @@ def test_resume_reaches_the_same_parameters(micro_model, tmp_path, changes):
 
     def rollout_metrics(path):
         rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-        return [(r["step"], r.get("rollout/reward_mean"), r.get("loss/ratio/max"), r.get("mismatch/kl_k3"))
-                for r in rows]
+        return [
+            (r["step"], r.get("rollout/reward_mean"), r.get("loss/ratio/max"), r.get("mismatch/kl_k3")) for r in rows
+        ]
+
     assert rollout_metrics(tmp_path / "full") == rollout_metrics(tmp_path / "resumed")
 
 
@@ -292,8 +352,23 @@ def test_gppo_eval_on_a_benchmark_file_and_on_a_task(micro_model, tmp_path, caps
 
     out = tmp_path / "eval"
     fixture = "tests/fixtures/benchmarks/aime24.jsonl"
-    args = ["eval", "--model", str(micro_model), "--benchmark", "aime24", "--data", fixture, "-n", "2",
-            "--max_tokens", "4", "--out", str(out), "--device", "cpu"]
+    args = [
+        "eval",
+        "--model",
+        str(micro_model),
+        "--benchmark",
+        "aime24",
+        "--data",
+        fixture,
+        "-n",
+        "2",
+        "--max_tokens",
+        "4",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    ]
     assert main(args) == 0
     assert (out / "summary.md").exists() and (out / "aime24.jsonl").exists()
     scored = len((out / "aime24.jsonl").read_text().splitlines())
@@ -301,8 +376,24 @@ def test_gppo_eval_on_a_benchmark_file_and_on_a_task(micro_model, tmp_path, caps
     assert len((out / "aime24.jsonl").read_text().splitlines()) == scored
     assert main(["eval", "--model", str(micro_model), "--benchmark", "aime2024", "--data", fixture]) == 2
     assert "did you mean" in capsys.readouterr().err
-    assert main(["eval", "--model", str(micro_model), "--task", "addition", "--eval_size", "8", "-n", "2",
-                 "--max_tokens", "4"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(micro_model),
+                "--task",
+                "addition",
+                "--eval_size",
+                "8",
+                "-n",
+                "2",
+                "--max_tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert "eval/pass@2" in capsys.readouterr().out
 
 
@@ -315,8 +406,11 @@ def test_default_threads_counts_the_cores_busy_in_proc_stat(monkeypatch):
 
     samples = iter(["cpu  1000 0 500 8000 500 0 0 0 0 0\n", "cpu  1200 0 600 8080 520 0 0 0 0 0\n"])
     real_open = builtins.open
-    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(next(samples)) if path == "/proc/stat"
-                        else real_open(path, *a, **k))
+    monkeypatch.setattr(
+        builtins,
+        "open",
+        lambda path, *a, **k: io.StringIO(next(samples)) if path == "/proc/stat" else real_open(path, *a, **k),
+    )
     monkeypatch.setattr(trainer_module.os, "cpu_count", lambda: 4)
     monkeypatch.setattr(trainer_module.os, "getloadavg", lambda: (3.9, 0.0, 0.0))  # not used when /proc/stat is read
     assert trainer_module._busy_cores(0.0) == pytest.approx(3.0)
@@ -329,15 +423,25 @@ def test_memory_knobs_change_the_update_only_by_rounding(micro_model, tmp_path):
     """The same rollout and initial weights: gradient checkpointing with a 2-token logits chunk
     (no prompt sharing), and bfloat16 mixed precision, give the default run's gradient (the first
     within float32 rounding, the second within bfloat16's)."""
+
     def gradient(name, **knobs):
-        trainer = Trainer(micro_config(micro_model, tmp_path / name, mini_batch_size=16, epochs=1, **knobs,
-                                       reward_funcs=["tests.reward_fns:length_bonus"]))
+        trainer = Trainer(
+            micro_config(
+                micro_model,
+                tmp_path / name,
+                mini_batch_size=16,
+                epochs=1,
+                **knobs,
+                reward_funcs=["tests.reward_fns:length_bonus"],
+            )
+        )
         checkpointing = knobs.get("gradient_checkpointing", False)
         assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules()) == checkpointing
         assert trainer.forward_options.share_prompt == (not checkpointing)
         grads = []  # the gradient the one optimizer step of the update applies
         trainer.optimizer.register_step_pre_hook(
-            lambda *_: grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()])))
+            lambda *_: grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
+        )
         trainer.update(trainer.prepare(rollout))
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters()) and len(grads) == 1
         return grads[0]

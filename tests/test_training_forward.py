@@ -16,8 +16,14 @@ import gppo
 from gppo.models.embedded import build_model, build_tokenizer
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
-from gppo.trainer.batch import (ForwardOptions, completion_hidden_states, enable_activation_checkpointing,
-                                policy_outputs, rollout_from_generations, token_batch)
+from gppo.trainer.batch import (
+    ForwardOptions,
+    completion_hidden_states,
+    enable_activation_checkpointing,
+    policy_outputs,
+    rollout_from_generations,
+    token_batch,
+)
 
 PROMPTS = ["1+2=", "345+678=", "9+99="]  # of different lengths: left padding
 
@@ -30,8 +36,15 @@ def micro():
 
 def make_rollout(micro, temperature=0.8, top_k=5, top_p=1.0, n=3, max_new_tokens=6, seed=1):
     model, tokenizer = micro
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=n, top_k_logprobs=top_k,
-                            seed=seed, top_p=top_p, record_kept_ids=top_p < 1)
+    params = SamplingParams(
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        n=n,
+        top_k_logprobs=top_k,
+        seed=seed,
+        top_p=top_p,
+        record_kept_ids=top_p < 1,
+    )
     gens = HFEngine(model, tokenizer).generate(PROMPTS, params)
     advantages = torch.linspace(-1.5, 1.5, len(gens))
     return rollout_from_generations(gens, advantages, tokenizer.pad_token_id, top_k)
@@ -42,7 +55,7 @@ def reference_log_probs(model, rollout, temperature):
     position_ids = (rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask, position_ids=position_ids)
     P, T = rollout.prompt_length, rollout.token_ids.shape[1]
-    logits = out.logits[:, P - 1:P - 1 + T].float() / temperature
+    logits = out.logits[:, P - 1 : P - 1 + T].float() / temperature
     if rollout.kept_sizes is not None:
         keep = torch.zeros_like(logits, dtype=torch.bool)
         for row, ids in enumerate(rollout.kept_ids):
@@ -57,12 +70,22 @@ def reference_batch(model, rollout, temperature):
     logp = log_probs.gather(-1, rollout.token_ids[..., None])[..., 0]
     topk = None if rollout.topk_ids is None else log_probs.gather(-1, rollout.topk_ids)
     return gppo.TokenBatch(
-        logp=logp, logp_behavior=rollout.logp_behavior, advantages=rollout.advantages, mask=rollout.response_mask,
-        logp_old=rollout.logp_old, token_ids=rollout.token_ids, topk_ids=rollout.topk_ids,
-        topk_logp_behavior=rollout.topk_logp_behavior, topk_logp=topk, topk_logp_old=rollout.topk_logp_old,
-        logits=logits, logp_behavior_full=rollout.logp_behavior_full, logp_old_full=rollout.logp_old_full,
+        logp=logp,
+        logp_behavior=rollout.logp_behavior,
+        advantages=rollout.advantages,
+        mask=rollout.response_mask,
+        logp_old=rollout.logp_old,
+        token_ids=rollout.token_ids,
+        topk_ids=rollout.topk_ids,
+        topk_logp_behavior=rollout.topk_logp_behavior,
+        topk_logp=topk,
+        topk_logp_old=rollout.topk_logp_old,
+        logits=logits,
+        logp_behavior_full=rollout.logp_behavior_full,
+        logp_old_full=rollout.logp_old_full,
         logp_ref=rollout.logp_ref,
-        logp_ref_full=rollout.logp_ref_full)
+        logp_ref_full=rollout.logp_ref_full,
+    )
 
 
 def assert_grads_close(got: dict, expected: dict, rel=1e-5):
@@ -101,12 +124,16 @@ def with_anchor_distributions(model, rollout, temperature, other_seed=7):
         _, old = reference_log_probs(model, rollout, temperature)
     valid = rollout.response_mask.bool()[..., None]
     return dataclasses.replace(
-        rollout, logp_behavior=mu.gather(-1, rollout.token_ids[..., None])[..., 0],
-        topk_logp_behavior=mu.gather(-1, rollout.topk_ids), logp_behavior_full=torch.where(valid, mu, 0.0),
+        rollout,
+        logp_behavior=mu.gather(-1, rollout.token_ids[..., None])[..., 0],
+        topk_logp_behavior=mu.gather(-1, rollout.topk_ids),
+        logp_behavior_full=torch.where(valid, mu, 0.0),
         logp_old=old.gather(-1, rollout.token_ids[..., None])[..., 0] + 0.05,
-        topk_logp_old=old.gather(-1, rollout.topk_ids), logp_old_full=torch.where(valid, old, 0.0),
+        topk_logp_old=old.gather(-1, rollout.topk_ids),
+        logp_old_full=torch.where(valid, old, 0.0),
         logp_ref=ref_full.gather(-1, rollout.token_ids[..., None])[..., 0],
-        logp_ref_full=torch.where(valid, ref_full, 0.0))
+        logp_ref_full=torch.where(valid, ref_full, 0.0),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(gppo.PRESETS))
@@ -118,25 +145,31 @@ def test_every_preset_matches_the_unchunked_forward(micro, name):
 
     def chunked():
         return token_batch(rollout, policy_outputs(model, rollout, 0.8, config, entropy=True, options=options))
+
     assert_same(model, lambda: reference_batch(model, rollout, 0.8), chunked, config)
 
 
-@pytest.mark.parametrize("changes", [
-    dict(estimator="full"),
-    dict(estimator="full", anchor="old"),
-    dict(estimator="topp", top_p=0.7),
-    dict(kl_coef=0.2, kl_estimator="full"),
-    dict(kl_coef=0.2, kl_estimator="k3"),
-    dict(divergence="chi2", estimator="full", kl_coef=0.1, kl_estimator="full"),
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(estimator="full"),
+        dict(estimator="full", anchor="old"),
+        dict(estimator="topp", top_p=0.7),
+        dict(kl_coef=0.2, kl_estimator="full"),
+        dict(kl_coef=0.2, kl_estimator="k3"),
+        dict(divergence="chi2", estimator="full", kl_coef=0.1, kl_estimator="full"),
+    ],
+)
 def test_full_vocabulary_estimates_and_kl_match_the_unchunked_forward(micro, changes):
     model, _ = micro
     rollout = with_anchor_distributions(model, make_rollout(micro, top_k=20), 0.8)
     config = gppo.preset("dppo-binary-tv", **changes)
 
     def chunked():
-        return token_batch(rollout, policy_outputs(model, rollout, 0.8, config, entropy=True,
-                                                   options=ForwardOptions(chunk_size=5)))
+        return token_batch(
+            rollout, policy_outputs(model, rollout, 0.8, config, entropy=True, options=ForwardOptions(chunk_size=5))
+        )
+
     assert_same(model, lambda: reference_batch(model, rollout, 0.8), chunked, config)
 
 
@@ -146,8 +179,10 @@ def test_top_p_rollout_matches_the_unchunked_forward(micro):
     config = gppo.preset("dppo-topk-kl", top_k=20, kl_coef=0.1, kl_estimator="full")
 
     def chunked():
-        return token_batch(rollout, policy_outputs(model, rollout, 0.8, config, entropy=True,
-                                                   options=ForwardOptions(chunk_size=3)))
+        return token_batch(
+            rollout, policy_outputs(model, rollout, 0.8, config, entropy=True, options=ForwardOptions(chunk_size=3))
+        )
+
     assert_same(model, lambda: reference_batch(model, rollout, 0.8), chunked, config)
 
 
@@ -186,6 +221,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(micro):
 
     def batch(share):
         return batch_with(model, rollout, config, share_prompt=share)
+
     model.train()
     try:
         plain = loss_and_grads(model, batch(True), config)
@@ -207,8 +243,9 @@ def test_bfloat16_autocast_keeps_float32_weights_and_gradients(micro):
     rollout = make_rollout(micro)
     config = gppo.preset("dppo-topk-tv", top_k=5)
     full_loss, _, full_grads = loss_and_grads(model, batch_with(model, rollout, config), config)
-    mixed_loss, _, mixed_grads = loss_and_grads(model, batch_with(model, rollout, config, autocast=torch.bfloat16),
-                                                config)
+    mixed_loss, _, mixed_grads = loss_and_grads(
+        model, batch_with(model, rollout, config, autocast=torch.bfloat16), config
+    )
     assert all(g.dtype == torch.float32 for g in mixed_grads.values())
     assert mixed_loss.dtype == torch.float32
     torch.testing.assert_close(mixed_loss, full_loss, rtol=0.05, atol=0.02)

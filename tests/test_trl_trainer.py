@@ -25,12 +25,11 @@ import torch
 
 pytest.importorskip("trl")
 
-import gppo.integrations.trl as gppo_trl  # noqa: E402
-
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import gppo  # noqa: E402
+import gppo.integrations.trl as gppo_trl  # noqa: E402
 from gppo.integrations.trl import GPPOTrainer, GPPOTrainerConfig  # noqa: E402
 from gppo.models.embedded import build_model, build_tokenizer  # noqa: E402
 
@@ -46,19 +45,38 @@ EQUIVALENTS = {
     # bnpo divides by the micro-batch's tokens, ppo (TRL's dapo) by the accumulation window's:
     # the same with one micro-batch per optimizer step, as here
     "bnpo": (dict(loss_type="bnpo"), dict(gppo_preset="ppo"), 0.5, "gppo/masked_frac"),
-    "luspo": (dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
-              dict(gppo_preset="luspo"), 1e-3, "gppo/masked_frac"),
+    "luspo": (
+        dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+        dict(gppo_preset="luspo"),
+        1e-3,
+        "gppo/masked_frac",
+    ),
     "vespo": (dict(loss_type="vespo"), dict(gppo_preset="vespo"), 0.5, None),
-    "grpo+opsm": (dict(loss_type="grpo", off_policy_mask_threshold=0.05),
-                  dict(gppo_preset="grpo", gppo_overrides={"off_policy_threshold": 0.05}), 0.5, "gppo/masked_frac"),
-    "cispo": (dict(loss_type="cispo", epsilon_high=5.0), dict(gppo_preset="cispo"), 2.5,
-              "gppo/truncated_frac"),
-    "sapo": (dict(loss_type="sapo"),
-             dict(gppo_preset="sapo", gppo_overrides={"loss_agg_mode": "seq-mean-token-mean"}), 0.5, None),
-    "gspo": (dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
-             dict(gppo_preset="gspo"), 1e-3, "gppo/masked_frac"),
-    "ppo+kl": (dict(beta=0.04, use_bias_correction_kl=False),
-               dict(gppo_preset="ppo", beta=0.04, use_bias_correction_kl=False), 0.5, "gppo/masked_frac"),
+    "grpo+opsm": (
+        dict(loss_type="grpo", off_policy_mask_threshold=0.05),
+        dict(gppo_preset="grpo", gppo_overrides={"off_policy_threshold": 0.05}),
+        0.5,
+        "gppo/masked_frac",
+    ),
+    "cispo": (dict(loss_type="cispo", epsilon_high=5.0), dict(gppo_preset="cispo"), 2.5, "gppo/truncated_frac"),
+    "sapo": (
+        dict(loss_type="sapo"),
+        dict(gppo_preset="sapo", gppo_overrides={"loss_agg_mode": "seq-mean-token-mean"}),
+        0.5,
+        None,
+    ),
+    "gspo": (
+        dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+        dict(gppo_preset="gspo"),
+        1e-3,
+        "gppo/masked_frac",
+    ),
+    "ppo+kl": (
+        dict(beta=0.04, use_bias_correction_kl=False),
+        dict(gppo_preset="ppo", beta=0.04, use_bias_correction_kl=False),
+        0.5,
+        "gppo/masked_frac",
+    ),
 }
 
 
@@ -78,12 +96,28 @@ def tiny(tmp_path_factory):
 
 def make_trainer(tiny, trainer_cls, config_cls, **fields):
     model, tokenizer, path = tiny
-    settings = dict(output_dir=str(path / "out"), use_cpu=True, report_to="none", seed=0,
-                    per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                    max_steps=2, logging_steps=1, learning_rate=5e-2, save_strategy="no", num_iterations=2)
+    settings = dict(
+        output_dir=str(path / "out"),
+        use_cpu=True,
+        report_to="none",
+        seed=0,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=5e-2,
+        save_strategy="no",
+        num_iterations=2,
+    )
     args = config_cls(**{**settings, **fields})
-    return trainer_cls(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
-                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    return trainer_cls(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+    )
 
 
 def handcrafted_inputs(trainer, tokenizer, noise, beta):
@@ -93,13 +127,21 @@ def handcrafted_inputs(trainer, tokenizer, noise, beta):
     prompts = tokenizer(PROMPTS[:4], return_tensors="pt", padding=True)
     completion_ids = torch.randint(3, len(tokenizer), (4, 6), generator=gen)
     completion_mask = (torch.arange(6)[None, :] < torch.tensor([6, 3, 5, 1])[:, None]).long()
-    inputs = dict(prompt_ids=prompts.input_ids, prompt_mask=prompts.attention_mask,
-                  completion_ids=completion_ids, completion_mask=completion_mask,
-                  advantages=torch.tensor([1.0, -0.5, 0.8, -1.2]), num_items_in_batch=completion_mask.sum())
+    inputs = dict(
+        prompt_ids=prompts.input_ids,
+        prompt_mask=prompts.attention_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=torch.tensor([1.0, -0.5, 0.8, -1.2]),
+        num_items_in_batch=completion_mask.sum(),
+    )
     with torch.no_grad():
         logp, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([inputs["prompt_ids"], completion_ids], 1),
-            torch.cat([inputs["prompt_mask"], completion_mask], 1), 6)
+            trainer.model,
+            torch.cat([inputs["prompt_ids"], completion_ids], 1),
+            torch.cat([inputs["prompt_mask"], completion_mask], 1),
+            6,
+        )
     inputs["old_per_token_logps"] = logp + noise * torch.randn(logp.shape, generator=gen)
     if beta:
         inputs["ref_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=gen)
@@ -168,8 +210,9 @@ def test_two_step_run_per_preset(tiny, preset):
 @pytest.mark.parametrize("preset", list(gppo.PRESETS))
 def test_every_preset_is_accepted(tiny, preset):
     """GPPOTrainerConfig builds every preset (rollout top-K comes from its own old-policy pass)."""
-    cfg = GPPOTrainerConfig(output_dir=str(tiny[2] / "cfg"), use_cpu=True, gppo_preset=preset,
-                            max_completion_length=8).gppo_config()
+    cfg = GPPOTrainerConfig(
+        output_dir=str(tiny[2] / "cfg"), use_cpu=True, gppo_preset=preset, max_completion_length=8
+    ).gppo_config()
     assert cfg.rule == gppo.PRESETS[preset].fields["rule"] and cfg.norm_length == 8
 
 
@@ -177,8 +220,9 @@ def test_topk_pass_records_the_sampling_policy(tiny):
     """The extra pass for top-K estimators scores the sampled tokens as TRL's own old-policy pass
     does (the generating weights, i.e. mu under transformers' generate), and keeps that
     distribution's top-K in descending order."""
-    trainer = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, gppo_preset="dppo-topk-tv",
-                           gppo_overrides={"top_k": 5}, max_steps=1)
+    trainer = make_trainer(
+        tiny, GPPOTrainer, GPPOTrainerConfig, gppo_preset="dppo-topk-tv", gppo_overrides={"top_k": 5}, max_steps=1
+    )
     trainer.train()
     batch = trainer._buffered_inputs[0]
     mask = batch["completion_mask"].bool()
@@ -207,8 +251,12 @@ def test_config_refuses_what_it_would_ignore(tiny):
         config(gppo_overrides={"estimator": "full"})
     with pytest.raises(gppo.GPPOConfigError, match="unknown preset"):
         config(gppo_preset="dppo")
-    cfg = config(gppo_preset="dppo-binary-kl", beta=0.01, use_bias_correction_kl=False,
-                 gppo_overrides='{"divergence": "hellinger", "delta_high": 0.2}')
+    cfg = config(
+        gppo_preset="dppo-binary-kl",
+        beta=0.01,
+        use_bias_correction_kl=False,
+        gppo_overrides='{"divergence": "hellinger", "delta_high": 0.2}',
+    )
     point = cfg.gppo_config()
     assert (point.divergence, point.delta_high, point.kl_coef, point.rule) == ("hellinger", 0.2, 0.01, "mask")
     with pytest.raises(TypeError, match="GPPOTrainerConfig"):
@@ -224,8 +272,12 @@ class FullLogitsReference(GPPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"][rows], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
         with self.accelerator.autocast():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                           logits_to_keep=completion_ids.size(1) + 1, use_cache=False).logits[:, :-1]
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=completion_ids.size(1) + 1,
+                use_cache=False,
+            ).logits[:, :-1]
         return torch.log_softmax(logits.float() / self.temperature, dim=-1)
 
     def _policy_topk(self, model, inputs):
@@ -280,5 +332,4 @@ def test_topk_passes_equal_full_logits(tiny, monkeypatch, bf16):
     atol = 1e-2 * max(g.abs().max() for g in ref_grads) if bf16 else 1e-6
     for g, ref_g in zip(grads, ref_grads, strict=True):
         assert torch.allclose(g, ref_g, rtol=1e-5, atol=atol), (g - ref_g).abs().max()
-    assert ours._metrics["train"]["entropy"][-1] == pytest.approx(reference._metrics["train"]["entropy"][-1],
-                                                                  abs=1e-5)
+    assert ours._metrics["train"]["entropy"][-1] == pytest.approx(reference._metrics["train"]["entropy"][-1], abs=1e-5)

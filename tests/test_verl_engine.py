@@ -38,10 +38,17 @@ CONFIG_DIR = ROOT / "examples" / "verl" / "config"
 # ~0.004: delta 0.002 instead of 0.05 makes the DPPO mask keep some tokens and drop others.
 DPPO_FIELDS = {"delta_low": 0.002, "delta_high": 0.002}
 TOPK_FIELDS = {"delta_low": 0.002, "delta_high": 0.002}
-MODES = {"vanilla": {}, "gppo_ppo": {"dual_clip": 3.0}, "gppo_dppo_binary_kl": DPPO_FIELDS,
-         "gppo_dppo_topk_kl": {"topk_source": "batch", **TOPK_FIELDS}}
-PRESETS = {"gppo_ppo": ("ppo", {"dual_clip": 3.0}), "gppo_dppo_binary_kl": ("dppo-binary-kl", DPPO_FIELDS),
-           "gppo_dppo_topk_kl": ("dppo-topk-kl", TOPK_FIELDS)}
+MODES = {
+    "vanilla": {},
+    "gppo_ppo": {"dual_clip": 3.0},
+    "gppo_dppo_binary_kl": DPPO_FIELDS,
+    "gppo_dppo_topk_kl": {"topk_source": "batch", **TOPK_FIELDS},
+}
+PRESETS = {
+    "gppo_ppo": ("ppo", {"dual_clip": 3.0}),
+    "gppo_dppo_binary_kl": ("dppo-binary-kl", DPPO_FIELDS),
+    "gppo_dppo_topk_kl": ("dppo-topk-kl", TOPK_FIELDS),
+}
 BATCH, PROMPT_LEN, RESPONSE_LEN, MICRO_BATCH, TOP_K = 8, 6, 10, 2, 20
 
 
@@ -71,41 +78,59 @@ def make_batch(model_dir) -> dict[str, torch.Tensor]:
     top_logp, top_ids = log_mu.topk(TOP_K, dim=-1)
     sequence_ids = torch.zeros(BATCH, PROMPT_LEN + RESPONSE_LEN, TOP_K, dtype=torch.long)
     sequence_logp = torch.zeros(BATCH, PROMPT_LEN + RESPONSE_LEN, TOP_K)
-    sequence_ids[:, PROMPT_LEN - 1:-1] = top_ids * response_mask[..., None]
-    sequence_logp[:, PROMPT_LEN - 1:-1] = top_logp * response_mask[..., None]
+    sequence_ids[:, PROMPT_LEN - 1 : -1] = top_ids * response_mask[..., None]
+    sequence_logp[:, PROMPT_LEN - 1 : -1] = top_logp * response_mask[..., None]
     adv = torch.randn(BATCH, 1, generator=gen).expand(BATCH, RESPONSE_LEN) * response_mask
-    return dict(prompts=prompts, responses=responses, input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids, response_mask=response_mask.float(), old_log_probs=old,
-                advantages=adv.contiguous(), teacher_ids=sequence_ids, teacher_logprobs=sequence_logp,
-                mu_topk_ids=top_ids, mu_topk_logp=top_logp)
+    return dict(
+        prompts=prompts,
+        responses=responses,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response_mask=response_mask.float(),
+        old_log_probs=old,
+        advantages=adv.contiguous(),
+        teacher_ids=sequence_ids,
+        teacher_logprobs=sequence_logp,
+        mu_topk_ids=top_ids,
+        mu_topk_logp=top_logp,
+    )
 
 
 def response_logits(model, input_ids, attention_mask, position_ids):
     """[B, R, V] float32 logits of the distributions that predict the response tokens."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return logits[:, PROMPT_LEN - 1:-1].float()
+    return logits[:, PROMPT_LEN - 1 : -1].float()
 
 
 def reference_update(model_dir, batch, mode):
     """-grad of gppo.policy_loss (token-mean over the whole batch) on the Hugging Face model."""
-    import gppo
     from transformers import AutoModelForCausalLM
+
+    import gppo
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     preset, fields = PRESETS[mode]
-    log_pi = torch.log_softmax(response_logits(model, batch["input_ids"], batch["attention_mask"],
-                                               batch["position_ids"]), -1)
-    tokens = gppo.TokenBatch(logp=log_pi.gather(-1, batch["responses"][..., None])[..., 0],
-                             logp_behavior=batch["old_log_probs"], advantages=batch["advantages"],
-                             mask=batch["response_mask"].bool(), token_ids=batch["responses"],
-                             topk_ids=batch["mu_topk_ids"], topk_logp=log_pi.gather(-1, batch["mu_topk_ids"]),
-                             topk_logp_behavior=batch["mu_topk_logp"])
+    log_pi = torch.log_softmax(
+        response_logits(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"]), -1
+    )
+    tokens = gppo.TokenBatch(
+        logp=log_pi.gather(-1, batch["responses"][..., None])[..., 0],
+        logp_behavior=batch["old_log_probs"],
+        advantages=batch["advantages"],
+        mask=batch["response_mask"].bool(),
+        token_ids=batch["responses"],
+        topk_ids=batch["mu_topk_ids"],
+        topk_logp=log_pi.gather(-1, batch["mu_topk_ids"]),
+        topk_logp_behavior=batch["mu_topk_logp"],
+    )
     loss, _ = gppo.policy_loss(tokens, gppo.preset(preset, loss_agg_mode="token-mean", **fields))
     loss.backward()
     return {name: -p.grad for name, p in model.named_parameters()}
 
 
 # ---- the engine side, run in fresh processes: python -m tests.test_verl_engine DIR RANK WORLD PORT ----
+
 
 def actor_config(model_dir, mode, fields):
     """ActorConfig as ActorRolloutRefWorker.init_model builds it, from the shipped gppo_trainer config."""
@@ -119,11 +144,17 @@ def actor_config(model_dir, mode, fields):
         # CPU: sdpa instead of flash-attn; padded batches (packed ones need flash-attn's varlen kernel)
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.use_remove_padding=false",
-        f"{actor}.strategy=fsdp2", f"{actor}.fsdp_config.model_dtype=fp32",
+        f"{actor}.strategy=fsdp2",
+        f"{actor}.fsdp_config.model_dtype=fp32",
         *(f"+{actor}.fsdp_config.mixed_precision.{k}=fp32" for k in ("param_dtype", "reduce_dtype", "buffer_dtype")),
-        f"{actor}.use_torch_compile=false", f"{actor}.entropy_coeff=0", f"{actor}.use_kl_loss=false",
-        f"{actor}.ppo_mini_batch_size={BATCH}", f"{actor}.ppo_micro_batch_size_per_gpu={MICRO_BATCH}",
-        f"{actor}.optim.optimizer=SGD", f"{actor}.optim.lr=1.0", f"{actor}.optim.weight_decay=0",
+        f"{actor}.use_torch_compile=false",
+        f"{actor}.entropy_coeff=0",
+        f"{actor}.use_kl_loss=false",
+        f"{actor}.ppo_mini_batch_size={BATCH}",
+        f"{actor}.ppo_micro_batch_size_per_gpu={MICRO_BATCH}",
+        f"{actor}.optim.optimizer=SGD",
+        f"{actor}.optim.lr=1.0",
+        f"{actor}.optim.weight_decay=0",
         f"{actor}.optim.clip_grad=1e9",
         f"{actor}.policy_loss.loss_mode={mode}",
         # ++: topk_source is not among the fields examples/verl/config/gppo_trainer.yaml declares
@@ -137,8 +168,10 @@ def actor_config(model_dir, mode, fields):
 
 
 def full_weights(module):
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in module.state_dict().items()}
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in module.state_dict().items()
+    }
 
 
 def train_one_step(model_dir, batch, mode, fields, rank, world):
@@ -146,17 +179,22 @@ def train_one_step(model_dir, batch, mode, fields, rank, world):
     plugin's topk_ppo_loss and the batch asks verl's engine for its logits processor."""
     from functools import partial
 
-    from gppo.integrations.verl import topk_ppo_loss
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    from gppo.integrations.verl import topk_ppo_loss
+
     config = actor_config(model_dir, mode, fields)
-    worker_config = TrainingWorkerConfig(model_type="language_model", model_config=config.model_config,
-                                         engine_config=config.engine, optimizer_config=config.optim,
-                                         checkpoint_config=config.checkpoint)
+    worker_config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=config.model_config,
+        engine_config=config.engine,
+        optimizer_config=config.optim,
+        checkpoint_config=config.checkpoint,
+    )
     worker_config.engine_config.use_dynamic_bsz = False
     worker_config.engine_config.micro_batch_size_per_gpu = MICRO_BATCH
     worker = TrainingWorker(config=worker_config)
@@ -167,15 +205,30 @@ def train_one_step(model_dir, batch, mode, fields, rank, world):
     before = full_weights(worker.engine.module)
 
     per_rank = BATCH // world  # verl's dispatch hands each data-parallel rank a contiguous chunk
-    chunk = {k: v[rank * per_rank:(rank + 1) * per_rank] for k, v in batch.items()
-             if not k.startswith("mu_") and (topk or not k.startswith("teacher_"))}
+    chunk = {
+        k: v[rank * per_rank : (rank + 1) * per_rank]
+        for k, v in batch.items()
+        if not k.startswith("mu_") and (topk or not k.startswith("teacher_"))
+    }
     data = left_right_2_no_padding(tu.get_tensordict(chunk, {"temperature": 1.0}))
-    tu.assign_non_tensor(data, calculate_entropy=False, distillation_use_topk=topk, distillation_only=False,
-                         global_batch_size=BATCH, mini_batch_size=BATCH, epochs=1, seed=0,
-                         dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    tu.assign_non_tensor(
+        data,
+        calculate_entropy=False,
+        distillation_use_topk=topk,
+        distillation_only=False,
+        global_batch_size=BATCH,
+        mini_batch_size=BATCH,
+        epochs=1,
+        seed=0,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+    )
     metrics = tu.get(worker.train_mini_batch(data), "metrics")
-    metrics = {k: [float(x) for x in v] if isinstance(v, list) else float(v)
-               for k, v in metrics.items() if not k.startswith("perf")}
+    metrics = {
+        k: [float(x) for x in v] if isinstance(v, list) else float(v)
+        for k, v in metrics.items()
+        if not k.startswith("perf")
+    }
     return before, full_weights(worker.engine.module), metrics
 
 
@@ -196,6 +249,7 @@ def engine_main(workdir, rank, world, port):
 
 # ---- the tests ----
 
+
 def run_engine(workdir, world, limit_s=600):
     """The ranks in subprocesses (logs in workdir); a rank that fails ends the others, whose
     collectives would otherwise wait for it."""
@@ -209,8 +263,15 @@ def run_engine(workdir, world, limit_s=600):
     procs = []
     for rank, log in enumerate(logs):
         with open(log, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "tests.test_verl_engine", str(workdir), str(rank),
-                                           str(world), port], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.test_verl_engine", str(workdir), str(rank), str(world), port],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     deadline = time.monotonic() + limit_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if any(p.poll() not in (None, 0) for p in procs):

@@ -18,7 +18,6 @@ Config mapping tested here (also in docs/verl.md); float64 inputs, max abs diffs
 | gppo_icepop                                 | bypass_mode    | policy_loss.rollout_correction = verl's bypass_pg_token_icepop() |
 """
 
-
 import pytest
 import torch
 
@@ -36,7 +35,8 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import gppo  # noqa: E402
 from gppo.integrations.verl import MODES, GPPOPolicyLossConfig  # noqa: E402
-from tests.conftest import VERL_CONFIG_DIR, compose_verl_example as compose_example  # noqa: E402
+from tests.conftest import VERL_CONFIG_DIR  # noqa: E402
+from tests.conftest import compose_verl_example as compose_example
 
 # The sapo comparison and the caller test run presets with another aggregation on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:gppo preset .* is defined with loss_agg_mode")
@@ -46,37 +46,94 @@ pytestmark = pytest.mark.filterwarnings("ignore:gppo preset .* is defined with l
 # gppo loss_mode, gppo fields, loss_agg_mode, noise on log mu, metric whose value must lie
 # strictly inside (0, 1) so that both branches are exercised)
 CASES = {
-    "ppo": ("vanilla", dict(clip_ratio=0.2, clip_ratio_c=3.0), "gppo_ppo", dict(dual_clip=3.0),
-            "token-mean", 0.7, "gppo/masked_frac"),
-    "gspo": ("gspo", dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4), "gppo_gspo", {},
-             "seq-mean-token-mean", 1e-3, "gppo/masked_frac"),
-    "cispo": ("cispo", dict(clip_ratio_low=1.0, clip_ratio_high=4.0), "gppo_cispo", {},
-              "token-mean", 1.5, "gppo/truncated_frac"),
-    "sapo": ("sapo", dict(tau_pos=1.0, tau_neg=1.05), "gppo_sapo", {}, "seq-mean-token-mean", 0.7,
-             None),
-    "gmpo": ("geo_mean", dict(clip_ratio=0.4, clip_ratio_low=0.4, clip_ratio_high=0.4), "gppo_gmpo",
-             {}, "seq-mean-token-mean", 0.7, "gppo/masked_frac"),
-    "dppo-binary-tv": ("dppo_tv", dict(clip_ratio=0.15, clip_ratio_low=0.15, clip_ratio_high=0.15,
-                                       clip_ratio_c=3.0),
-                       "gppo_dppo_binary_tv", dict(truncation=3.0), "token-mean", 0.7,
-                       "gppo/masked_frac"),
-    "dppo-binary-kl": ("dppo_kl", dict(clip_ratio=0.05, clip_ratio_low=0.05, clip_ratio_high=0.05,
-                                       clip_ratio_c=3.0),
-                       "gppo_dppo_binary_kl", dict(truncation=3.0), "token-mean", 0.7,
-                       "gppo/masked_frac"),
+    "ppo": (
+        "vanilla",
+        dict(clip_ratio=0.2, clip_ratio_c=3.0),
+        "gppo_ppo",
+        dict(dual_clip=3.0),
+        "token-mean",
+        0.7,
+        "gppo/masked_frac",
+    ),
+    "gspo": (
+        "gspo",
+        dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+        "gppo_gspo",
+        {},
+        "seq-mean-token-mean",
+        1e-3,
+        "gppo/masked_frac",
+    ),
+    "cispo": (
+        "cispo",
+        dict(clip_ratio_low=1.0, clip_ratio_high=4.0),
+        "gppo_cispo",
+        {},
+        "token-mean",
+        1.5,
+        "gppo/truncated_frac",
+    ),
+    "sapo": ("sapo", dict(tau_pos=1.0, tau_neg=1.05), "gppo_sapo", {}, "seq-mean-token-mean", 0.7, None),
+    "gmpo": (
+        "geo_mean",
+        dict(clip_ratio=0.4, clip_ratio_low=0.4, clip_ratio_high=0.4),
+        "gppo_gmpo",
+        {},
+        "seq-mean-token-mean",
+        0.7,
+        "gppo/masked_frac",
+    ),
+    "dppo-binary-tv": (
+        "dppo_tv",
+        dict(clip_ratio=0.15, clip_ratio_low=0.15, clip_ratio_high=0.15, clip_ratio_c=3.0),
+        "gppo_dppo_binary_tv",
+        dict(truncation=3.0),
+        "token-mean",
+        0.7,
+        "gppo/masked_frac",
+    ),
+    "dppo-binary-kl": (
+        "dppo_kl",
+        dict(clip_ratio=0.05, clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=3.0),
+        "gppo_dppo_binary_kl",
+        dict(truncation=3.0),
+        "token-mean",
+        0.7,
+        "gppo/masked_frac",
+    ),
     "gpg": ("gpg", {}, "gppo_gpg", {}, "token-mean", 0.7, None),
     "dro": ("dro", dict(policy_loss=dict(dro_beta=0.05)), "gppo_dro", {}, "seq-mean-token-mean", 0.7, None),
     # 0.1 of the ~60 tokens instead of 2e-4 (one token): several selected, the rest not
-    "kl-cov": ("kl_cov", dict(policy_loss=dict(kl_cov_ratio=0.1)), "gppo_kl_cov", dict(cov_ratio=0.1),
-               "token-mean", 0.7, None),
-    "icepop": ("bypass_mode", dict(policy_loss=dict(rollout_correction=RolloutCorrectionConfig.bypass_pg_token_icepop())),
-               "gppo_icepop", {}, "token-mean", 1.0, "gppo/masked_frac"),
+    "kl-cov": (
+        "kl_cov",
+        dict(policy_loss=dict(kl_cov_ratio=0.1)),
+        "gppo_kl_cov",
+        dict(cov_ratio=0.1),
+        "token-mean",
+        0.7,
+        None,
+    ),
+    "icepop": (
+        "bypass_mode",
+        dict(policy_loss=dict(rollout_correction=RolloutCorrectionConfig.bypass_pg_token_icepop())),
+        "gppo_icepop",
+        {},
+        "token-mean",
+        1.0,
+        "gppo/masked_frac",
+    ),
 }
 
 
 def actor_config(policy_loss, loss_agg_mode="token-mean", **settings):
-    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-                       loss_agg_mode=loss_agg_mode, policy_loss=policy_loss, **settings)
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=loss_agg_mode,
+        policy_loss=policy_loss,
+        **settings,
+    )
 
 
 def gppo_policy_loss(mode, **fields):
@@ -98,8 +155,15 @@ def random_batch(noise, seed=0, batch=8, length=12):
 
 def loss_and_grad(fn, old, logp, adv, mask, agg, config, weights=None):
     leaf = logp.clone().requires_grad_()
-    loss, metrics = fn(old_log_prob=old, log_prob=leaf, advantages=adv, response_mask=mask,
-                       loss_agg_mode=agg, config=config, rollout_is_weights=weights)
+    loss, metrics = fn(
+        old_log_prob=old,
+        log_prob=leaf,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=agg,
+        config=config,
+        rollout_is_weights=weights,
+    )
     (grad,) = torch.autograd.grad(loss, leaf)
     return loss.detach(), grad, metrics
 
@@ -110,11 +174,9 @@ def test_gppo_mode_equals_verl_loss_and_gradient(name, seed):
     verl_mode, settings, mode, fields, agg, noise, branch_metric = CASES[name]
     old, logp, adv, mask = random_batch(noise, seed)
     settings = dict(settings)
-    verl_cfg = actor_config(PolicyLossConfig(loss_mode=verl_mode, **settings.pop("policy_loss", {})), agg,
-                            **settings)
+    verl_cfg = actor_config(PolicyLossConfig(loss_mode=verl_mode, **settings.pop("policy_loss", {})), agg, **settings)
     ours_cfg = actor_config(gppo_policy_loss(mode, **fields), agg)
-    verl_loss, verl_grad, _ = loss_and_grad(get_policy_loss_fn(verl_mode), old, logp, adv, mask, agg,
-                                            verl_cfg)
+    verl_loss, verl_grad, _ = loss_and_grad(get_policy_loss_fn(verl_mode), old, logp, adv, mask, agg, verl_cfg)
     loss, grad, metrics = loss_and_grad(get_policy_loss_fn(mode), old, logp, adv, mask, agg, ours_cfg)
     assert verl_grad.abs().max() > 0
     if branch_metric is not None:
@@ -142,15 +204,16 @@ def test_clip_cov_draws_the_tokens_verl_draws(seed):
     candidates = covariance_candidates(old, logp, adv, mask, 0.2, 0.1, 5.0)
     drawn = max(int(0.1 * int(mask.sum())), 1)
     assert 0 < drawn < int(candidates.sum())
-    verl_cfg = actor_config(PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.1),
-                            clip_ratio=0.2)
+    verl_cfg = actor_config(PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.1, clip_cov_lb=0.1), clip_ratio=0.2)
     ours_cfg = actor_config(gppo_policy_loss("gppo_clip_cov", cov_ratio=0.1, cov_low=0.1))
     torch.manual_seed(100 + seed)
-    verl_loss, verl_grad, _ = loss_and_grad(get_policy_loss_fn("clip_cov"), old, logp, adv, mask,
-                                            "token-mean", verl_cfg)
+    verl_loss, verl_grad, _ = loss_and_grad(
+        get_policy_loss_fn("clip_cov"), old, logp, adv, mask, "token-mean", verl_cfg
+    )
     torch.manual_seed(100 + seed)
-    loss, grad, metrics = loss_and_grad(get_policy_loss_fn("gppo_clip_cov"), old, logp, adv, mask,
-                                        "token-mean", ours_cfg)
+    loss, grad, metrics = loss_and_grad(
+        get_policy_loss_fn("gppo_clip_cov"), old, logp, adv, mask, "token-mean", ours_cfg
+    )
     assert torch.allclose(loss, verl_loss, rtol=0, atol=1e-12), (loss, verl_loss)
     assert torch.allclose(grad, verl_grad, rtol=0, atol=1e-12), (grad - verl_grad).abs().max()
     # the drawn tokens are candidates with zero gradient; the other candidates keep theirs
@@ -159,21 +222,24 @@ def test_clip_cov_draws_the_tokens_verl_draws(seed):
     assert 0 < metrics["gppo/masked_frac"] < 1
     # another seed draws other tokens
     torch.manual_seed(200 + seed)
-    _, other, _ = loss_and_grad(get_policy_loss_fn("gppo_clip_cov"), old, logp, adv, mask, "token-mean",
-                                ours_cfg)
+    _, other, _ = loss_and_grad(get_policy_loss_fn("gppo_clip_cov"), old, logp, adv, mask, "token-mean", ours_cfg)
     assert not torch.equal(other == 0, grad == 0)
 
 
-@pytest.mark.parametrize("mode,fields,agg", [("gppo_drpo", {}, "seq-mean-token-sum-norm"),
-                                             ("gppo_drpo", {"quadratic_delta": 0.15}, "seq-mean-token-sum-norm"),
-                                             ("gppo_cppo", {"estimator": "binary"}, "token-mean")])
+@pytest.mark.parametrize(
+    "mode,fields,agg",
+    [
+        ("gppo_drpo", {}, "seq-mean-token-sum-norm"),
+        ("gppo_drpo", {"quadratic_delta": 0.15}, "seq-mean-token-sum-norm"),
+        ("gppo_cppo", {"estimator": "binary"}, "token-mean"),
+    ],
+)
 def test_paper_only_presets_run_through_verl_unchanged(mode, fields, agg):
     """cppo and drpo, which verl does not ship, reach verl as gppo.policy_loss on verl's tensors
     (their references are the papers' equations, tests/test_cppo_drpo.py)."""
     old, logp, adv, mask = random_batch(0.7, seed=5)
     policy_loss = gppo_policy_loss(mode, **fields)
-    loss, grad, _ = loss_and_grad(get_policy_loss_fn(mode), old, logp, adv, mask, agg,
-                                  actor_config(policy_loss, agg))
+    loss, grad, _ = loss_and_grad(get_policy_loss_fn(mode), old, logp, adv, mask, agg, actor_config(policy_loss, agg))
     leaf = logp.clone().requires_grad_()
     batch = gppo.TokenBatch(logp=leaf, logp_behavior=old, advantages=adv, mask=mask.double())
     expected, _ = gppo.policy_loss(batch, policy_loss.gppo_config(agg))
@@ -200,8 +266,9 @@ def test_rollout_weights_are_refused_where_the_loss_is_not_proportional_to_the_a
     config = actor_config(gppo_policy_loss(mode))
     with pytest.raises(gppo.GPPOConfigError, match="not proportional to A"):
         get_policy_loss_fn(mode)(old, logp, adv, mask, "token-mean", config, rollout_is_weights=weights)
-    get_policy_loss_fn("gppo_gpg")(old, logp, adv, mask, "token-mean", actor_config(gppo_policy_loss("gppo_gpg")),
-                                   rollout_is_weights=weights)
+    get_policy_loss_fn("gppo_gpg")(
+        old, logp, adv, mask, "token-mean", actor_config(gppo_policy_loss("gppo_gpg")), rollout_is_weights=weights
+    )
 
 
 def verl_micro_batch(old, logp, adv, mask, weights, dp_size, extra_tokens, extra_sequences):
@@ -211,15 +278,24 @@ def verl_micro_batch(old, logp, adv, mask, weights, dp_size, extra_tokens, extra
     lengths = mask.sum(-1)
     prompt_len = 3
     attention = torch.cat([torch.ones(batch, prompt_len, dtype=torch.long), mask.long()], dim=1)
-    data = TensorDict({
-        "prompts": torch.ones(batch, prompt_len, dtype=torch.long),
-        "responses": torch.ones(batch, length, dtype=torch.long),
-        "attention_mask": attention, "response_mask": mask.long(), "old_log_probs": old,
-        "advantages": adv, "rollout_is_weights": weights,
-    }, batch_size=[batch])
-    tu.assign_non_tensor(data, dp_size=dp_size,
-                         batch_num_tokens=int(mask.sum()) * dp_size + extra_tokens,
-                         global_batch_size=batch * dp_size + extra_sequences)
+    data = TensorDict(
+        {
+            "prompts": torch.ones(batch, prompt_len, dtype=torch.long),
+            "responses": torch.ones(batch, length, dtype=torch.long),
+            "attention_mask": attention,
+            "response_mask": mask.long(),
+            "old_log_probs": old,
+            "advantages": adv,
+            "rollout_is_weights": weights,
+        },
+        batch_size=[batch],
+    )
+    tu.assign_non_tensor(
+        data,
+        dp_size=dp_size,
+        batch_num_tokens=int(mask.sum()) * dp_size + extra_tokens,
+        global_batch_size=batch * dp_size + extra_sequences,
+    )
     leaf = logp.clone().requires_grad_()
     # verl's model output: one log-prob per non-pad token; response token j is scored at
     # position prompt_len + j - 1 of its sequence.
@@ -227,7 +303,7 @@ def verl_micro_batch(old, logp, adv, mask, weights, dp_size, extra_tokens, extra
     for i in range(batch):
         n = int(lengths[i])
         zeros = torch.zeros(prompt_len + n, dtype=logp.dtype)
-        pieces.append(torch.cat([zeros[: prompt_len - 1], leaf[i, :n], zeros[prompt_len - 1 + n:]]))
+        pieces.append(torch.cat([zeros[: prompt_len - 1], leaf[i, :n], zeros[prompt_len - 1 + n :]]))
     return data, leaf, torch.cat(pieces)
 
 
@@ -238,10 +314,11 @@ def test_verl_caller_with_global_batch_and_rollout_weights(agg):
     old, logp, adv, mask = random_batch(0.7, seed=3)
     weights = torch.rand(logp.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)) * 2
     results = []
-    for policy_loss, settings in [(PolicyLossConfig(loss_mode="vanilla"), dict(clip_ratio_c=3.0)),
-                                  (gppo_policy_loss("gppo_ppo", dual_clip=3.0), {})]:
-        data, leaf, flat = verl_micro_batch(old, logp, adv, mask, weights, dp_size=2, extra_tokens=7,
-                                            extra_sequences=3)
+    for policy_loss, settings in [
+        (PolicyLossConfig(loss_mode="vanilla"), dict(clip_ratio_c=3.0)),
+        (gppo_policy_loss("gppo_ppo", dual_clip=3.0), {}),
+    ]:
+        data, leaf, flat = verl_micro_batch(old, logp, adv, mask, weights, dp_size=2, extra_tokens=7, extra_sequences=3)
         loss, metrics = ppo_loss(actor_config(policy_loss, agg, **settings), {"log_probs": flat}, data)
         (grad,) = torch.autograd.grad(loss, leaf)
         results.append((loss.detach(), grad))
@@ -294,8 +371,9 @@ def test_topk_from_the_batch_is_accepted_where_the_loss_function_can_feed_it():
     assert gppo_policy_loss("gppo_dppo_topk_kl", topk_source="batch").gppo_config().estimator == "topk"
     gppo_policy_loss("gppo", estimator="topp", top_p=0.9, topk_source="batch")
     with pytest.raises(gppo.GPPOConfigError, match="topk_logp_old"):
-        GPPOPolicyLossConfig(loss_mode="gppo_dppo_topk_kl", anchor="old", bypass_mode=False, use_v1=True,
-                             topk_source="batch")
+        GPPOPolicyLossConfig(
+            loss_mode="gppo_dppo_topk_kl", anchor="old", bypass_mode=False, use_v1=True, topk_source="batch"
+        )
     with pytest.raises(gppo.GPPOConfigError, match="topk_source='vllm'.*'batch'"):
         gppo_policy_loss("gppo_dppo_topk_kl", topk_source="vllm")
     with pytest.raises(gppo.GPPOConfigError, match=r"\['topk_source'\].*not a gppo mode"):
@@ -352,7 +430,11 @@ def test_startup_refuses_a_weight_between_two_anchors():
     equivalent = GPPOPolicyLossConfig(loss_mode="gppo_ppo", anchor="old", bypass_mode=False).gppo_config()
     minirl = gppo.preset("minirl")
     assert (equivalent.rule, equivalent.anchor, equivalent.delta_low, equivalent.delta_high) == (
-        minirl.rule, minirl.anchor, minirl.delta_low, minirl.delta_high)
+        minirl.rule,
+        minirl.anchor,
+        minirl.delta_low,
+        minirl.delta_high,
+    )
 
 
 def test_startup_checks_the_anchor_against_bypass_mode():
@@ -392,13 +474,18 @@ def test_aggregation_differing_from_the_preset_is_announced():
 
 
 def test_example_config_takes_plain_hydra_overrides():
-    cfg = compose_example("actor_rollout_ref.actor.policy_loss.divergence=hellinger",
-                          "actor_rollout_ref.actor.policy_loss.delta_high=0.2")
+    cfg = compose_example(
+        "actor_rollout_ref.actor.policy_loss.divergence=hellinger", "actor_rollout_ref.actor.policy_loss.delta_high=0.2"
+    )
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor.policy_loss, GPPOPolicyLossConfig)
     point = actor.policy_loss.gppo_config(actor.loss_agg_mode)
     assert (point.divergence, point.estimator, point.delta_high, point.anchor) == (
-        "hellinger", "binary", 0.2, "behavior")
+        "hellinger",
+        "binary",
+        0.2,
+        "behavior",
+    )
     assert cfg.algorithm.rollout_correction.bypass_mode and cfg.actor_rollout_ref.rollout.calculate_log_probs
 
     cfg = compose_example("actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_topk_tv")
@@ -407,8 +494,9 @@ def test_example_config_takes_plain_hydra_overrides():
     cfg = compose_example("algorithm.rollout_correction.bypass_mode=false")
     with pytest.raises(InstantiationException, match="anchor=old"):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    cfg = compose_example("algorithm.rollout_correction.bypass_mode=false",
-                          "actor_rollout_ref.actor.policy_loss.anchor=old")
+    cfg = compose_example(
+        "algorithm.rollout_correction.bypass_mode=false", "actor_rollout_ref.actor.policy_loss.anchor=old"
+    )
     assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss.gppo_config().anchor == "old"
 
 
@@ -417,18 +505,20 @@ def test_verl_own_config_with_command_line_overrides():
     from hydra import compose, initialize_config_module
 
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=[
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-            "actor_rollout_ref.actor.policy_loss._target_=gppo.integrations.verl.GPPOPolicyLossConfig",
-            "actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_binary_kl",
-            "algorithm.rollout_correction.bypass_mode=true",
-            "+actor_rollout_ref.actor.policy_loss.bypass_mode=${algorithm.rollout_correction.bypass_mode}",
-            "+actor_rollout_ref.actor.policy_loss.use_v1=${trainer.use_v1}",
-            "+actor_rollout_ref.actor.policy_loss.delta_high=0.1",
-        ])
+        cfg = compose(
+            config_name="ppo_trainer",
+            overrides=[
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                "actor_rollout_ref.actor.policy_loss._target_=gppo.integrations.verl.GPPOPolicyLossConfig",
+                "actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_binary_kl",
+                "algorithm.rollout_correction.bypass_mode=true",
+                "+actor_rollout_ref.actor.policy_loss.bypass_mode=${algorithm.rollout_correction.bypass_mode}",
+                "+actor_rollout_ref.actor.policy_loss.use_v1=${trainer.use_v1}",
+                "+actor_rollout_ref.actor.policy_loss.delta_high=0.1",
+            ],
+        )
     point = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss.gppo_config()
-    assert (point.divergence, point.estimator, point.delta_low, point.delta_high) == (
-        "kl", "binary", 0.05, 0.1)
+    assert (point.divergence, point.estimator, point.delta_low, point.delta_high) == ("kl", "binary", 0.05, 0.1)
 
 
 def test_verl_legacy_bypass_rewrites_loss_mode():

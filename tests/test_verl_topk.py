@@ -35,7 +35,8 @@ from verl.utils.config import validate_config  # noqa: E402
 import gppo  # noqa: E402
 from gppo.integrations import verl_topk, vllm_topk  # noqa: E402
 from gppo.integrations.verl import TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, topk_ppo_loss  # noqa: E402
-from tests.conftest import VERL_CONFIG_DIR, compose_verl_example as compose_example  # noqa: E402
+from tests.conftest import VERL_CONFIG_DIR  # noqa: E402
+from tests.conftest import compose_verl_example as compose_example  # noqa: E402
 
 CONFIG_DIR = str(VERL_CONFIG_DIR)
 
@@ -46,15 +47,21 @@ VLLM = "actor_rollout_ref.rollout.name=vllm"
 
 # ---- config ----
 
+
 def test_prepare_config_sets_a_topk_run_up_that_verl_validates(micro_model):
-    cfg = compose_example(VLLM, TOPK_MODE, "algorithm.adv_estimator=grpo",
-                          f"actor_rollout_ref.model.path={micro_model}",
-                          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-                          "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1")
+    cfg = compose_example(
+        VLLM,
+        TOPK_MODE,
+        "algorithm.adv_estimator=grpo",
+        f"actor_rollout_ref.model.path={micro_model}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+    )
     assert verl_topk.prepare_config(cfg) == gppo.preset("dppo-topk-kl").top_k == 20
     assert cfg.actor_rollout_ref.actor.policy_loss.topk_source == "batch"
     assert cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class == (
-        "gppo.integrations.verl_topk.TopKAgentLoopManager")
+        "gppo.integrations.verl_topk.TopKAgentLoopManager"
+    )
     assert "max_logprobs" not in cfg.actor_rollout_ref.rollout.engine_kwargs.vllm  # vLLM's default 20 suffices
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
 
@@ -64,27 +71,37 @@ def test_prepare_config_sets_a_topk_run_up_that_verl_validates(micro_model):
 
 
 def test_prepare_config_leaves_modes_without_topk_alone():
-    for overrides in [(), ("actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_binary_tv",),
-                      ("actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig",
-                       "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla")]:
+    for overrides in [
+        (),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=gppo_dppo_binary_tv",),
+        (
+            "actor_rollout_ref.actor.policy_loss._target_=verl.workers.config.PolicyLossConfig",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+        ),
+    ]:
         cfg = compose_example(*overrides)
         before = str(cfg)
         assert verl_topk.prepare_config(cfg) == 0
         assert str(cfg) == before
 
 
-@pytest.mark.parametrize("override, field", [
-    ("trainer.use_v1=false", "trainer.use_v1"),
-    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name='sglang'"),
-    ("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "actor_rollout_ref.rollout.logprobs_mode"),
-    ("actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_p=0.9"),
-    ("actor_rollout_ref.rollout.top_k=50", "actor_rollout_ref.rollout.top_k=50"),
-    ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.enable"),
-    ("distillation.enabled=true", "distillation.enabled"),
-    ("+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my.Manager",
-     "agent_loop_manager_class='my.Manager'"),
-    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=10", "max_logprobs=10"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("trainer.use_v1=false", "trainer.use_v1"),
+        ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name='sglang'"),
+        ("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "actor_rollout_ref.rollout.logprobs_mode"),
+        ("actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_p=0.9"),
+        ("actor_rollout_ref.rollout.top_k=50", "actor_rollout_ref.rollout.top_k=50"),
+        ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.enable"),
+        ("distillation.enabled=true", "distillation.enabled"),
+        (
+            "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my.Manager",
+            "agent_loop_manager_class='my.Manager'",
+        ),
+        ("+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=10", "max_logprobs=10"),
+    ],
+)
 def test_prepare_config_refuses_what_the_rollout_side_cannot_serve(override, field):
     cfg = compose_example(VLLM, TOPK_MODE, override)
     with pytest.raises(gppo.GPPOConfigError, match=field.replace(".", r"\.")):
@@ -92,6 +109,7 @@ def test_prepare_config_refuses_what_the_rollout_side_cannot_serve(override, fie
 
 
 # ---- the agent loop's side ----
+
 
 def agent_loop_worker(config):
     """A TopKAgentLoopWorker without its Ray actor and TransferQueue client (only the methods under test)."""
@@ -103,11 +121,17 @@ def agent_loop_worker(config):
 
 
 def agent_loop_output(prompt_ids, response_ids, topk_ids, topk_logprobs, response_mask=None):
-    return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response_ids,
-                           response_mask=response_mask or [1] * len(response_ids),
-                           metrics=AgentLoopMetrics(),
-                           extra_fields={vllm_topk.TOPK_IDS_FIELD: topk_ids,
-                                         vllm_topk.TOPK_LOGPROBS_FIELD: topk_logprobs, "turn_scores": []})
+    return AgentLoopOutput(
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        response_mask=response_mask or [1] * len(response_ids),
+        metrics=AgentLoopMetrics(),
+        extra_fields={
+            vllm_topk.TOPK_IDS_FIELD: topk_ids,
+            vllm_topk.TOPK_LOGPROBS_FIELD: topk_logprobs,
+            "turn_scores": [],
+        },
+    )
 
 
 def test_agent_loop_fields_padded_by_verl_equal_the_batch_the_engine_test_trains(micro_model):
@@ -122,14 +146,21 @@ def test_agent_loop_fields_padded_by_verl_equal_the_batch_the_engine_test_trains
         prompt_mask, response_mask = batch["attention_mask"][i, :PROMPT_LEN].bool(), batch["response_mask"][i].bool()
         prompt, response = batch["prompts"][i][prompt_mask].tolist(), batch["responses"][i][response_mask].tolist()
         length = len(response)
-        output = agent_loop_output(prompt, response, batch["mu_topk_ids"][i, :length].tolist(),
-                                   batch["mu_topk_logp"][i, :length].tolist())
+        output = agent_loop_output(
+            prompt, response, batch["mu_topk_ids"][i, :length].tolist(), batch["mu_topk_logp"][i, :length].tolist()
+        )
         asyncio.run(worker._compute_teacher_logprobs(output, prompt, response, validate=False))
         fields = output.as_dict()  # verl's: moves the teacher fields out of extra_fields
         assert vllm_topk.TOPK_IDS_FIELD not in fields["extra_fields"]
-        ids, logp = _pad_teacher_outputs(fields[TOPK_IDS_KEY], fields[TOPK_LOGPROBS_KEY], prompt_width=PROMPT_LEN,
-                                         response_width=RESPONSE_LEN, prompt_length=len(prompt),
-                                         response_length=length, pad_token_id=0)
+        ids, logp = _pad_teacher_outputs(
+            fields[TOPK_IDS_KEY],
+            fields[TOPK_LOGPROBS_KEY],
+            prompt_width=PROMPT_LEN,
+            response_width=RESPONSE_LEN,
+            prompt_length=len(prompt),
+            response_length=length,
+            pad_token_id=0,
+        )
         rows_ids.append(ids)
         rows_logp.append(logp)
     assert torch.equal(torch.cat(rows_ids).long(), batch[TOPK_IDS_KEY])
@@ -169,6 +200,7 @@ def test_agent_loop_refuses_responses_without_a_topk_per_token():
 
 
 # ---- the trainer's side ----
+
 
 class StopAfterUpdate(Exception):
     pass
@@ -229,6 +261,7 @@ def test_install_registers_the_topk_replica_and_trainer(monkeypatch):
 
 # ---- the launcher ----
 
+
 @pytest.mark.parametrize("mode, topk", [("gppo_dppo_topk_kl", True), ("gppo_dppo_binary_kl", False)])
 def test_launcher_takes_main_ppo_arguments_and_picks_the_task_runner(micro_model, tmp_path, monkeypatch, mode, topk):
     """`python -m gppo.integrations.verl_topk <main_ppo's arguments>`: a top-K mode is prepared,
@@ -237,6 +270,7 @@ def test_launcher_takes_main_ppo_arguments_and_picks_the_task_runner(micro_model
     from types import SimpleNamespace
 
     runs = []
+
     def run_ppo(config, task_runner_class):
         runs.append((config, task_runner_class))
 
@@ -244,14 +278,24 @@ def test_launcher_takes_main_ppo_arguments_and_picks_the_task_runner(micro_model
     verl_main = SimpleNamespace(__wrapped__=lambda config: runs.append((config, "verl")))
     monkeypatch.setattr(verl_topk, "verl_main", verl_main)
     monkeypatch.chdir(tmp_path)  # hydra's output folder
-    monkeypatch.setattr(sys, "argv", [
-        "verl_topk", f"--config-dir={CONFIG_DIR}", "--config-name=gppo_trainer", VLLM,
-        f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}", "algorithm.adv_estimator=grpo",
-        f"actor_rollout_ref.model.path={micro_model}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "verl_topk",
+            f"--config-dir={CONFIG_DIR}",
+            "--config-name=gppo_trainer",
+            VLLM,
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
+            "algorithm.adv_estimator=grpo",
+            f"actor_rollout_ref.model.path={micro_model}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+        ],
+    )
     verl_topk.main()
-    (config, runner), = runs
+    ((config, runner),) = runs
     assert runner is (verl_topk.TopKTaskRunner if topk else "verl")
     assert config.actor_rollout_ref.actor.policy_loss.topk_source == ("batch" if topk else None)
 
@@ -260,12 +304,12 @@ def test_a_missing_v1_trainer_dependency_is_named_with_its_install_line():
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['transfer_queue'] = None  # as if not installed\n"
-            "import gppo.integrations.verl_topk")
+    code = "import sys; sys.modules['transfer_queue'] = None  # as if not installed\nimport gppo.integrations.verl_topk"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
-    assert ("ImportError: gppo.integrations.verl_topk extends verl's v1 trainer, which imports "
-            "'transfer_queue'") in out.stderr
+    assert (
+        "ImportError: gppo.integrations.verl_topk extends verl's v1 trainer, which imports 'transfer_queue'"
+    ) in out.stderr
     assert "pip install 'verl[verl-core]>=0.9.1,<0.10'" in out.stderr
 
 

@@ -65,19 +65,36 @@ def serve(model_dir, requests):
     server_class = import_server()
 
     async def run():
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
-            kv_cache_memory_bytes=2**28, max_model_len=256, max_logprobs=20, logprobs_mode="processed_logprobs",
-            **_whole_prefills(model_dir, 256)))
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=str(model_dir),
+                skip_tokenizer_init=True,
+                dtype="float32",
+                seed=0,
+                enforce_eager=True,
+                kv_cache_memory_bytes=2**28,
+                max_model_len=256,
+                max_logprobs=20,
+                logprobs_mode="processed_logprobs",
+                **_whole_prefills(model_dir, 256),
+            )
+        )
         try:
             server = server_class.__new__(server_class)
-            server.__dict__.update(_disaggregation_role=None, _pd_decode_peers=None, _submission_paused=False,
-                                   _admitting=0, global_steps=0, replica_rank=0)
+            server.__dict__.update(
+                _disaggregation_role=None,
+                _pd_decode_peers=None,
+                _submission_paused=False,
+                _admitting=0,
+                global_steps=0,
+                replica_rank=0,
+            )
             server.config = RolloutConfig(name="vllm", prompt_length=32, response_length=16, max_model_len=256)
             server.model_config = OmegaConf.create({"processor": None, "lora_rank": 0, "lora": {}})
             server.engine = engine  # the server's property wraps it (RecordingEngine)
-            return await asyncio.gather(*[server.generate(PROMPT, params, f"request-{i}")
-                                          for i, params in enumerate(requests)])
+            return await asyncio.gather(
+                *[server.generate(PROMPT, params, f"request-{i}") for i, params in enumerate(requests)]
+            )
         finally:
             engine.shutdown()
 
@@ -100,7 +117,7 @@ def test_verl_server_returns_mu_topk_of_the_sampled_distribution(model_dir, monk
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        logits = model(torch.tensor([PROMPT + list(tokens)])).logits[0, len(PROMPT) - 1:-1]
+        logits = model(torch.tensor([PROMPT + list(tokens)])).logits[0, len(PROMPT) - 1 : -1]
     log_mu = torch.log_softmax(logits / TEMPERATURE, -1)
     torch.testing.assert_close(logprobs, log_mu.gather(-1, ids), atol=2e-4, rtol=0)
     assert (logprobs[:, :-1] >= logprobs[:, 1:]).all()  # most probable first
@@ -125,6 +142,9 @@ def test_the_launcher_makes_verl_build_replicas_with_this_server(monkeypatch):
     monkeypatch.setitem(TRAINER_REGISTRY, "sync", TRAINER_REGISTRY["sync"])
     verl_topk.install(OmegaConf.create({"trainer": {"v1": {"trainer_mode": "sync"}}}))
     replica = get_rollout_replica_class("vllm")(
-        replica_rank=0, config=RolloutConfig(name="vllm", prompt_length=32, response_length=16, max_model_len=256),
-        model_config=OmegaConf.create({}), gpus_per_node=1)
+        replica_rank=0,
+        config=RolloutConfig(name="vllm", prompt_length=32, response_length=16, max_model_len=256),
+        model_config=OmegaConf.create({}),
+        gpus_per_node=1,
+    )
     assert replica.server_class.__ray_actor_class__ is server_class

@@ -25,8 +25,11 @@ from gppo.trainer import Trainer  # noqa: E402
 from gppo.trainer.config import from_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTIONS = ["What is 12 + 30? Answer with the number.", "Reply with one word: what colour is the sky?",
-             "Name a prime number below 10."]
+QUESTIONS = [
+    "What is 12 + 30? Answer with the number.",
+    "Reply with one word: what colour is the sky?",
+    "Name a prime number below 10.",
+]
 T, K = 0.7, 20
 FP32_TOL = 1e-4  # sampled token, float32 (measured <= 6.2e-5 on SmolLM2)
 TOPK_TOL = 2e-4  # mu's top-20 entries, float32 (measured <= 1.3e-4: low-probability entries round more)
@@ -56,8 +59,10 @@ def smollm2_dir(smollm2_gguf, gguf_cache):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     model, tokenizer = load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True) for q in QUESTIONS]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
     engine = make_engine("vllm", model, tokenizer, model_path=smollm2_dir, kv_cache_gb=KV_GB, max_logprobs=K)
     return model, tokenizer, prompts, engine
 
@@ -66,7 +71,7 @@ def hf_log_probs(model, generation) -> torch.Tensor:
     """log softmax(logits / T) [completion length, V] of a fresh float32 HF forward."""
     ids = torch.tensor([generation.prompt_ids + generation.completion_ids])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(generation.prompt_ids) - 1:-1].float()
+        logits = model(ids).logits[0, len(generation.prompt_ids) - 1 : -1].float()
     return torch.log_softmax(logits / T, dim=-1)
 
 
@@ -83,8 +88,9 @@ def max_gaps(model, generations) -> tuple[float, float]:
 
 
 def sample(engine, prompts, seed=0, max_new_tokens=24):
-    return engine.generate(prompts, SamplingParams(temperature=T, max_new_tokens=max_new_tokens, n=2,
-                                                   top_k_logprobs=K, seed=seed))
+    return engine.generate(
+        prompts, SamplingParams(temperature=T, max_new_tokens=max_new_tokens, n=2, top_k_logprobs=K, seed=seed)
+    )
 
 
 def test_mu_and_its_top_k_equal_a_fresh_float32_forward(smollm2):
@@ -117,8 +123,12 @@ def test_progress_moves_as_each_prompt_finishes(smollm2):
     since the last report; the reports add up to the batch's completions and tokens."""
     _, _, prompts, engine = smollm2
     calls = []
-    generations = engine.generate(prompts, SamplingParams(temperature=T, max_new_tokens=16, n=2, seed=0,
-                                                          on_step=lambda tokens, done: calls.append((tokens, done))))
+    generations = engine.generate(
+        prompts,
+        SamplingParams(
+            temperature=T, max_new_tokens=16, n=2, seed=0, on_step=lambda tokens, done: calls.append((tokens, done))
+        ),
+    )
     assert [done for _, done in calls] == [2] * len(prompts)
     assert sum(tokens for tokens, _ in calls) == sum(len(g.completion_ids) for g in generations)
     assert all(tokens > 0 for tokens, _ in calls)
@@ -179,10 +189,12 @@ def test_top_p_rollouts_record_the_nucleus_on_gpu(smollm2_dir):
     and renormalised is the recorded log-prob (float32 HF forward on the GPU, within 1e-3)."""
     model, tokenizer = load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)
     engine = make_engine("vllm", model, tokenizer, model_path=smollm2_dir, kv_cache_gb=KV_GB, top_p_masks=True)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}], tokenize=False,
-                                           add_generation_prompt=True)
-    for g in engine.generate([prompt], SamplingParams(temperature=T, top_p=0.9, n=2, max_new_tokens=12,
-                                                      record_kept_ids=True, seed=0)):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTIONS[0]}], tokenize=False, add_generation_prompt=True
+    )
+    for g in engine.generate(
+        [prompt], SamplingParams(temperature=T, top_p=0.9, n=2, max_new_tokens=12, record_kept_ids=True, seed=0)
+    ):
         ref = hf_log_probs(model, g)
         for t, (token, kept) in enumerate(zip(g.completion_ids, g.kept_ids)):
             assert token in kept
@@ -207,8 +219,9 @@ def test_a_batch_larger_than_one_engine_step_samples_with_seeds(smollm2_dir, smo
     whole, and the seeds still give the same completions. (Its own engine, so it runs after the
     tests of the shared one.)"""
     model, tokenizer, prompts, _ = smollm2
-    engine = make_engine("vllm", model, tokenizer, model_path=smollm2_dir, dtype="bfloat16", kv_cache_gb=1.0,
-                         max_logprobs=1)
+    engine = make_engine(
+        "vllm", model, tokenizer, model_path=smollm2_dir, dtype="bfloat16", kv_cache_gb=1.0, max_logprobs=1
+    )
     many = [f"{prompts[i % len(prompts)]}Problem {i}: what is {i} + {2 * i}? Think step by step." for i in range(120)]
     params = SamplingParams(temperature=T, max_new_tokens=2, n=1, seed=5)
     first, second = engine.generate(many, params), engine.generate(many, params)
@@ -228,13 +241,58 @@ def test_gppo_train_with_bf16_vllm_rollouts_logs_the_mismatch(smollm2_gguf, smol
     assert smollm2_dir.is_dir()  # the GGUF's HF copy is in the cache, so the run only loads it
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}  # GPPO_CACHE: the GGUF converted above
-    command = [sys.executable, "-m", "gppo.cli", "train", "--model", str(smollm2_gguf), "--engine", "vllm",
-               "--task", "word-problems", "--steps", "2", "--prompts_per_step", "2", "--group_size", "4",
-               "--max_new_tokens", "12", "--temperature", "0.7", "--epochs", "1", "--mini_batch_size", "8",
-               "--micro_batch_size", "4", "--lr", "1e-5", "--eval_size", "2", "--eval_samples", "1",
-               "--eval_every", "0", "--reward_funcs", "tests.reward_fns:length_bonus", "--rollout_dtype",
-               "bfloat16", "--off_policy_steps", "1", "--vllm_kv_cache_gb", str(KV_GB), "--threads", "1",
-               "--device", "cpu", "--output_dir", str(run), "--progress", "false"]
+    command = [
+        sys.executable,
+        "-m",
+        "gppo.cli",
+        "train",
+        "--model",
+        str(smollm2_gguf),
+        "--engine",
+        "vllm",
+        "--task",
+        "word-problems",
+        "--steps",
+        "2",
+        "--prompts_per_step",
+        "2",
+        "--group_size",
+        "4",
+        "--max_new_tokens",
+        "12",
+        "--temperature",
+        "0.7",
+        "--epochs",
+        "1",
+        "--mini_batch_size",
+        "8",
+        "--micro_batch_size",
+        "4",
+        "--lr",
+        "1e-5",
+        "--eval_size",
+        "2",
+        "--eval_samples",
+        "1",
+        "--eval_every",
+        "0",
+        "--reward_funcs",
+        "tests.reward_fns:length_bonus",
+        "--rollout_dtype",
+        "bfloat16",
+        "--off_policy_steps",
+        "1",
+        "--vllm_kv_cache_gb",
+        str(KV_GB),
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(run),
+        "--progress",
+        "false",
+    ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     updates = [r for r in _metrics(run) if "loss/masked_frac" in r]
@@ -247,10 +305,26 @@ def test_gppo_train_with_bf16_vllm_rollouts_logs_the_mismatch(smollm2_gguf, smol
 
 
 def _embedded_run(tmp_path, name, **changes):
-    values = dict(task="addition", engine="vllm", vllm_kv_cache_gb=KV_GB, output_dir=str(tmp_path / name),
-                  steps=2, prompts_per_step=8, group_size=4, epochs=1, mini_batch_size=16, micro_batch_size=16,
-                  eval_every=0, eval_size=8, eval_samples=1, save_every=1, off_policy_steps=1, lr=1e-3,
-                  progress=False, threads=1)
+    values = dict(
+        task="addition",
+        engine="vllm",
+        vllm_kv_cache_gb=KV_GB,
+        output_dir=str(tmp_path / name),
+        steps=2,
+        prompts_per_step=8,
+        group_size=4,
+        epochs=1,
+        mini_batch_size=16,
+        micro_batch_size=16,
+        eval_every=0,
+        eval_size=8,
+        eval_samples=1,
+        save_every=1,
+        off_policy_steps=1,
+        lr=1e-3,
+        progress=False,
+        threads=1,
+    )
     values.update(changes)
     return Trainer(from_dict(values))
 
@@ -282,7 +356,9 @@ def test_vllm_background_rollouts_give_the_same_run_as_sequential_ones(tmp_path)
     for overlap in (False, True):
         trainer = _embedded_run(tmp_path, f"overlap-{overlap}", steps=3, save_every=0, rollout_overlap=overlap)
         trainer.train()
-        logged = [(r.get("rollout/reward_mean"), r.get("mismatch/kl_k3")) for r in _metrics(tmp_path / f"overlap-{overlap}")]
+        logged = [
+            (r.get("rollout/reward_mean"), r.get("mismatch/kl_k3")) for r in _metrics(tmp_path / f"overlap-{overlap}")
+        ]
         runs[overlap] = (trainer.model, logged)
     for (name, a), b in zip(runs[False][0].named_parameters(), runs[True][0].parameters()):
         assert torch.equal(a, b), name
@@ -292,11 +368,14 @@ def test_vllm_background_rollouts_give_the_same_run_as_sequential_ones(tmp_path)
     assert not from_dict(dict(task="addition", engine="vllm")).overlaps_rollouts()  # on-policy: nothing to overlap
 
 
-@pytest.mark.parametrize("changes,compiles", [
-    (dict(steps=10, prompts_per_step=8, group_size=8, max_new_tokens=64), False),  # the quickstart: 40,960 tokens
-    (dict(steps=10, prompts_per_step=8, group_size=8, max_new_tokens=128), True),  # 81,920
-    (dict(steps=1000, vllm_compile=False), False),
-    (dict(steps=1, vllm_compile=True), True),
-])
+@pytest.mark.parametrize(
+    "changes,compiles",
+    [
+        (dict(steps=10, prompts_per_step=8, group_size=8, max_new_tokens=64), False),  # the quickstart: 40,960 tokens
+        (dict(steps=10, prompts_per_step=8, group_size=8, max_new_tokens=128), True),  # 81,920
+        (dict(steps=1000, vllm_compile=False), False),
+        (dict(steps=1, vllm_compile=True), True),
+    ],
+)
 def test_vllm_compiles_by_default_only_where_the_run_repays_the_compile(changes, compiles):
     assert from_dict(dict(task="addition", engine="vllm", **changes)).compiles_vllm() is compiles

@@ -74,8 +74,11 @@ class StandInServer:
         async for output in self.engine.generate(prompt=prompt_ids, sampling_params=params, request_id=request_id):
             final = output
         tokens = final.outputs[0].token_ids
-        log_probs = (None if params.logprobs is None else
-                     [entries[tokens[i]].logprob for i, entries in enumerate(final.outputs[0].logprobs)])
+        log_probs = (
+            None
+            if params.logprobs is None
+            else [entries[tokens[i]].logprob for i, entries in enumerate(final.outputs[0].logprobs)]
+        )
         return TokenOutput(tokens, log_probs, {"global_steps": 0})
 
 
@@ -93,7 +96,8 @@ def test_topk_comes_back_ranked_and_requests_without_it_are_unchanged():
     async def both():
         return await asyncio.gather(
             vllm_topk.generate_with_topk(server.generate, [1, 2], {"logprobs": True, vllm_topk.TOPK_REQUEST: 5}, "a"),
-            vllm_topk.generate_with_topk(server.generate, [1, 2], {"logprobs": True}, "b"))
+            vllm_topk.generate_with_topk(server.generate, [1, 2], {"logprobs": True}, "b"),
+        )
 
     with_topk, without = asyncio.run(both())
     assert sorted(engine.requested) == [0, 5]  # K reached vLLM for one request only

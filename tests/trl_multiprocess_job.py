@@ -21,8 +21,11 @@ PROMPTS = ["12+3=", "4*5=", "7-2=", "9+9=", "1+1=", "30/3=", "8-8=", "2*7="]
 RUNS = {
     "trl-dapo": (GRPOTrainer, GRPOConfig, {}),
     "gppo-ppo": (GPPOTrainer, GPPOTrainerConfig, dict(gppo_preset="ppo")),
-    "gppo-dppo-topk-tv": (GPPOTrainer, GPPOTrainerConfig, dict(gppo_preset="dppo-topk-tv",
-                                                              gppo_overrides={"top_k": 5})),
+    "gppo-dppo-topk-tv": (
+        GPPOTrainer,
+        GPPOTrainerConfig,
+        dict(gppo_preset="dppo-topk-tv", gppo_overrides={"top_k": 5}),
+    ),
 }
 
 
@@ -34,20 +37,41 @@ def run(model_dir: str, trainer_cls, config_cls, fields: dict, output_dir: str) 
     # 2 processes x 2 micro-batches of 4 completions = 16 completions (4 prompts) per optimizer
     # step; one generation batch of 4 micro-batches per process (all 8 prompts) serves both
     # steps, so the second step's ratios are not 1 and TRL rescales its token count to a window.
-    args = config_cls(output_dir=output_dir, use_cpu=True, report_to="none", seed=0,
-                      per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=4,
-                      num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
-                      learning_rate=5e-2, save_strategy="no", **fields)
-    trainer = trainer_cls(model=model_dir, reward_funcs=reward, args=args, processing_class=build_tokenizer(),
-                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    args = config_cls(
+        output_dir=output_dir,
+        use_cpu=True,
+        report_to="none",
+        seed=0,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=5e-2,
+        save_strategy="no",
+        **fields,
+    )
+    trainer = trainer_cls(
+        model=model_dir,
+        reward_funcs=reward,
+        args=args,
+        processing_class=build_tokenizer(),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+    )
     trainer.train()
     tokens = [int(batch["completion_mask"].sum()) for batch in trainer._buffered_inputs]
     model = trainer.accelerator.unwrap_model(trainer.model)
     flat = torch.cat([p.detach().flatten().double() for p in model.parameters()])
-    return dict(params=[p.detach().clone() for p in model.parameters()],
-                digests=gather_object([(flat.sum().item(), flat.square().sum().item())]),
-                logs=trainer.state.log_history, tokens=gather_object([tokens]),
-                num_processes=trainer.accelerator.num_processes, backend=torch.distributed.get_backend())
+    return dict(
+        params=[p.detach().clone() for p in model.parameters()],
+        digests=gather_object([(flat.sum().item(), flat.square().sum().item())]),
+        logs=trainer.state.log_history,
+        tokens=gather_object([tokens]),
+        num_processes=trainer.accelerator.num_processes,
+        backend=torch.distributed.get_backend(),
+    )
 
 
 def main(model_dir: str, result_file: str) -> None:

@@ -26,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import vllm.platforms  # noqa: E402
 
-vllm.platforms.current_platform.device_type  # resolved while "vllm" still has no distribution: the CPU platform
+_ = vllm.platforms.current_platform.device_type  # resolved while "vllm" still has no distribution: the CPU platform
 
 _version = importlib.metadata.version
 

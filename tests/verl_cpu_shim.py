@@ -37,8 +37,15 @@ class _CPUDeviceModule(types.ModuleType):
 
     def __init__(self):
         super().__init__("verl_cpu_device")
-        for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
-                     "max_memory_reserved", "reset_peak_memory_stats", "empty_cache", "ipc_collect"):
+        for name in (
+            "memory_allocated",
+            "max_memory_allocated",
+            "memory_reserved",
+            "max_memory_reserved",
+            "reset_peak_memory_stats",
+            "empty_cache",
+            "ipc_collect",
+        ):
             setattr(self, name, _memory_zero)
 
     def __getattr__(self, name):
@@ -140,10 +147,16 @@ def free_port() -> int:
 
 def install(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
     """CPU platform, CUDA engine class, Worker environment, gloo process group (module docstring)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port or os.environ.get("MASTER_PORT") or free_port()),
-                      VERL_ENGINE_DEVICE="cuda", TOKENIZERS_PARALLELISM="false")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port or os.environ.get("MASTER_PORT") or free_port()),
+        VERL_ENGINE_DEVICE="cuda",
+        TOKENIZERS_PARALLELISM="false",
+    )
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     from verl.plugin.platform import set_platform
 
@@ -152,5 +165,6 @@ def install(rank: int = 0, world_size: int = 1, port: int | None = None) -> None
 
     monkey_patch.is_trl_available = lambda: False
     if not torch.distributed.is_initialized():  # a peer that died surfaces in 2 minutes, not gloo's 30
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
-                                             timeout=datetime.timedelta(seconds=120))
+        torch.distributed.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+        )

@@ -41,8 +41,12 @@ def geometry_rows(divergences, delta: float, q, raw: bool = False, alpha: float 
         for est in theory.ratio_interval_estimators():
             low, high = (delta, delta) if raw else matched_radii(div, est, delta)
             lo, hi = theory.ratio_interval(div, est, q, low, high)
-            rows += [dict(divergence=name, estimator=est, delta_low=low, delta_high=high, q=float(x),
-                          lo=float(a), hi=float(b)) for x, a, b in zip(q, lo, hi)]
+            rows += [
+                dict(
+                    divergence=name, estimator=est, delta_low=low, delta_high=high, q=float(x), lo=float(a), hi=float(b)
+                )
+                for x, a, b in zip(q, lo, hi)
+            ]
     return rows
 
 
@@ -69,8 +73,14 @@ def plot_geometry(rows: list[dict], path: Path, title: str) -> Path:
     return save_figure(fig, path)
 
 
-def run_geometry(out: str | Path, delta: float = DEFAULT_DELTA, divergences=DEFAULT_DIVERGENCES, raw: bool = False,
-                 points: int = 81, alpha: float = 0.5) -> list[dict]:
+def run_geometry(
+    out: str | Path,
+    delta: float = DEFAULT_DELTA,
+    divergences=DEFAULT_DIVERGENCES,
+    raw: bool = False,
+    points: int = 81,
+    alpha: float = 0.5,
+) -> list[dict]:
     """Write OUT/geometry.csv and OUT/geometry.png; return the rows."""
     if points < 2 or not delta > 0:
         raise ValueError(f"need points >= 2 and delta > 0 (got points={points}, delta={delta})")
@@ -100,8 +110,9 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="gppo geometry",
         description="The ratio interval [lo, hi] of pi/mu that a token of probability q may reach within the "
-                    "trust region, per divergence and estimator (sample, cell, binary), for q in [1e-4, 1]: "
-                    "geometry.csv and geometry.png (hi - 1 and 1 - lo on log-log axes).")
+        "trust region, per divergence and estimator (sample, cell, binary), for q in [1e-4, 1]: "
+        "geometry.csv and geometry.png (hi - 1 and 1 - lo on log-log axes).",
+    )
     add_arguments(p, GeometryOptions)
     return p
 
@@ -111,4 +122,3 @@ def run(args) -> int:
     run_geometry(o.out, o.delta, o.divergences, o.raw, o.points, o.alpha)
     print(f"wrote {o.out}/geometry.csv and {o.out}/geometry.png")
     return 0
-

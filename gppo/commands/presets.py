@@ -22,9 +22,16 @@ def run(args) -> int:
     for name, p in gppo.PRESETS.items():
         cfg = gppo.preset(name)
         other = ", ".join(f"{k}={v}" for k, v in p.fields.items() if k not in point and v is not None)
-        cells = (name, str(cfg.divergence), str(cfg.estimator), cfg.rule,
-                 " / ".join("-" if d is None else f"{d:.4g}" for d in (cfg.delta_low, cfg.delta_high)), other,
-                 p.summary, p.source)
+        cells = (
+            name,
+            str(cfg.divergence),
+            str(cfg.estimator),
+            cfg.rule,
+            " / ".join("-" if d is None else f"{d:.4g}" for d in (cfg.delta_low, cfg.delta_high)),
+            other,
+            p.summary,
+            p.source,
+        )
         table.add_row(*map(escape, cells))  # the texts are plain: "sg[min(r, 5)]" is no markup
     Console(width=200).print(table)
     return 0

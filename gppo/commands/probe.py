@@ -63,8 +63,16 @@ from gppo.trainer.batch import ForwardOptions, Rollout, policy_outputs
 from gppo.trainer.config import add_config_arguments, config_values, from_dict
 from gppo.trainer.rollout_policy import DTYPES, RolloutPolicy
 
-PROBE_DEFAULTS = dict(lr=1e-3, epochs=1, prompts_per_step=32, group_size=8, mini_batch_size=64,
-                      micro_batch_size=4, rollout_batch_size=64, progress=False)
+PROBE_DEFAULTS = dict(
+    lr=1e-3,
+    epochs=1,
+    prompts_per_step=32,
+    group_size=8,
+    mini_batch_size=64,
+    micro_batch_size=4,
+    rollout_batch_size=64,
+    progress=False,
+)
 CHUNK_BYTES = 256 * 2**20  # memory of the full-vocabulary tensors of one pass of `token_values`
 MASS_KS = (1, 5, 20, 50)
 VIOLATION_TOL = 1e-6
@@ -98,8 +106,16 @@ def chunk_rows(rollout: Rollout, vocab: int, budget: int = CHUNK_BYTES) -> int:
 
 
 @torch.no_grad()
-def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, divergences, config: gppo.GPPOConfig,
-                 mass_ks=MASS_KS, chunk: int | None = None) -> dict:
+def token_values(
+    mu_model,
+    pi_model,
+    rollout: Rollout,
+    temperature: float,
+    divergences,
+    config: gppo.GPPOConfig,
+    mass_ks=MASS_KS,
+    chunk: int | None = None,
+) -> dict:
     """Per generated token (1-D tensors): q = mu(a), up = pi(a) > mu(a), logratio = log pi(a) - log mu(a),
     the exact TV(pi, mu) 'tv_exact', mu's top-K mass 'mass@K', 'engine_gap' = |log mu(a) - the log-prob
     the rollout engine recorded|, and every estimate, keyed (divergence, estimator). top_k, top_p and
@@ -109,18 +125,28 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
     for index in torch.arange(rollout.size, device=rollout.input_ids.device).split(chunk):
         sub = rollout.select(index)
         # each sequence alone (no prompt sharing): the values do not depend on which rows share a pass
-        log_mu, log_pi = (policy_outputs(model, sub, temperature, return_log_probs=True,
-                                         options=ForwardOptions(share_prompt=False)).log_probs.double()
-                          for model in (mu_model, pi_model))
+        log_mu, log_pi = (
+            policy_outputs(
+                model, sub, temperature, return_log_probs=True, options=ForwardOptions(share_prompt=False)
+            ).log_probs.double()
+            for model in (mu_model, pi_model)
+        )
         vocab = log_mu.shape[-1]
         top_k = min(config.top_k or PARAM_DEFAULTS["top_k"], vocab)
         topk_logq, topk_ids = log_mu.topk(top_k, -1)
         ids = sub.token_ids[..., None]
         batch = gppo.TokenBatch(
-            logp=log_pi.gather(-1, ids).squeeze(-1), logp_behavior=log_mu.gather(-1, ids).squeeze(-1),
-            advantages=torch.zeros(len(index), device=log_mu.device), mask=sub.response_mask,
-            token_ids=sub.token_ids, topk_ids=topk_ids, topk_logp_behavior=topk_logq,
-            topk_logp=log_pi.gather(-1, topk_ids), logits=log_pi, logp_behavior_full=log_mu)
+            logp=log_pi.gather(-1, ids).squeeze(-1),
+            logp_behavior=log_mu.gather(-1, ids).squeeze(-1),
+            advantages=torch.zeros(len(index), device=log_mu.device),
+            mask=sub.response_mask,
+            token_ids=sub.token_ids,
+            topk_ids=topk_ids,
+            topk_logp_behavior=topk_logq,
+            topk_logp=log_pi.gather(-1, topk_ids),
+            logits=log_pi,
+            logp_behavior_full=log_mu,
+        )
         valid = sub.response_mask.bool()
         parts["q"].append(batch.logp_behavior.exp()[valid])
         parts["up"].append((batch.logp > batch.logp_behavior)[valid])
@@ -132,8 +158,9 @@ def token_values(mu_model, pi_model, rollout: Rollout, temperature: float, diver
             parts[f"mass@{k}"].append(covered[..., min(k, vocab) - 1][valid])
         for div in divergences:
             for est in ESTIMATORS:
-                settings = dict(divergence=div, estimator=est, rule="mask", alpha=config.alpha, top_k=top_k,
-                                top_p=config.top_p)
+                settings = dict(
+                    divergence=div, estimator=est, rule="mask", alpha=config.alpha, top_k=top_k, top_p=config.top_p
+                )
                 point = gppo.GPPOConfig(**drop_unused({k: v for k, v in settings.items() if v is not None}))
                 parts[(div, est)].append(gppo.estimate(point, batch)[valid])
     return {key: torch.cat(values) for key, values in parts.items()}
@@ -152,12 +179,20 @@ def faithfulness(tokens: dict, delta: float, alpha: float = 0.5) -> list[dict]:
         for est in ESTIMATORS:
             value = tokens[(div, est)]
             disagree = (value > threshold) != (exact > threshold)
-            row = {"divergence": div, "estimator": est, "delta_low": low, "delta_high": high,
-                   "tokens": len(value), "exact_mean": exact.mean().item(), "exact_median": exact.median().item(),
-                   "estimate_mean": value.mean().item(),
-                   "bias": (value - exact).mean().item(), "spearman": spearman(value, exact),
-                   "disagree": disagree.double().mean().item(),
-                   "violations": None if est == "sample" else int((value - exact > VIOLATION_TOL).sum())}
+            row = {
+                "divergence": div,
+                "estimator": est,
+                "delta_low": low,
+                "delta_high": high,
+                "tokens": len(value),
+                "exact_mean": exact.mean().item(),
+                "exact_median": exact.median().item(),
+                "estimate_mean": value.mean().item(),
+                "bias": (value - exact).mean().item(),
+                "spearman": spearman(value, exact),
+                "disagree": disagree.double().mean().item(),
+                "violations": None if est == "sample" else int((value - exact > VIOLATION_TOL).sum()),
+            }
             for name, member in buckets.items():
                 row[f"disagree {name}"] = disagree[member].double().mean().item() if member.any() else math.nan
             rows.append(row)
@@ -185,8 +220,14 @@ def plot_probe(rows: list[dict], path: Path, title: str) -> Path:
     return save_figure(fig, path)
 
 
-def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, divergences=DEFAULT_DIVERGENCES,
-              mass_ks=MASS_KS, console: Console | None = None) -> dict:
+def run_probe(
+    base: dict,
+    out: str | Path,
+    delta: float = DEFAULT_DELTA,
+    divergences=DEFAULT_DIVERGENCES,
+    mass_ks=MASS_KS,
+    console: Console | None = None,
+) -> dict:
     """Sample, update once, compare every estimator with the exact D_f; write probe.csv, probe.md and
     probe.png into `out`. Returns {"rows", "mass", "token_share", "update"}."""
     console = console or Console()
@@ -196,18 +237,26 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
     out = Path(out)
     # The probe evaluates nothing: a one-record held-out split read from --data itself, so that no
     # training record is held out and a small file works.
-    no_heldout = {"eval_size": 1, **({"eval_data": base["data"], "eval_split": base.get("data_split", "train")}
-                                     if base.get("data") else {})}
+    no_heldout = {
+        "eval_size": 1,
+        **({"eval_data": base["data"], "eval_split": base.get("data_split", "train")} if base.get("data") else {}),
+    }
     config = from_dict({**PROBE_DEFAULTS, **no_heldout, **base, "output_dir": str(out)})
     trainer = Trainer(config, console=console)
     rollout, rollout_stats = trainer.rollout()
     if rollout is None or not rollout.advantages.abs().max() > 0:
         truncated = rollout_stats.get("rollout/truncated_frac", 0.0)
-        cut = (f"; {truncated:.0%} of the completions hit --max_new_tokens {config.max_new_tokens}: a real model "
-               "may need more (e.g. --max_new_tokens 40 --temperature 0.7 on word-problems)" if truncated >= 0.5 else "")
-        raise ValueError("every group of the rollout had equal rewards, so the update would not move the policy: "
-                         "use a model that solves some problems (the embedded warm start), more prompts "
-                         f"(--prompts_per_step) or a graded reward (--reward_funcs){cut}")
+        cut = (
+            f"; {truncated:.0%} of the completions hit --max_new_tokens {config.max_new_tokens}: a real model "
+            "may need more (e.g. --max_new_tokens 40 --temperature 0.7 on word-problems)"
+            if truncated >= 0.5
+            else ""
+        )
+        raise ValueError(
+            "every group of the rollout had equal rewards, so the update would not move the policy: "
+            "use a model that solves some problems (the embedded warm start), more prompts "
+            f"(--prompts_per_step) or a graded reward (--reward_funcs){cut}"
+        )
     rollout = trainer.prepare(rollout)
     with tempfile.TemporaryDirectory() as scratch:  # mu's weights wait on disk while the update holds AdamW's state
         torch.save(trainer.model.state_dict(), Path(scratch) / "mu.pt")
@@ -226,36 +275,63 @@ def run_probe(base: dict, out: str | Path, delta: float = DEFAULT_DELTA, diverge
     share = {name: member.double().mean().item() for name, member in q_buckets(tokens["q"]).items()}
     size = update_size(tokens)
     mu_note = (", int8 weights" if config.rollout_quantization == "int8" else "") + (
-        " (recomputed by transformers; the engine sampled with its own kernels)" if config.engine != "hf" else "")
+        " (recomputed by transformers; the engine sampled with its own kernels)" if config.engine != "hf" else ""
+    )
 
     write_csv(rows, out / "probe.csv")
-    header = ["divergence", "estimator", "δ low / high", "exact mean", "exact median", "bias", "spearman",
-              "disagree", *Q_BUCKETS, "violations"]
-    body = [[r["divergence"], r["estimator"], f"{r['delta_low']:.4g} / {r['delta_high']:.4g}",
-             f"{r['exact_mean']:.3g}", f"{r['exact_median']:.3g}", f"{r['bias']:.3g}", f"{r['spearman']:.3f}",
-             f"{r['disagree']:.3f}",
-             *(fmt(r[f"disagree {b}"], missing="–") for b in Q_BUCKETS),
-             "" if r["violations"] is None else str(r["violations"])] for r in rows]
-    setting = (f"{len(tokens['q'])} tokens; update: preset {config.preset}, lr {config.lr:g}, epochs {config.epochs}, "
-               f"{math.ceil(rollout.size / config.mini_batch_size)} mini-batches of {config.mini_batch_size} sequences "
-               f"(masked fraction {update.get('loss/masked_frac', math.nan):.3f}, rollout accuracy "
-               f"{rollout_stats['rollout/accuracy']:.3f}); decisions at radii matched to TV delta={delta:g} at q=0.5. "
-               f"Update size: mean exact TV(pi, mu) per token {size['tv_mean']:.3g}, |log pi(a)/mu(a)| of the sampled "
-               f"tokens median {size['logratio_median']:.3g}, max {size['logratio_max']:.3g} (lr {config.lr:g}, far above a "
-               f"training step's on purpose: lower --lr for a smaller one; unbounded divergences such as chi2 read "
-               f"huge on tokens where mu is tiny: compare the exact medians). mu: the rollout policy in "
-               f"{rollout_dtype}{mu_note}; its log mu(a) against the log-prob engine {config.engine} recorded: "
-               f"|difference| median {size['engine_gap_median']:.2g}, max {size['engine_gap_max']:.2g}")
-    mass_table = markdown_table(["K", *map(str, mass_ks)],
-                                [["mu-mass of mu's top-K", *(f"{v:.4f}" for v in mass.values())]])
-    share_table = markdown_table(["bucket of mu(a)", *Q_BUCKETS],
-                                 [["share of tokens", *(f"{v:.3f}" for v in share.values())]])
-    (out / "probe.md").write_text(f"# gppo probe: {out}\n\n{setting}\n\n" + markdown_table(header, body)
-                                  + "\n" + mass_table + "\n" + share_table)
+    header = [
+        "divergence",
+        "estimator",
+        "δ low / high",
+        "exact mean",
+        "exact median",
+        "bias",
+        "spearman",
+        "disagree",
+        *Q_BUCKETS,
+        "violations",
+    ]
+    body = [
+        [
+            r["divergence"],
+            r["estimator"],
+            f"{r['delta_low']:.4g} / {r['delta_high']:.4g}",
+            f"{r['exact_mean']:.3g}",
+            f"{r['exact_median']:.3g}",
+            f"{r['bias']:.3g}",
+            f"{r['spearman']:.3f}",
+            f"{r['disagree']:.3f}",
+            *(fmt(r[f"disagree {b}"], missing="–") for b in Q_BUCKETS),
+            "" if r["violations"] is None else str(r["violations"]),
+        ]
+        for r in rows
+    ]
+    setting = (
+        f"{len(tokens['q'])} tokens; update: preset {config.preset}, lr {config.lr:g}, epochs {config.epochs}, "
+        f"{math.ceil(rollout.size / config.mini_batch_size)} mini-batches of {config.mini_batch_size} sequences "
+        f"(masked fraction {update.get('loss/masked_frac', math.nan):.3f}, rollout accuracy "
+        f"{rollout_stats['rollout/accuracy']:.3f}); decisions at radii matched to TV delta={delta:g} at q=0.5. "
+        f"Update size: mean exact TV(pi, mu) per token {size['tv_mean']:.3g}, |log pi(a)/mu(a)| of the sampled "
+        f"tokens median {size['logratio_median']:.3g}, max {size['logratio_max']:.3g} (lr {config.lr:g}, far above a "
+        f"training step's on purpose: lower --lr for a smaller one; unbounded divergences such as chi2 read "
+        f"huge on tokens where mu is tiny: compare the exact medians). mu: the rollout policy in "
+        f"{rollout_dtype}{mu_note}; its log mu(a) against the log-prob engine {config.engine} recorded: "
+        f"|difference| median {size['engine_gap_median']:.2g}, max {size['engine_gap_max']:.2g}"
+    )
+    mass_table = markdown_table(
+        ["K", *map(str, mass_ks)], [["mu-mass of mu's top-K", *(f"{v:.4f}" for v in mass.values())]]
+    )
+    share_table = markdown_table(
+        ["bucket of mu(a)", *Q_BUCKETS], [["share of tokens", *(f"{v:.3f}" for v in share.values())]]
+    )
+    (out / "probe.md").write_text(
+        f"# gppo probe: {out}\n\n{setting}\n\n" + markdown_table(header, body) + "\n" + mass_table + "\n" + share_table
+    )
     plot_probe(rows, out / "probe.png", setting)
     print_table(console, "estimator faithfulness (disagree per bucket of mu(a))", header, body)
-    console.print(f"{setting}\nmu-mass of mu's top-K: " + ", ".join(f"K={k}: {v:.4f}" for k, v in mass.items()),
-                  soft_wrap=True)
+    console.print(
+        f"{setting}\nmu-mass of mu's top-K: " + ", ".join(f"K={k}: {v:.4f}" for k, v in mass.items()), soft_wrap=True
+    )
     console.print(f"results in {out}/: probe.md, probe.csv, probe.png", soft_wrap=True)
     return {"rows": rows, "mass": mass, "token_share": share, "update": update, "update_size": size}
 
@@ -264,9 +340,13 @@ def update_size(tokens: dict) -> dict:
     """How far the probed update moved pi from mu: the mean exact TV per token and the median and
     largest |log pi(a) - log mu(a)| of the sampled tokens; and the median and largest engine gap."""
     logratio, gap = tokens["logratio"].abs(), tokens["engine_gap"]
-    return {"tv_mean": tokens["tv_exact"].mean().item(), "logratio_median": logratio.median().item(),
-            "logratio_max": logratio.max().item(), "engine_gap_median": gap.median().item(),
-            "engine_gap_max": gap.max().item()}
+    return {
+        "tv_mean": tokens["tv_exact"].mean().item(),
+        "logratio_median": logratio.median().item(),
+        "logratio_max": logratio.max().item(),
+        "engine_gap_median": gap.median().item(),
+        "engine_gap_max": gap.max().item(),
+    }
 
 
 # ------------------------------------------------------------------------------ command
@@ -274,10 +354,10 @@ def update_size(tokens: dict) -> dict:
 class ProbeOptions:
     """Options of `gppo probe` (the training flags set the model, data and update)."""
 
-    delta: float = option(DEFAULT_DELTA, DELTA_HELP + "; the probe's decisions use the binary radii of each "
-                          "divergence", "probe", gt=0)
-    divergences: list[str] = option(list(DEFAULT_DIVERGENCES), "divergences to compare", "probe",
-                                    example=["tv", "kl"])
+    delta: float = option(
+        DEFAULT_DELTA, DELTA_HELP + "; the probe's decisions use the binary radii of each divergence", "probe", gt=0
+    )
+    divergences: list[str] = option(list(DEFAULT_DIVERGENCES), "divergences to compare", "probe", example=["tv", "kl"])
     mass_k: list[int] = option(list(MASS_KS), "K of the top-K mu-mass report", "probe", ge=1)
     out: str | None = option(None, "output directory (default: runs/probe-<task>)", "probe")
 
@@ -286,11 +366,12 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="gppo probe",
         description="Estimator faithfulness: sample from the model (mu), apply one GPPO update (pi), and compare "
-                    "every estimator of every divergence with the exact full-vocabulary D_f on each token (bias, "
-                    "Spearman, decision disagreement by mu-probability bucket, lower-bound violations). Training "
-                    "flags set the model, data and update (probe defaults: --lr 0.001 --epochs 1 "
-                    "--mini_batch_size 64 --micro_batch_size 4 --rollout_batch_size 64; no held-out split is "
-                    "needed); mu is the rollout policy in --rollout_dtype.")
+        "every estimator of every divergence with the exact full-vocabulary D_f on each token (bias, "
+        "Spearman, decision disagreement by mu-probability bucket, lower-bound violations). Training "
+        "flags set the model, data and update (probe defaults: --lr 0.001 --epochs 1 "
+        "--mini_batch_size 64 --micro_batch_size 4 --rollout_batch_size 64; no held-out split is "
+        "needed); mu is the rollout policy in --rollout_dtype.",
+    )
     add_arguments(p.add_argument_group("probe"), ProbeOptions)
     add_config_arguments(p)
     return p
@@ -301,4 +382,3 @@ def run(args) -> int:
     base = config_values(args)
     run_probe(base, o.out or f"runs/probe-{base.get('task', 'addition')}", o.delta, o.divergences, o.mass_k)
     return 0
-

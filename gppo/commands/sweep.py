@@ -60,8 +60,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from gppo import ESTIMATORS
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
 from gppo.commands.sweep_plots import plot_cell_curves, plot_heatmap, plus_minus
-from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.core import closest, drop_unused
+from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.report import fmt, markdown_table, print_table, write_csv
 from gppo.stats import mean_ci
 from gppo.theory import matched_radii
@@ -74,10 +74,15 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LAST_STEPS = 10  # window of the end-of-run averages (masked fraction, entropy, mismatch)
 # Keys the sweep sets itself: base settings may not give them (CLI flag to use instead).
 SET_BY_SWEEP = {"seed": "--seeds", "output_dir": "--out", "preset": "--presets (or the grid)"}
-SET_BY_GRID = {"divergence": "--divergences", "estimator": "--estimators", "delta_low": "--delta",
-               "delta_high": "--delta"}
+SET_BY_GRID = {
+    "divergence": "--divergences",
+    "estimator": "--estimators",
+    "delta_low": "--delta",
+    "delta_high": "--delta",
+}
 GRID_POINT = {"preset": "gppo", "rule": "mask", "anchor": "behavior"}  # base settings may override rule, anchor
 IGNORED_ON_RERUN = ("threads", "progress")  # may differ between a run and its rerun
+
 
 @dataclass(frozen=True)
 class Job:
@@ -88,23 +93,33 @@ class Job:
     config: TrainConfig
 
 
-def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
-         delta: float | None = None) -> list[Job]:
+def plan(
+    base: dict,
+    out: str | Path,
+    seeds=(0, 1, 2),
+    divergences=None,
+    estimators=None,
+    presets=None,
+    delta: float | None = None,
+) -> list[Job]:
     """The runs of a grid (divergences x estimators, the default; `delta` defaults to DEFAULT_DELTA)
     or of `presets` (with their own radii), times `seeds`, ordered seed by seed."""
     refused = {**SET_BY_SWEEP, **({} if presets else SET_BY_GRID)}
     for key in base:
         if key in refused:
-            raise ConfigError(f"the sweep sets {key!r} for every run: remove it from the base settings and "
-                              f"use {refused[key]}")
+            raise ConfigError(
+                f"the sweep sets {key!r} for every run: remove it from the base settings and use {refused[key]}"
+            )
     if presets and (divergences or estimators):
         raise ConfigError("give either presets or a grid (divergences / estimators), not both")
     if presets and delta is not None:
-        raise ConfigError("--delta sets the grid's radii; presets keep their own (override them with "
-                          "--delta_low / --delta_high)")
+        raise ConfigError(
+            "--delta sets the grid's radii; presets keep their own (override them with --delta_low / --delta_high)"
+        )
     if not seeds or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"--seeds must be a non-empty list without repeats (got {list(seeds)}); give e.g. "
-                          "--seeds 0 1 2")
+        raise ConfigError(
+            f"--seeds must be a non-empty list without repeats (got {list(seeds)}); give e.g. --seeds 0 1 2"
+        )
     common = {"threads": 1, **base, "progress": False}
     if presets:
         cells = [(name, {**common, "preset": name}) for name in presets]
@@ -113,17 +128,33 @@ def plan(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimat
         for div in divergences or DEFAULT_DIVERGENCES:
             for est in estimators or list(ESTIMATORS):
                 try:
-                    low, high = matched_radii(make_divergence(div, base.get("alpha", 0.5)), est,
-                                              DEFAULT_DELTA if delta is None else delta)
+                    low, high = matched_radii(
+                        make_divergence(div, base.get("alpha", 0.5)), est, DEFAULT_DELTA if delta is None else delta
+                    )
                 except ValueError as err:
                     raise ConfigError(f"--delta / --divergences: {err}") from None
-                cells.append((f"{div}-{est}", drop_unused({**GRID_POINT, **common, "divergence": div,
-                                                           "estimator": est, "delta_low": low,
-                                                           "delta_high": high})))
+                cells.append(
+                    (
+                        f"{div}-{est}",
+                        drop_unused(
+                            {
+                                **GRID_POINT,
+                                **common,
+                                "divergence": div,
+                                "estimator": est,
+                                "delta_low": low,
+                                "delta_high": high,
+                            }
+                        ),
+                    )
+                )
     out = Path(out)
     # seed by seed: a sweep stopped early holds whole seeds, every cell paired with every other
-    return [Job(cell, seed, from_dict({**values, "seed": seed, "output_dir": str(out / f"{cell}-s{seed}")}))
-            for seed in seeds for cell, values in cells]
+    return [
+        Job(cell, seed, from_dict({**values, "seed": seed, "output_dir": str(out / f"{cell}-s{seed}")}))
+        for seed in seeds
+        for cell, values in cells
+    ]
 
 
 def _check_rerun(job: Job) -> None:
@@ -132,12 +163,15 @@ def _check_rerun(job: Job) -> None:
     if not saved_file.is_file():
         return
     saved, planned = yaml.safe_load(saved_file.read_text()), job.config.to_dict()
-    changed = sorted(k for k in set(saved) | set(planned)
-                     if k not in IGNORED_ON_RERUN and saved.get(k) != planned.get(k))
+    changed = sorted(
+        k for k in set(saved) | set(planned) if k not in IGNORED_ON_RERUN and saved.get(k) != planned.get(k)
+    )
     if changed:
         diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {planned.get(k)!r}" for k in changed[:5])
-        raise ConfigError(f"{job.config.run_dir()} was run with other settings ({diffs}): use another --out, "
-                          "or delete that run directory to redo it")
+        raise ConfigError(
+            f"{job.config.run_dir()} was run with other settings ({diffs}): use another --out, "
+            "or delete that run directory to redo it"
+        )
 
 
 def run_job(config: TrainConfig) -> None:
@@ -180,8 +214,9 @@ def _execute(jobs: list[Job], workers: int):
             except Exception as err:  # one failed run must not stop the sweep
                 yield job, err
         return
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=exit_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         futures = {pool.submit(run_job, job.config): job for job in jobs}
         try:
             for future in as_completed(futures):
@@ -209,11 +244,18 @@ def run_stats(run_dir: Path, target: float | None) -> dict:
         values = [r[key] for r in last if key in r]
         return float(np.mean(values)) if values else math.nan
 
-    return {"greedy": evals[-1]["eval/greedy"], "avg_at_k": evals[-1]["eval/avg@k"], "auc": auc,
-            "start_greedy": evals[0]["eval/greedy"], "start_avg_at_k": evals[0]["eval/avg@k"],
-            "steps_to_target": reached[0] if reached else None, "masked_frac": tail_mean("loss/masked_frac"),
-            "entropy": tail_mean("loss/entropy"), "mismatch_kl": tail_mean("mismatch/kl_k3"),
-            "train_seconds": float(sum(r.get("perf/step_seconds", 0.0) for r in records))}
+    return {
+        "greedy": evals[-1]["eval/greedy"],
+        "avg_at_k": evals[-1]["eval/avg@k"],
+        "auc": auc,
+        "start_greedy": evals[0]["eval/greedy"],
+        "start_avg_at_k": evals[0]["eval/avg@k"],
+        "steps_to_target": reached[0] if reached else None,
+        "masked_frac": tail_mean("loss/masked_frac"),
+        "entropy": tail_mean("loss/entropy"),
+        "mismatch_kl": tail_mean("mismatch/kl_k3"),
+        "train_seconds": float(sum(r.get("perf/step_seconds", 0.0) for r in records)),
+    }
 
 
 def seed_stats(jobs: list[Job], target: float | None) -> dict[str, dict[int, dict]]:
@@ -232,11 +274,16 @@ def summarize(jobs: list[Job], target: float | None, per_seed: dict[str, dict[in
         cell_jobs = [j for j in jobs if j.cell == cell]
         loss = cell_jobs[0].config.gppo_config()
         stats = list(per_seed[cell].values())
-        row = {"cell": cell, "preset": cell_jobs[0].config.preset, "divergence": loss.divergence,
-               "estimator": loss.estimator, "rule": loss.rule,
-               "delta_low": loss.delta_low if loss.uses_estimate else None,
-               "delta_high": loss.delta_high if loss.uses_estimate else None,
-               "seeds": len(stats)}
+        row = {
+            "cell": cell,
+            "preset": cell_jobs[0].config.preset,
+            "divergence": loss.divergence,
+            "estimator": loss.estimator,
+            "rule": loss.rule,
+            "delta_low": loss.delta_low if loss.uses_estimate else None,
+            "delta_high": loss.delta_high if loss.uses_estimate else None,
+            "seeds": len(stats),
+        }
         for key in ("greedy", "avg_at_k", "auc"):
             row[key], row[f"{key}_ci"] = mean_ci([s[key] for s in stats])
         hits = [s["steps_to_target"] for s in stats if s["steps_to_target"] is not None]
@@ -251,8 +298,9 @@ def summarize(jobs: list[Job], target: float | None, per_seed: dict[str, dict[in
 CONTRAST_METRICS = ("avg_at_k", "auc", "greedy")
 
 
-def contrasts(per_seed: dict[str, dict[int, dict]], points: dict[str, tuple[str, str]] | None,
-              baseline: str) -> list[dict]:
+def contrasts(
+    per_seed: dict[str, dict[int, dict]], points: dict[str, tuple[str, str]] | None, baseline: str
+) -> list[dict]:
     """Paired contrasts (module docstring): kind 'cell' for every pair of cells (a before b in cell
     order), and for a grid (`points`: cell -> (divergence, estimator)) kinds 'divergence' and
     'estimator', each level against the baseline's, averaged over the other axis."""
@@ -264,12 +312,22 @@ def contrasts(per_seed: dict[str, dict[int, dict]], points: dict[str, tuple[str,
             d = [float(np.mean([per_seed[x][s][metric] - per_seed[y][s][metric] for x, y in pairs])) for s in seeds]
             d = [v for v in d if math.isfinite(v)]
             diff, ci = mean_ci(d)
-            rows.append({"kind": kind, "a": a, "b": b, "metric": metric, "pairs": len(d), "diff": diff, "ci": ci,
-                         "significant": math.isfinite(ci) and abs(diff) > ci})
+            rows.append(
+                {
+                    "kind": kind,
+                    "a": a,
+                    "b": b,
+                    "metric": metric,
+                    "pairs": len(d),
+                    "diff": diff,
+                    "ci": ci,
+                    "significant": math.isfinite(ci) and abs(diff) > ci,
+                }
+            )
 
     cells = list(per_seed)
     for i, a in enumerate(cells):
-        for b in cells[i + 1:]:
+        for b in cells[i + 1 :]:
             add("cell", a, b, [(a, b)])
     if points:
         cell_at = {point: cell for cell, point in points.items()}
@@ -313,22 +371,60 @@ def _start_end(row: dict, key: str) -> str:
 
 def display_rows(rows: list[dict], target: float | None) -> tuple[list[str], list[list[str]]]:
     """Header and formatted cells of the summary table (shared by sweep.md and the console)."""
-    header = ["cell", "rule", "δ low / high", "seeds", "greedy start → end", "avg@k start → end", "AUC avg@k",
-              f"steps to {target:g}" if target is not None else "steps to target",
-              "masked", "entropy", "KL(mu‖pi_old)", "train s"]
+    header = [
+        "cell",
+        "rule",
+        "δ low / high",
+        "seeds",
+        "greedy start → end",
+        "avg@k start → end",
+        "AUC avg@k",
+        f"steps to {target:g}" if target is not None else "steps to target",
+        "masked",
+        "entropy",
+        "KL(mu‖pi_old)",
+        "train s",
+    ]
     body = []
     for r in rows:
-        steps = "" if target is None else (f"{r['steps_to_target']:.0f} ({r['target_reached']})"
-                                           if r["steps_to_target"] is not None else "not reached")
+        steps = (
+            ""
+            if target is None
+            else (
+                f"{r['steps_to_target']:.0f} ({r['target_reached']})"
+                if r["steps_to_target"] is not None
+                else "not reached"
+            )
+        )
         delta = f"{r['delta_low']:.4g} / {r['delta_high']:.4g}" if r["delta_low"] is not None else ""
-        body.append([r["cell"], r["rule"], delta, str(r["seeds"]), _start_end(r, "greedy"), _start_end(r, "avg_at_k"),
-                     plus_minus(r, "auc"), steps, fmt(r["masked_frac"]), fmt(r["entropy"]),
-                     fmt(r["mismatch_kl"], ".3g"), fmt(r["train_seconds"], ".1f")])
+        body.append(
+            [
+                r["cell"],
+                r["rule"],
+                delta,
+                str(r["seeds"]),
+                _start_end(r, "greedy"),
+                _start_end(r, "avg_at_k"),
+                plus_minus(r, "auc"),
+                steps,
+                fmt(r["masked_frac"]),
+                fmt(r["entropy"]),
+                fmt(r["mismatch_kl"], ".3g"),
+                fmt(r["train_seconds"], ".1f"),
+            ]
+        )
     return header, body
 
 
-def write_summary(rows: list[dict], paired: list[dict], baseline: str, out: Path, target: float | None, note: str,
-                  heatmap_title: str | None) -> None:
+def write_summary(
+    rows: list[dict],
+    paired: list[dict],
+    baseline: str,
+    out: Path,
+    target: float | None,
+    note: str,
+    heatmap_title: str | None,
+) -> None:
     """sweep.csv (exact numbers), contrasts.csv, sweep.md (the formatted tables) and, given a
     title, heatmap.png."""
     write_csv(rows, out / "sweep.csv")
@@ -336,9 +432,11 @@ def write_summary(rows: list[dict], paired: list[dict], baseline: str, out: Path
         write_csv(paired, out / "contrasts.csv")
     text = f"# gppo sweep: {out}\n\n{note}\n\n" + markdown_table(*display_rows(rows, target))
     if paired:
-        text += (f"\n## Paired contrasts against {baseline}\n\nPer-seed differences (same seeds), mean ± 95% "
-                 "t half width; * where the interval excludes 0. All pairs: contrasts.csv.\n\n"
-                 + markdown_table(*contrast_table(paired, baseline)))
+        text += (
+            f"\n## Paired contrasts against {baseline}\n\nPer-seed differences (same seeds), mean ± 95% "
+            "t half width; * where the interval excludes 0. All pairs: contrasts.csv.\n\n"
+            + markdown_table(*contrast_table(paired, baseline))
+        )
     (out / "sweep.md").write_text(text)
     finished = [r for r in rows if r["seeds"]]
     if heatmap_title and finished:
@@ -346,10 +444,21 @@ def write_summary(rows: list[dict], paired: list[dict], baseline: str, out: Path
 
 
 # ------------------------------------------------------------------------------ entry point
-def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, estimators=None, presets=None,
-              delta: float | None = None, workers: int | None = None, target: float | None = None,
-              baseline: str | None = None, progress: bool = True, console: Console | None = None,
-              summarize_only: bool = False) -> dict:
+def run_sweep(
+    base: dict,
+    out: str | Path,
+    seeds=(0, 1, 2),
+    divergences=None,
+    estimators=None,
+    presets=None,
+    delta: float | None = None,
+    workers: int | None = None,
+    target: float | None = None,
+    baseline: str | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+    summarize_only: bool = False,
+) -> dict:
     """Run (or finish) every run of the sweep, then write sweep.csv, contrasts.csv, sweep.md,
     curves.png and, for a grid, heatmap.png into `out`. `baseline` (a cell name; default the
     first cell) is what the printed paired contrasts subtract; `summarize_only` trains nothing and
@@ -367,30 +476,47 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     cells = list(dict.fromkeys(job.cell for job in jobs))
     baseline = cells[0] if baseline is None else baseline
     if baseline not in cells:
-        raise ConfigError(f"--baseline {baseline!r} is not a cell of this sweep{closest(baseline, cells)}; "
-                          f"cells: {', '.join(cells)}")
+        raise ConfigError(
+            f"--baseline {baseline!r} is not a cell of this sweep{closest(baseline, cells)}; cells: {', '.join(cells)}"
+        )
     for job in jobs:
         _check_rerun(job)
     unfinished = [j for j in jobs if not (j.config.run_dir() / "summary.json").is_file()]
     todo = [] if summarize_only else unfinished
     failed, pool_died = [], False
-    columns = [TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
+    columns = [
+        TextColumn("[bold]sweep[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+    ]
     piped = progress and not console.is_terminal  # one plain line per finished run, never cut to a width
     doing = "summarizing those, training none" if summarize_only else f"{min(workers, len(todo))} at a time"
-    console.print(f"sweep: {len(jobs)} runs ({len(jobs) - len(unfinished)} already done), {doing}; each run's files "
-                  f"and console.log in {Path(out)}/<cell>-s<seed>/", soft_wrap=True)
+    console.print(
+        f"sweep: {len(jobs)} runs ({len(jobs) - len(unfinished)} already done), {doing}; each run's files "
+        f"and console.log in {Path(out)}/<cell>-s<seed>/",
+        soft_wrap=True,
+    )
     with Progress(*columns, console=console, disable=not progress or piped) as bar:
-        task = bar.add_task("runs", total=len(jobs), completed=len(jobs) - len(todo),
-                            info=f"{len(todo)} to run, {min(workers, len(todo))} at a time")
+        task = bar.add_task(
+            "runs",
+            total=len(jobs),
+            completed=len(jobs) - len(todo),
+            info=f"{len(todo)} to run, {min(workers, len(todo))} at a time",
+        )
         for job, error in _execute(todo, min(workers, max(len(todo), 1))):
             if isinstance(error, BrokenProcessPool):  # a worker was killed: every run not finished fails with it
                 if not pool_died:
                     pool_died = True
-                    bar.console.print(f"[red]a worker process died[/] (killed from outside, most often by the kernel "
-                                      f"for lack of memory: `dmesg` says; each run takes several GB with a real "
-                                      f"model): the runs not finished stop here. Rerun the same command to resume "
-                                      f"them, with fewer --workers (now {workers}) if memory is short", soft_wrap=True)
+                    bar.console.print(
+                        f"[red]a worker process died[/] (killed from outside, most often by the kernel "
+                        f"for lack of memory: `dmesg` says; each run takes several GB with a real "
+                        f"model): the runs not finished stop here. Rerun the same command to resume "
+                        f"them, with fewer --workers (now {workers}) if memory is short",
+                        soft_wrap=True,
+                    )
             elif error is not None:
                 bar.console.print(f"[red]failed[/] {job.config.run_dir()}: {error} (see console.log there)")
             if error is not None:
@@ -398,8 +524,12 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
             bar.update(task, advance=1, info=f"last: {job.cell} seed {job.seed}")
             if piped:
                 done = bar.tasks[0]
-                console.print(f"sweep: {int(done.completed)}/{len(jobs)} runs, last {job.cell} seed {job.seed}, "
-                              f"{done.elapsed or 0:.0f} s elapsed", soft_wrap=True, highlight=False)
+                console.print(
+                    f"sweep: {int(done.completed)}/{len(jobs)} runs, last {job.cell} seed {job.seed}, "
+                    f"{done.elapsed or 0:.0f} s elapsed",
+                    soft_wrap=True,
+                    highlight=False,
+                )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     per_seed = seed_stats(jobs, target)
@@ -407,23 +537,47 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
     points = None if presets else {r["cell"]: (r["divergence"], r["estimator"]) for r in rows}
     paired = contrasts(per_seed, points, baseline)
     delta = DEFAULT_DELTA if delta is None else delta
-    note = (f"{len(seeds)} seeds per cell; base settings {base or 'defaults'}; "
-            + ("presets keep their radii" if presets else
-               f"radii matched to TV delta={delta:g} at q=0.5 (interval [1-2δ, 1+2δ])"))
+    note = f"{len(seeds)} seeds per cell; base settings {base or 'defaults'}; " + (
+        "presets keep their radii"
+        if presets
+        else f"radii matched to TV delta={delta:g} at q=0.5 (interval [1-2δ, 1+2δ])"
+    )
     title = None if presets else f"final held-out avg@k, mean ± 95% CI over seeds (δ: TV {delta:g} at q=0.5, matched)"
     write_summary(rows, paired, baseline, out, target, note, title)
-    plot_cell_curves({cell: [MetricsLog(j.config.run_dir() / "metrics.jsonl", [], {}).read() for j in jobs
-                             if j.cell == cell and j.seed in per_seed[cell]] for cell in cells},
-                     out / "curves.png", f"{out.name}: mean over seeds per cell")
+    plot_cell_curves(
+        {
+            cell: [
+                MetricsLog(j.config.run_dir() / "metrics.jsonl", [], {}).read()
+                for j in jobs
+                if j.cell == cell and j.seed in per_seed[cell]
+            ]
+            for cell in cells
+        },
+        out / "curves.png",
+        f"{out.name}: mean over seeds per cell",
+    )
     print_table(console, f"gppo sweep ({out})", *display_rows(rows, target))
     if paired:
-        print_table(console, f"paired contrasts against {baseline} (mean ± 95% CI over seeds; * excludes 0)",
-                    *contrast_table(paired, baseline))
-    console.print(f"results in {out}/: sweep.md, sweep.csv, " + ("contrasts.csv, " if paired else "")
-                  + "curves.png" + (", heatmap.png" if (out / "heatmap.png").exists() else "")
-                  + "; the runs in <cell>-s<seed>/", soft_wrap=True)
-    return {"rows": rows, "contrasts": paired, "trained": len(todo) - len(failed), "skipped": len(jobs) - len(todo),
-            "failed": failed}
+        print_table(
+            console,
+            f"paired contrasts against {baseline} (mean ± 95% CI over seeds; * excludes 0)",
+            *contrast_table(paired, baseline),
+        )
+    console.print(
+        f"results in {out}/: sweep.md, sweep.csv, "
+        + ("contrasts.csv, " if paired else "")
+        + "curves.png"
+        + (", heatmap.png" if (out / "heatmap.png").exists() else "")
+        + "; the runs in <cell>-s<seed>/",
+        soft_wrap=True,
+    )
+    return {
+        "rows": rows,
+        "contrasts": paired,
+        "trained": len(todo) - len(failed),
+        "skipped": len(jobs) - len(todo),
+        "failed": failed,
+    }
 
 
 # ------------------------------------------------------------------------------ command
@@ -431,21 +585,32 @@ def run_sweep(base: dict, out: str | Path, seeds=(0, 1, 2), divergences=None, es
 class SweepOptions:
     """Options of `gppo sweep` (training flags apply to every run)."""
 
-    divergences: list[str] | None = option(None, "grid rows (default: every divergence but alpha)", "sweep",
-                                           example=["tv", "kl"])
-    estimators: list[str] | None = option(None, "grid columns (default: every estimator)", "sweep",
-                                          example=["binary", "topk"])
-    presets: list[str] | None = option(None, "run these presets (with their own radii) instead of a grid", "sweep",
-                                       example=["ppo", "gppo"])
+    divergences: list[str] | None = option(
+        None, "grid rows (default: every divergence but alpha)", "sweep", example=["tv", "kl"]
+    )
+    estimators: list[str] | None = option(
+        None, "grid columns (default: every estimator)", "sweep", example=["binary", "topk"]
+    )
+    presets: list[str] | None = option(
+        None, "run these presets (with their own radii) instead of a grid", "sweep", example=["ppo", "gppo"]
+    )
     seeds: list[int] = option([0, 1, 2], "seeds of every cell", "sweep", ge=0)
-    delta: float | None = option(None, DELTA_HELP + " (default: 0.15; presets keep their own radii)", "sweep", gt=0,
-                                 example=DEFAULT_DELTA)
-    workers: int | None = option(None, "runs at once (default: the number of cores; each run uses --threads, "
-                                 "default 1)", "sweep", ge=1)
-    target: float | None = option(None, "report the first step whose sampled avg@k reaches this accuracy", "sweep",
-                                  example=0.5)
-    baseline: str | None = option(None, "cell the printed paired contrasts subtract, seed by seed (default: the "
-                                  "first cell; every pair is in contrasts.csv)", "sweep", example="tv-binary")
+    delta: float | None = option(
+        None, DELTA_HELP + " (default: 0.15; presets keep their own radii)", "sweep", gt=0, example=DEFAULT_DELTA
+    )
+    workers: int | None = option(
+        None, "runs at once (default: the number of cores; each run uses --threads, default 1)", "sweep", ge=1
+    )
+    target: float | None = option(
+        None, "report the first step whose sampled avg@k reaches this accuracy", "sweep", example=0.5
+    )
+    baseline: str | None = option(
+        None,
+        "cell the printed paired contrasts subtract, seed by seed (default: the "
+        "first cell; every pair is in contrasts.csv)",
+        "sweep",
+        example="tv-binary",
+    )
     out: str = option("runs/sweep", "sweep directory; rerun the same command to resume", "sweep")
     summarize_only: bool = option(False, "train nothing: summarize the runs finished so far", "sweep")
 
@@ -454,21 +619,34 @@ def parser() -> ArgumentParser:
     p = ArgumentParser(
         prog="gppo sweep",
         description="Run a grid of GPPO runs (divergences x estimators x seeds with the directional mask, or "
-                    "presets x seeds) in parallel, resumably, and summarize it over seeds (sweep.csv, sweep.md with "
-                    "paired contrasts by seed, contrasts.csv, curves.png, heatmap.png). Training flags below apply "
-                    "to every run, e.g. --steps 60 --task countdown.")
+        "presets x seeds) in parallel, resumably, and summarize it over seeds (sweep.csv, sweep.md with "
+        "paired contrasts by seed, contrasts.csv, curves.png, heatmap.png). Training flags below apply "
+        "to every run, e.g. --steps 60 --task countdown.",
+    )
     add_arguments(p.add_argument_group("sweep"), SweepOptions)
     add_config_arguments(p)
     return p
 
 
-CONTINUE_HINT = ("; run the same command again to continue: finished runs are kept and stopped ones resume from "
-                 "their last checkpoints")
+CONTINUE_HINT = (
+    "; run the same command again to continue: finished runs are kept and stopped ones resume from "
+    "their last checkpoints"
+)
 
 
 def run(args) -> int:
     o = SweepOptions(**check(SweepOptions, given(args, SweepOptions), CLI))
-    result = run_sweep(config_values(args), o.out, o.seeds, o.divergences, o.estimators, o.presets, o.delta,
-                       o.workers, o.target, o.baseline, summarize_only=o.summarize_only)
+    result = run_sweep(
+        config_values(args),
+        o.out,
+        o.seeds,
+        o.divergences,
+        o.estimators,
+        o.presets,
+        o.delta,
+        o.workers,
+        o.target,
+        o.baseline,
+        summarize_only=o.summarize_only,
+    )
     return 1 if result["failed"] else 0
-

@@ -28,9 +28,15 @@ def plot_heatmap(rows: list[dict], path: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(1.5 * len(ests) + 2.5, 0.7 * len(divs) + 1.8))
     image = ax.imshow(grid, cmap="viridis", aspect="auto")
     for r in rows:
-        ax.text(ests.index(r["estimator"]), divs.index(r["divergence"]),
-                plus_minus(r, "avg_at_k").replace(" ± ", "\n± "), ha="center", va="center", fontsize=8,
-                color=text_color(image, r["avg_at_k"]))
+        ax.text(
+            ests.index(r["estimator"]),
+            divs.index(r["divergence"]),
+            plus_minus(r, "avg_at_k").replace(" ± ", "\n± "),
+            ha="center",
+            va="center",
+            fontsize=8,
+            color=text_color(image, r["avg_at_k"]),
+        )
     fig.colorbar(image, ax=ax, label="final avg@k (mean over seeds)")
     ax.set_xticks(range(len(ests)), ests)
     ax.set_yticks(range(len(divs)), divs)
@@ -42,11 +48,14 @@ def plot_heatmap(rows: list[dict], path: Path, title: str) -> Path:
 
 # (title, metric keys): a cell draws the first key its runs logged (truncate rules log
 # loss/truncated_frac where masking rules log loss/masked_frac).
-CURVE_PANELS = (("held-out avg@k", ("eval/avg@k",)), ("rollout reward", ("rollout/reward_mean",)),
-                ("mismatch KL(mu || pi_old), k3", ("mismatch/kl_k3",)),
-                ("mismatch |pi_old(a) - mu(a)|, mean", ("mismatch/prob_diff/mean",)),
-                ("masked / truncated fraction", ("loss/masked_frac", "loss/truncated_frac")),
-                ("entropy", ("loss/entropy",)))
+CURVE_PANELS = (
+    ("held-out avg@k", ("eval/avg@k",)),
+    ("rollout reward", ("rollout/reward_mean",)),
+    ("mismatch KL(mu || pi_old), k3", ("mismatch/kl_k3",)),
+    ("mismatch |pi_old(a) - mu(a)|, mean", ("mismatch/prob_diff/mean",)),
+    ("masked / truncated fraction", ("loss/masked_frac", "loss/truncated_frac")),
+    ("entropy", ("loss/entropy",)),
+)
 SMOOTHING = 5  # steps of the trailing mean of per-step training curves (evaluations are not smoothed)
 
 
@@ -66,12 +75,12 @@ def cell_curve(runs: list[list[dict]], key: str, smooth: int = 1) -> tuple[np.nd
 def plot_cell_curves(records: dict[str, list[list[dict]]], path: Path, title: str) -> Path | None:
     """One panel per entry of CURVE_PANELS that any run logged, one line per cell: the mean over its
     seeds (per-step metrics smoothed over SMOOTHING steps, evaluations not)."""
+
     def curve(runs, keys):
         key = next((k for k in keys if any(k in r for records_ in runs for r in records_)), keys[0])
         return cell_curve(runs, key, 1 if key.startswith("eval/") else SMOOTHING)
 
-    curves = {name: {cell: curve(runs, keys) for cell, runs in records.items() if runs}
-              for name, keys in CURVE_PANELS}
+    curves = {name: {cell: curve(runs, keys) for cell, runs in records.items() if runs} for name, keys in CURVE_PANELS}
     panels = [name for name, per_cell in curves.items() if any(len(steps) for steps, _ in per_cell.values())]
     if not panels:
         return None
@@ -79,7 +88,7 @@ def plot_cell_curves(records: dict[str, list[list[dict]]], path: Path, title: st
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     styles = ["-", "--", ":", "-."]
     for ax, name in zip(axes.flat, panels):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from gppo.models.embedded import build_model, build_tokenizer
-from gppo.options import ArgumentParser, CLI, add_arguments, check, option
+from gppo.options import CLI, ArgumentParser, add_arguments, check, option
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
 from gppo.tasks import get_task, heldout_problems
@@ -41,9 +41,19 @@ DEFAULTS = {
 }
 
 
-def warm_start(task_name: str, out_dir: str | Path, steps: int | None = None, batch_size: int | None = None,
-               lr: float | None = None, warmup: int | None = None, seed: int = 0, threads: int | None = None,
-               task_kwargs: dict | None = None, eval_problems: int = 1024, log_every: int = 100) -> Path:
+def warm_start(
+    task_name: str,
+    out_dir: str | Path,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    lr: float | None = None,
+    warmup: int | None = None,
+    seed: int = 0,
+    threads: int | None = None,
+    task_kwargs: dict | None = None,
+    eval_problems: int = 1024,
+    log_every: int = 100,
+) -> Path:
     """Train the embedded model on `task_name`'s teacher demonstrations and save it to `out_dir`.
 
     Loss: cross-entropy on completion tokens (and the final EOS) only; AdamW with linear warmup and
@@ -74,15 +84,23 @@ def warm_start(task_name: str, out_dir: str | Path, steps: int | None = None, ba
         opt.step()
         sched.step()
         if step % log_every == 0 or step == cfg["steps"]:
-            print(f"warmstart {task_name} step {step}/{cfg['steps']} loss {loss.item():.4f} "
-                  f"({time.time() - start:.0f}s)", flush=True)
+            print(
+                f"warmstart {task_name} step {step}/{cfg['steps']} loss {loss.item():.4f} ({time.time() - start:.0f}s)",
+                flush=True,
+            )
     wall = time.time() - start
     model.eval()
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    report = {"task": task_name, "seed": seed, **cfg, "sft_seconds": round(wall, 1),
-              "parameters": sum(p.numel() for p in model.parameters()), "final_loss": loss.item()}
+    report = {
+        "task": task_name,
+        "seed": seed,
+        **cfg,
+        "sft_seconds": round(wall, 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": loss.item(),
+    }
     if eval_problems:
         report.update(evaluate_accuracy(model, tokenizer, task_name, eval_problems))
     (out_dir / "warmstart.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -97,8 +115,9 @@ def evaluate_accuracy(model, tokenizer, task_name: str, n: int = 1024, seed: int
     engine = HFEngine(model, tokenizer, batch_size=256)
     result = {}
     for name, temperature in (("greedy_accuracy", 0.0), ("sampled_accuracy", 1.0)):
-        gens = engine.generate([p.prompt for p in problems],
-                               SamplingParams(temperature=temperature, max_new_tokens=32, seed=seed))
+        gens = engine.generate(
+            [p.prompt for p in problems], SamplingParams(temperature=temperature, max_new_tokens=32, seed=seed)
+        )
         result[name] = sum(task.score(p, g.text) for p, g in zip(problems, gens)) / n
     return result
 
@@ -125,7 +144,7 @@ def _sft_batch(task, tokenizer, rng: random.Random, batch_size: int):
     for i, (p, c) in enumerate(rows):
         n = len(p) + len(c)
         input_ids[i, :n] = torch.tensor(p + c)
-        labels[i, len(p):n] = torch.tensor(c)
+        labels[i, len(p) : n] = torch.tensor(c)
         mask[i, :n] = 1
     return input_ids, labels, mask
 
@@ -143,8 +162,11 @@ class WarmstartOptions:
 
 
 def parser() -> ArgumentParser:
-    p = ArgumentParser(prog="gppo warmstart", description="Supervised warm start of the embedded model on a "
-                       "built-in task (how the shipped gppo/assets/warmstart/ folders were made).")
+    p = ArgumentParser(
+        prog="gppo warmstart",
+        description="Supervised warm start of the embedded model on a "
+        "built-in task (how the shipped gppo/assets/warmstart/ folders were made).",
+    )
     add_arguments(p, WarmstartOptions)
     return p
 
@@ -153,4 +175,3 @@ def run(args) -> int:
     o = WarmstartOptions(**check(WarmstartOptions, vars(args), CLI))
     warm_start(o.task, o.out, steps=o.steps, seed=o.seed, threads=o.threads)
     return 0
-

@@ -111,9 +111,7 @@ def require(batch: TokenBatch, names, why: str) -> None:
     """Raise a GPPOInputError naming the first missing field in `names`, what needs it and the fix."""
     for name in names:
         if getattr(batch, name) is None:
-            raise GPPOInputError(
-                f"TokenBatch.{name} is missing but {why} needs it: {HOW_TO_RECORD[name]}"
-            )
+            raise GPPOInputError(f"TokenBatch.{name} is missing but {why} needs it: {HOW_TO_RECORD[name]}")
 
 
 def validate(batch: TokenBatch) -> None:
@@ -160,8 +158,7 @@ def validate(batch: TokenBatch) -> None:
         shape = tuple(getattr(batch, name).shape)
         if len(shape) != 3 or shape[:2] != bt or shape[2] != tuple(getattr(batch, full[0]).shape)[2]:
             raise GPPOInputError(
-                f"TokenBatch.{name} has shape {shape}: expected [B,T,V] with [B,T]={bt} and the "
-                f"same V as {full[0]}"
+                f"TokenBatch.{name} has shape {shape}: expected [B,T,V] with [B,T]={bt} and the same V as {full[0]}"
             )
 
     # Value checks, gathered so that the host waits for the device once.
@@ -176,9 +173,7 @@ def validate(batch: TokenBatch) -> None:
         value = getattr(batch, name)
         if value is not None:
             checks[f"TokenBatch.{name} is not finite"] = (~torch.isfinite(value) & valid).any()
-    checks["TokenBatch.advantages is not finite"] = (
-        ~torch.isfinite(batch.token_advantages()) & valid
-    ).any()
+    checks["TokenBatch.advantages is not finite"] = (~torch.isfinite(batch.token_advantages()) & valid).any()
     for name in _TOPK_FIELDS:  # -inf is a legitimate zero-probability entry; NaN and +inf are not
         value = getattr(batch, name)
         if value is not None:
@@ -196,8 +191,7 @@ def validate(batch: TokenBatch) -> None:
         value = getattr(batch, name)
         if value is not None:
             row = value.detach().sum(-1)
-            checks[f"TokenBatch.{name} has NaN or +inf"] = (
-                (torch.isnan(row) | (row == float("inf"))) & valid).any()
+            checks[f"TokenBatch.{name} has NaN or +inf"] = ((torch.isnan(row) | (row == float("inf"))) & valid).any()
     flags = torch.stack([c.reshape(()) for c in checks.values()]).tolist()
     failed = [msg for msg, bad in zip(checks, flags) if bad]
     if failed:
@@ -208,10 +202,13 @@ def validate(batch: TokenBatch) -> None:
         }
         msg = failed[0]
         if msg.endswith("log-probs > 0"):
-            hints[msg] = ("a probability above 1: pass log-probabilities (log_softmax of the "
-                          "logits, <= 0), not logits, probabilities or negative log-likelihoods")
-        hint = hints.get(msg, "at a masked-in position; check the rollout log-probs and the "
-                          "temperature, or mask such tokens out")
+            hints[msg] = (
+                "a probability above 1: pass log-probabilities (log_softmax of the "
+                "logits, <= 0), not logits, probabilities or negative log-likelihoods"
+            )
+        hint = hints.get(
+            msg, "at a masked-in position; check the rollout log-probs and the temperature, or mask such tokens out"
+        )
         raise GPPOInputError(f"{msg}: {hint}")
 
 

@@ -268,9 +268,7 @@ class SquaredHellinger(Divergence):
 
     def _interior(self, p, q, log_p, log_q):
         x = log_p - log_q
-        return torch.where(
-            x.abs() <= 1, q * torch.expm1(x / 2) ** 2, (p.sqrt() - q.sqrt()) ** 2
-        )
+        return torch.where(x.abs() <= 1, q * torch.expm1(x / 2) ** 2, (p.sqrt() - q.sqrt()) ** 2)
 
     def tv_bound(self, delta):
         h2 = min(delta, 2.0)  # squared Hellinger never exceeds 2, where the bound reaches 1
@@ -376,8 +374,16 @@ class AlphaDivergence(Divergence):
 
 
 DIVERGENCES = Registry("divergence")  # name -> Divergence subclass (its params are its fields)
-for _cls in (TotalVariation, ForwardKL, ReverseKL, PearsonChi2, NeymanChi2, SquaredHellinger,
-             JensenShannon, AlphaDivergence):
+for _cls in (
+    TotalVariation,
+    ForwardKL,
+    ReverseKL,
+    PearsonChi2,
+    NeymanChi2,
+    SquaredHellinger,
+    JensenShannon,
+    AlphaDivergence,
+):
     DIVERGENCES.add(_cls.name, _cls, builtin=True)
 
 

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 
 from gppo.core.batch import TokenBatch, require
 from gppo.core.divergences import Divergence
 from gppo.core.numerics import log1mexp, upcast, work_dtype
-from gppo.core.regions import bisect_interval, cell_interval, sample_interval
 from gppo.core.params import check_params
+from gppo.core.regions import bisect_interval, cell_interval, sample_interval
 from gppo.core.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (docs/design.md section 1)
@@ -99,8 +99,9 @@ def binary_estimate(div: Divergence, logp, logq) -> torch.Tensor:
     return div.cell_terms(logp, logq) + div.cell_terms(rest_p, rest_q)
 
 
-def nucleus_estimate(div: Divergence, logp, logq, token_ids, topk_ids, topk_logp, topk_logq,
-                     top_p: float, top_k: int | None = None) -> torch.Tensor:
+def nucleus_estimate(
+    div: Divergence, logp, logq, token_ids, topk_ids, topk_logp, topk_logq, top_p: float, top_k: int | None = None
+) -> torch.Tensor:
     """Exact D_f on {mu's nucleus of mass >= top_p within its top-K} u {sampled} u {rest}.
 
     top_p = 1 gives the top-K estimator. Entries whose id repeats an earlier one (engines return
@@ -114,7 +115,8 @@ def nucleus_estimate(div: Divergence, logp, logq, token_ids, topk_ids, topk_logp
     key = topk_logq.masked_fill(duplicate, -math.inf)
     order = key.argsort(dim=-1, descending=True, stable=True)  # distinct entries first, by mass
     topk_ids, topk_logp, topk_logq, duplicate = (
-        x.gather(-1, order) for x in (topk_ids, topk_logp, topk_logq, duplicate))
+        x.gather(-1, order) for x in (topk_ids, topk_logp, topk_logq, duplicate)
+    )
     used = ~duplicate
     if top_k is not None:
         used = used & (torch.arange(used.shape[-1], device=used.device) < top_k)
@@ -129,11 +131,15 @@ def nucleus_estimate(div: Divergence, logp, logq, token_ids, topk_ids, topk_logp
     terms = terms + torch.where(sampled_outside, div.cell_terms(logp, logq), 0.0)
 
     def cell_log_masses(top, token):  # [..., K + 1]: the explicit cells, -inf where none
-        return torch.cat([torch.where(own_cell, top, -math.inf),
-                          torch.where(sampled_outside, upcast(token), -math.inf)[..., None]], -1)
+        return torch.cat(
+            [torch.where(own_cell, top, -math.inf), torch.where(sampled_outside, upcast(token), -math.inf)[..., None]],
+            -1,
+        )
 
-    rest_p, rest_q = (rest_log_mass(cell_log_masses(top, token)).clamp(min=floor)
-                      for top, token in ((topk_logp, logp), (topk_logq, logq)))
+    rest_p, rest_q = (
+        rest_log_mass(cell_log_masses(top, token)).clamp(min=floor)
+        for top, token in ((topk_logp, logp), (topk_logq, logq))
+    )
     return terms + div.cell_terms(rest_p, rest_q)
 
 
@@ -183,8 +189,11 @@ def vocabulary_pass(fn: Callable, flat: tuple, positions: torch.Tensor, chunk_si
         except Exception as exc:  # torch.compile cannot build here: run eagerly for good
             if run is fn:
                 raise
-            warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); vocabulary passes "
-                          "run uncompiled", RuntimeWarning)
+            warnings.warn(
+                f"torch.compile failed ({type(exc).__name__}: {exc}); vocabulary passes run uncompiled",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             _fused[fn] = run = fn
             out.append(fn(*flat, chunk, *args))
     return out
@@ -266,45 +275,86 @@ class Estimator:
         if self.interval is not None:
             lo, hi = self.interval(div, q, delta_low, delta_high)
             return lo, hi.minimum(1.0 / q)
-        return bisect_interval(lambda logp, logq: self.token_estimate(div, logp, logq), q,
-                               delta_low, delta_high)
+        return bisect_interval(lambda logp, logq: self.token_estimate(div, logp, logq), q, delta_low, delta_high)
 
 
 def _per_token(fn: Callable) -> Callable:
     def compute(div, batch, anchor, config):
         return fn(div, batch.logp, anchor.logq)
+
     return compute
 
 
 def _topk(top_p_of: Callable):
     def compute(div, batch, anchor, config):
-        return nucleus_estimate(div, batch.logp, anchor.logq, batch.token_ids, batch.topk_ids,
-                                batch.topk_logp, anchor.topk_logq, top_p_of(config), config.top_k)
+        return nucleus_estimate(
+            div,
+            batch.logp,
+            anchor.logq,
+            batch.token_ids,
+            batch.topk_ids,
+            batch.topk_logp,
+            anchor.topk_logq,
+            top_p_of(config),
+            config.top_k,
+        )
+
     return compute
 
 
 ESTIMATORS = Registry("estimator")
 for _est in (
-    Estimator("sample", _per_token(sample_estimate), summary="single-sample f~(r) of the sampled token",
-              token_estimate=sample_estimate, constant_interval=sample_interval),
-    Estimator("cell", _per_token(cell_estimate), summary="the sampled token's own cell q f~(r)",
-              token_estimate=cell_estimate, interval=cell_interval),
-    Estimator("binary", _per_token(binary_estimate), summary="exact D_f on {sampled, rest}",
-              token_estimate=binary_estimate),
-    Estimator("topk", _topk(lambda c: 1.0), ("token_ids", "topk_ids", "topk_logp"), ("token", "topk"),
-              ("top_k",), "exact D_f on mu's top-K u {sampled} u {rest}"),
-    Estimator("topp", _topk(lambda c: c.top_p), ("token_ids", "topk_ids", "topk_logp"), ("token", "topk"),
-              ("top_k", "top_p"), "exact D_f on mu's nucleus (mass top_p, at most K) u {sampled} u {rest}"),
-    Estimator("full", lambda div, batch, anchor, config: full_estimate(
-                  div, batch.logits, anchor.full_logq, batch.mask, config.full_chunk_size),
-              ("logits",), ("full",), (), "exact D_f over the whole vocabulary",
-              precomputed="full_estimate"),
+    Estimator(
+        "sample",
+        _per_token(sample_estimate),
+        summary="single-sample f~(r) of the sampled token",
+        token_estimate=sample_estimate,
+        constant_interval=sample_interval,
+    ),
+    Estimator(
+        "cell",
+        _per_token(cell_estimate),
+        summary="the sampled token's own cell q f~(r)",
+        token_estimate=cell_estimate,
+        interval=cell_interval,
+    ),
+    Estimator(
+        "binary", _per_token(binary_estimate), summary="exact D_f on {sampled, rest}", token_estimate=binary_estimate
+    ),
+    Estimator(
+        "topk",
+        _topk(lambda c: 1.0),
+        ("token_ids", "topk_ids", "topk_logp"),
+        ("token", "topk"),
+        ("top_k",),
+        "exact D_f on mu's top-K u {sampled} u {rest}",
+    ),
+    Estimator(
+        "topp",
+        _topk(lambda c: c.top_p),
+        ("token_ids", "topk_ids", "topk_logp"),
+        ("token", "topk"),
+        ("top_k", "top_p"),
+        "exact D_f on mu's nucleus (mass top_p, at most K) u {sampled} u {rest}",
+    ),
+    Estimator(
+        "full",
+        lambda div, batch, anchor, config: full_estimate(
+            div, batch.logits, anchor.full_logq, batch.mask, config.full_chunk_size
+        ),
+        ("logits",),
+        ("full",),
+        (),
+        "exact D_f over the whole vocabulary",
+        precomputed="full_estimate",
+    ),
 ):
     ESTIMATORS.add(_est.name, _est, builtin=True)
 
 
-def register_estimator(name: str, *, needs=(), anchor=("token",), params=(), per_token: bool = False,
-                       summary: str = ""):
+def register_estimator(
+    name: str, *, needs=(), anchor=("token",), params=(), per_token: bool = False, summary: str = ""
+):
     """Decorator registering an estimator under `name`.
 
     Default form: fn(div, batch, anchor, config) -> D-hat [B,T] (div a gppo.Divergence, anchor the
@@ -317,25 +367,35 @@ def register_estimator(name: str, *, needs=(), anchor=("token",), params=(), per
     batch_fields = {f.name for f in fields(TokenBatch)}
     unknown = [n for n in needs if n not in batch_fields]
     if unknown:
-        raise ValueError(f"estimator {name!r} needs {unknown}, which are not TokenBatch fields "
-                         f"{sorted(batch_fields)}")
+        raise ValueError(f"estimator {name!r} needs {unknown}, which are not TokenBatch fields {sorted(batch_fields)}")
     bad_roles = [r for r in anchor if r not in ANCHOR_ROLES]
     if bad_roles or not anchor:
-        raise ValueError(f"estimator {name!r}: anchor must name some of {list(ANCHOR_ROLES)} "
-                         f"(got {list(anchor)})")
+        raise ValueError(f"estimator {name!r}: anchor must name some of {list(ANCHOR_ROLES)} (got {list(anchor)})")
     check_params(f"estimator {name!r}", params)
     if "topk_ids" in needs and "top_k" not in params:
-        raise ValueError(f"estimator {name!r} needs mu's top-K (topk_ids), so it must declare top_k "
-                         "among its params: top_k is how many entries the rollout records")
+        raise ValueError(
+            f"estimator {name!r} needs mu's top-K (topk_ids), so it must declare top_k "
+            "among its params: top_k is how many entries the rollout records"
+        )
 
     def decorate(fn: Callable) -> Callable:
         if not callable(fn):
             raise TypeError(f"register_estimator({name!r}) decorates a function, got {type(fn).__name__}")
         compute, token = (_per_token(fn), fn) if per_token else (fn, None)
-        ESTIMATORS.add(name, Estimator(name, compute, tuple(needs), tuple(anchor), tuple(params),
-                                       summary or (fn.__doc__ or "").strip().split("\n")[0],
-                                       token_estimate=token))
+        ESTIMATORS.add(
+            name,
+            Estimator(
+                name,
+                compute,
+                tuple(needs),
+                tuple(anchor),
+                tuple(params),
+                summary or (fn.__doc__ or "").strip().split("\n")[0],
+                token_estimate=token,
+            ),
+        )
         return fn
+
     return decorate
 
 
@@ -347,8 +407,11 @@ def run_estimator(config, batch: TokenBatch, div: Divergence | None = None) -> t
     with torch.no_grad():
         if given is not None:
             return torch.where(batch.token_mask, upcast(given.detach()), 0.0)
-        require(batch, est.batch_fields(config.anchor),
-                f"estimator {config.estimator!r} with anchor={config.anchor!r}"
-                + (f" (or TokenBatch.{est.precomputed})" if est.precomputed else ""))
+        require(
+            batch,
+            est.batch_fields(config.anchor),
+            f"estimator {config.estimator!r} with anchor={config.anchor!r}"
+            + (f" (or TokenBatch.{est.precomputed})" if est.precomputed else ""),
+        )
         value = est.compute(div or config.divergence_fn, batch, anchor_of(batch, config.anchor), config)
         return torch.where(batch.token_mask, upcast(value), 0.0)

@@ -19,19 +19,25 @@ from gppo.core.rules import RULES, RuleContext
 # mu-probability buckets of the sampled token: the low-probability over-penalisation that
 # motivates GPPO shows up as a high masked fraction in the first buckets.
 Q_BUCKET_EDGES = (0.0, 1e-3, 1e-2, 0.1, 0.5, 1.0)
-Q_BUCKETS = tuple(
-    f"q[{lo:g},{hi:g}{']' if hi == 1.0 else ')'}" for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:])
-)
+Q_BUCKETS = tuple(f"q[{lo:g},{hi:g}{']' if hi == 1.0 else ')'}" for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:]))
 
 
 def q_buckets(q: torch.Tensor) -> dict[str, torch.Tensor]:
     """Boolean membership of each probability in the buckets Q_BUCKETS (the last one closed)."""
-    return {name: (q >= lo) & ((q < hi) if hi < 1 else (q <= hi))
-            for name, lo, hi in zip(Q_BUCKETS, Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:])}
+    return {
+        name: (q >= lo) & ((q < hi) if hi < 1 else (q <= hi))
+        for name, lo, hi in zip(Q_BUCKETS, Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:])
+    }
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: int | None = None,
-              num_tokens: float | None = None, num_sequences: float | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    norm_length: int | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+) -> torch.Tensor:
     """Reduce per-token values [B,T] to a scalar (docs/design.md section 6).
 
     token-mean: sum l m / sum m;  seq-mean-token-mean: mean_i (sum_t l m / sum_t m);
@@ -136,8 +142,9 @@ def behavior_weight(batch: TokenBatch, config: GPPOConfig, valid: torch.Tensor) 
     return torch.where(outside, 0.0, w)
 
 
-def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | None = None,
-                num_sequences: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(
+    batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | None = None, num_sequences: float | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The GPPO loss (scalar, to minimise) and its metrics.
 
     loss = agg_t(l_t) + kl_coef * agg_t(KL_t), l_t from `config.rule` on r = exp(log pi - log anchor).
@@ -148,7 +155,8 @@ def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | No
         if count is not None and not bool((torch.as_tensor(count) > 0).all()):  # also refuses NaN
             raise GPPOInputError(
                 f"policy_loss({name}={count}) must be > 0: pass the mini-batch's global {name.split('_')[1]} "
-                "count, or None to count the batch's mask")
+                "count, or None to count the batch's mask"
+            )
     validate(batch)
     anchor = anchor_of(batch, config.anchor)
     valid = batch.token_mask
@@ -174,8 +182,9 @@ def policy_loss(batch: TokenBatch, config: GPPOConfig, *, num_tokens: float | No
     per_token = out.loss
     if config.behavior_weight_cap is not None or config.behavior_weight_floor is not None:
         per_token = per_token * behavior_weight(batch, config, valid)
-    agg = dict(mode=config.loss_agg_mode, norm_length=config.norm_length, num_tokens=num_tokens,
-               num_sequences=num_sequences)
+    agg = dict(
+        mode=config.loss_agg_mode, norm_length=config.norm_length, num_tokens=num_tokens, num_sequences=num_sequences
+    )
     pg_loss = aggregate(per_token, ctx.valid, **agg)
     loss = pg_loss
     kl = None
@@ -228,10 +237,11 @@ def _metrics(ctx: RuleContext, out, pg_loss: torch.Tensor, kl: torch.Tensor | No
         elif ctx.batch.logits is not None:
             values["entropy"] = entropy_from_logits(ctx.batch.logits, valid, ctx.config.full_chunk_size)
         names = list(values)
-        numbers = torch.stack([values[k].float().reshape(()) for k in names]
-                              + [c.float().reshape(()) for c in counts.values()]).tolist()
+        numbers = torch.stack(
+            [values[k].float().reshape(()) for k in names] + [c.float().reshape(()) for c in counts.values()]
+        ).tolist()
     result = dict(zip(names, numbers[: len(names)]))
-    for name, count in zip(counts, numbers[len(names):]):
+    for name, count in zip(counts, numbers[len(names) :]):
         if count == 0:
             del result[name]
     return result

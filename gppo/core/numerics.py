@@ -23,9 +23,7 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 def log1mexp(log_x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(log_x)) for log_x <= 0, accurate near both ends (Maechler 2012)."""
     log_x = log_x.clamp(max=0.0)
-    return torch.where(
-        log_x > -LOG2, torch.log(-torch.expm1(log_x)), torch.log1p(-torch.exp(log_x))
-    )
+    return torch.where(log_x > -LOG2, torch.log(-torch.expm1(log_x)), torch.log1p(-torch.exp(log_x)))
 
 
 def expm1_minus(y: torch.Tensor) -> torch.Tensor:

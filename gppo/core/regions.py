@@ -11,7 +11,7 @@ constant; RIPO: |r-1| <= sqrt(delta/q); binary TV: |r-1| <= delta/q). Each estim
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, make_dataclass
-from typing import Callable
 
 import torch
 
@@ -100,8 +100,9 @@ def _limit(values: torch.Tensor) -> float:
     return math.inf
 
 
-def register_divergence(name: str, f: Callable, *, f_prime_at_1: float | None = None,
-                        summary: str = "") -> type[Divergence]:
+def register_divergence(
+    name: str, f: Callable, *, f_prime_at_1: float | None = None, summary: str = ""
+) -> type[Divergence]:
     """Register the f-divergence with convex generator `f` (a torch function of t >= 0, f(1) = 0).
 
     It becomes usable everywhere a divergence name is: every estimator and rule, preset overrides,
@@ -113,8 +114,7 @@ def register_divergence(name: str, f: Callable, *, f_prime_at_1: float | None = 
     """
     DIVERGENCES.check_new(name)
     if not callable(f):
-        raise TypeError(f"register_divergence({name!r}, f): f must be a torch function of t, got "
-                        f"{type(f).__name__}")
+        raise TypeError(f"register_divergence({name!r}, f): f must be a torch function of t, got {type(f).__name__}")
     with torch.no_grad():
         at_one = float(f(torch.tensor(1.0, dtype=torch.float64)))
     if not abs(at_one) <= 1e-12:
@@ -122,8 +122,10 @@ def register_divergence(name: str, f: Callable, *, f_prime_at_1: float | None = 
     slope, curvature = _derivatives_at_one(f)
     slope = slope if f_prime_at_1 is None else float(f_prime_at_1)
     if not math.isfinite(slope):
-        raise ValueError(f"divergence {name!r}: f'(1) is not finite by autograd ({slope}); pass "
-                         "f_prime_at_1 (any subgradient of f at 1)")
+        raise ValueError(
+            f"divergence {name!r}: f'(1) is not finite by autograd ({slope}); pass "
+            "f_prime_at_1 (any subgradient of f at 1)"
+        )
     with torch.no_grad():
         t = torch.logspace(-8, 8, 321, dtype=torch.float64)
         f_tilde = f(t) - slope * (t - 1)
@@ -133,9 +135,11 @@ def register_divergence(name: str, f: Callable, *, f_prime_at_1: float | None = 
         concave = chord.diff() < -1e-7 * (chord[1:].abs() + chord[:-1].abs() + 1e-12)
         if concave.any() or (f_tilde < -1e-9 * (1 + f_tilde.abs())).any():
             bad = float(t[1:-1][concave][0]) if concave.any() else float(t[f_tilde.argmin()])
-            raise ValueError(f"divergence {name!r}: f is not convex near t = {bad:.3g} (or "
-                             f"f'(1) = {slope} is not a subgradient at 1); an f-divergence needs a "
-                             "convex generator")
+            raise ValueError(
+                f"divergence {name!r}: f is not convex near t = {bad:.3g} (or "
+                f"f'(1) = {slope} is not a subgradient at 1); an f-divergence needs a "
+                "convex generator"
+            )
         at_zero = float(f(torch.zeros((), dtype=torch.float64))) + slope
         if math.isnan(at_zero):
             tiny = torch.tensor([1e-150, 1e-300], dtype=torch.float64)
@@ -143,11 +147,19 @@ def register_divergence(name: str, f: Callable, *, f_prime_at_1: float | None = 
         huge = torch.tensor([1e50, 1e100], dtype=torch.float64)
         slope_at_inf = _limit(f(huge) / huge - slope)
     cls = make_dataclass(
-        f"Registered_{name}", [
-            ("name", str, name), ("generator", Callable, f), ("f_prime_at_1", float, slope),
+        f"Registered_{name}",
+        [
+            ("name", str, name),
+            ("generator", Callable, f),
+            ("f_prime_at_1", float, slope),
             ("curvature", float, curvature if math.isfinite(curvature) and curvature > 0 else None),
-            ("f_tilde_at_0", float, at_zero), ("slope_at_inf", float, slope_at_inf),
-        ], bases=(GeneratorDivergence,), frozen=True, repr=False,
-        namespace={"summary": summary or f"registered generator {getattr(f, '__name__', 'f')}"})
+            ("f_tilde_at_0", float, at_zero),
+            ("slope_at_inf", float, slope_at_inf),
+        ],
+        bases=(GeneratorDivergence,),
+        frozen=True,
+        repr=False,
+        namespace={"summary": summary or f"registered generator {getattr(f, '__name__', 'f')}"},
+    )
     DIVERGENCES.add(name, cls)
     return cls

@@ -66,12 +66,13 @@ class Registry(Mapping):
     def check_new(self, name) -> None:
         """Refuse a name that is not a clean string or is taken (before any work is done for it)."""
         if not isinstance(name, str) or not name or name != name.strip():
-            raise ValueError(f"a {self.axis} name must be a non-empty string without surrounding "
-                             f"spaces (got {name!r})")
+            raise ValueError(f"a {self.axis} name must be a non-empty string without surrounding spaces (got {name!r})")
         if name in self._entries:
             kind = "a built-in" if name in self._builtin else "an already registered"
-            raise ValueError(f"{name!r} is {kind} {self.axis}: register yours under another name, "
-                             f"or call gppo.{self.axis.upper()}S.remove({name!r}) first")
+            raise ValueError(
+                f"{name!r} is {kind} {self.axis}: register yours under another name, "
+                f"or call gppo.{self.axis.upper()}S.remove({name!r}) first"
+            )
 
     def remove(self, name: str) -> None:
         """Unregister a user entry (tests, notebooks re-running a registration)."""
@@ -86,8 +87,9 @@ class Registry(Mapping):
         load_plugins()
         if isinstance(name, str) and name in self._entries:
             return self._entries[name]
-        raise ValueError(f"unknown {self.axis} {name!r}{closest(name, self._entries)}; "
-                         f"choose one of {list(self._entries)}")
+        raise ValueError(
+            f"unknown {self.axis} {name!r}{closest(name, self._entries)}; choose one of {list(self._entries)}"
+        )
 
     def __getitem__(self, name):
         load_plugins()

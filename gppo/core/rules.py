@@ -12,14 +12,14 @@ adds one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from gppo.core.estimators import ESTIMATORS, run_estimator
-from gppo.core.regions import dcpo_interval
 from gppo.core.params import check_params
+from gppo.core.regions import dcpo_interval
 from gppo.core.registry import Registry
 
 
@@ -58,8 +58,7 @@ class RuleContext:
             lo, hi = est.constant_interval(cfg.divergence_fn, cfg.delta_low, cfg.delta_high)
             as_tensor = lambda x: torch.tensor(x, dtype=self.logp.dtype, device=self.logp.device)
             return as_tensor(lo), as_tensor(hi)
-        lo, hi = est.ratio_interval(cfg.divergence_fn, self.logq.detach().double().exp(),
-                                    cfg.delta_low, cfg.delta_high)
+        lo, hi = est.ratio_interval(cfg.divergence_fn, self.logq.detach().double().exp(), cfg.delta_low, cfg.delta_high)
         return lo.to(self.logp.dtype), hi.to(self.logp.dtype)
 
 
@@ -361,45 +360,114 @@ def _no_penalty(cfg) -> bool:
 
 RULES = Registry("rule")
 for _rule in (
-    Rule("mask", mask_rule, (*_DELTAS, "dual_clip", "truncation", "kl_tau", "off_policy_threshold"),
-         advantage_linear=_no_penalty,
-         summary="DPPO's directional mask"),
-    Rule("clip", clip_rule, (*_DELTAS, "clip_bounds", "dual_clip", "truncation", "off_policy_threshold"),
-         uses_estimate=lambda cfg: cfg.clip_bounds != "dcpo", ratio_interval=True,
-         summary="PPO clip of the ratio to the region's interval (or DCPO's bounds)"),
-    Rule("soft", soft_rule, ("tau_pos", "tau_neg", "truncation"), uses_estimate=False,
-         summary="SAPO's soft gate"),
-    Rule("truncate", truncate_rule, ("truncation",), uses_estimate=False,
-         summary="CISPO / truncated IS policy gradient, no region"),
-    Rule("seq-clip", seq_clip_rule, (*_DELTAS, "truncation"), ratio_interval=True, estimators=("sample",),
-         summary="GSPO clip of the sequence ratio"),
-    Rule("geo-mean", geo_mean_rule, (*_DELTAS, "truncation"), ratio_interval=True,
-         summary="GMPO geometric-mean sequence weight"),
-    Rule("seq-mask", seq_mask_rule, ("delta_high", "seq_reduce", "truncation"),
-         summary="Trust Region Masking: drop a sequence whose max (or mean) estimate exceeds delta_high"),
-    Rule("band", band_rule, (*_DELTAS, "truncation"),
-         summary="IcePop: drop every token outside the region, whatever the sign of A"),
-    Rule("pg", pg_rule, ("kl_tau",), uses_estimate=False, advantage_linear=_no_penalty,
-         summary="GPG / REINFORCE -A log p, no importance weight (DRO with kl_tau)"),
-    Rule("clip-cov", clip_cov_rule, (*_DELTAS, "cov_ratio", "cov_low", "cov_high"), ratio_interval=True,
-         advantage_linear=False,
-         summary="Clip-Cov: PPO clip, gradient detached on random tokens of high covariance"),
-    Rule("kl-cov", kl_cov_rule, ("cov_ratio", "cov_kl_coef"), uses_estimate=False,
-         advantage_linear=False,
-         summary="KL-Cov: ratio PG, |log r| penalty on the tokens of highest covariance"),
-    Rule("prefix-mask", prefix_mask_rule,
-         ("delta_high", "position_weight_min", "prefix_budget", "prefix_budget_mode", "truncation"),
-         summary="CPPO: directional mask, position-weighted threshold and cumulative prefix budget"),
-    Rule("quadratic", quadratic_rule, ("quadratic_delta",), uses_estimate=False,
-         summary="DRPO: ratio PG plus the advantage-weighted penalty |A| q (r-1)^2 / (2 delta)"),
-    Rule("gamma", gamma_rule, ("k_pos", "lambda_pos", "k_neg", "lambda_neg"), uses_estimate=False,
-         summary="VESPO's gamma weight of the sequence ratio"),
+    Rule(
+        "mask",
+        mask_rule,
+        (*_DELTAS, "dual_clip", "truncation", "kl_tau", "off_policy_threshold"),
+        advantage_linear=_no_penalty,
+        summary="DPPO's directional mask",
+    ),
+    Rule(
+        "clip",
+        clip_rule,
+        (*_DELTAS, "clip_bounds", "dual_clip", "truncation", "off_policy_threshold"),
+        uses_estimate=lambda cfg: cfg.clip_bounds != "dcpo",
+        ratio_interval=True,
+        summary="PPO clip of the ratio to the region's interval (or DCPO's bounds)",
+    ),
+    Rule("soft", soft_rule, ("tau_pos", "tau_neg", "truncation"), uses_estimate=False, summary="SAPO's soft gate"),
+    Rule(
+        "truncate",
+        truncate_rule,
+        ("truncation",),
+        uses_estimate=False,
+        summary="CISPO / truncated IS policy gradient, no region",
+    ),
+    Rule(
+        "seq-clip",
+        seq_clip_rule,
+        (*_DELTAS, "truncation"),
+        ratio_interval=True,
+        estimators=("sample",),
+        summary="GSPO clip of the sequence ratio",
+    ),
+    Rule(
+        "geo-mean",
+        geo_mean_rule,
+        (*_DELTAS, "truncation"),
+        ratio_interval=True,
+        summary="GMPO geometric-mean sequence weight",
+    ),
+    Rule(
+        "seq-mask",
+        seq_mask_rule,
+        ("delta_high", "seq_reduce", "truncation"),
+        summary="Trust Region Masking: drop a sequence whose max (or mean) estimate exceeds delta_high",
+    ),
+    Rule(
+        "band",
+        band_rule,
+        (*_DELTAS, "truncation"),
+        summary="IcePop: drop every token outside the region, whatever the sign of A",
+    ),
+    Rule(
+        "pg",
+        pg_rule,
+        ("kl_tau",),
+        uses_estimate=False,
+        advantage_linear=_no_penalty,
+        summary="GPG / REINFORCE -A log p, no importance weight (DRO with kl_tau)",
+    ),
+    Rule(
+        "clip-cov",
+        clip_cov_rule,
+        (*_DELTAS, "cov_ratio", "cov_low", "cov_high"),
+        ratio_interval=True,
+        advantage_linear=False,
+        summary="Clip-Cov: PPO clip, gradient detached on random tokens of high covariance",
+    ),
+    Rule(
+        "kl-cov",
+        kl_cov_rule,
+        ("cov_ratio", "cov_kl_coef"),
+        uses_estimate=False,
+        advantage_linear=False,
+        summary="KL-Cov: ratio PG, |log r| penalty on the tokens of highest covariance",
+    ),
+    Rule(
+        "prefix-mask",
+        prefix_mask_rule,
+        ("delta_high", "position_weight_min", "prefix_budget", "prefix_budget_mode", "truncation"),
+        summary="CPPO: directional mask, position-weighted threshold and cumulative prefix budget",
+    ),
+    Rule(
+        "quadratic",
+        quadratic_rule,
+        ("quadratic_delta",),
+        uses_estimate=False,
+        summary="DRPO: ratio PG plus the advantage-weighted penalty |A| q (r-1)^2 / (2 delta)",
+    ),
+    Rule(
+        "gamma",
+        gamma_rule,
+        ("k_pos", "lambda_pos", "k_neg", "lambda_neg"),
+        uses_estimate=False,
+        summary="VESPO's gamma weight of the sequence ratio",
+    ),
 ):
     RULES.add(_rule.name, _rule, builtin=True)
 
 
-def register_rule(name: str, *, params=(), uses_estimate: bool = True, ratio_interval: bool = False,
-                  estimators=None, summary: str = "", advantage_linear: bool = True):
+def register_rule(
+    name: str,
+    *,
+    params=(),
+    uses_estimate: bool = True,
+    ratio_interval: bool = False,
+    estimators=None,
+    summary: str = "",
+    advantage_linear: bool = True,
+):
     """Decorator registering a trust-region rule: fn(ctx: RuleContext) -> RuleOutput.
 
     ctx gives the per-token adv, valid, logp (differentiable), log_ratio, ratio, logq, estimate()
@@ -416,8 +484,19 @@ def register_rule(name: str, *, params=(), uses_estimate: bool = True, ratio_int
     def decorate(fn: Callable) -> Callable:
         if not callable(fn):
             raise TypeError(f"register_rule({name!r}) decorates a function, got {type(fn).__name__}")
-        RULES.add(name, Rule(name, fn, tuple(params), uses_estimate, ratio_interval,
-                             None if estimators is None else tuple(estimators),
-                             summary or (fn.__doc__ or "").strip().split("\n")[0], advantage_linear))
+        RULES.add(
+            name,
+            Rule(
+                name,
+                fn,
+                tuple(params),
+                uses_estimate,
+                ratio_interval,
+                None if estimators is None else tuple(estimators),
+                summary or (fn.__doc__ or "").strip().split("\n")[0],
+                advantage_linear,
+            ),
+        )
         return fn
+
     return decorate

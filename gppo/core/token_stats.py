@@ -56,13 +56,23 @@ class TokenStats:
     log_probs: torch.Tensor | None = None
 
 
-def token_stats(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, *,
-                bias: torch.Tensor | None = None, temperature: float = 1.0,
-                topk_ids: torch.Tensor | None = None, kept_sizes: torch.Tensor | None = None,
-                kept_ids: torch.Tensor | None = None, entropy: bool = False,
-                ref_log_probs: torch.Tensor | None = None,
-                anchor_log_probs: torch.Tensor | None = None, divergence: Divergence | None = None,
-                return_log_probs: bool = False, chunk_size: int | None = None) -> TokenStats:
+def token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    topk_ids: torch.Tensor | None = None,
+    kept_sizes: torch.Tensor | None = None,
+    kept_ids: torch.Tensor | None = None,
+    entropy: bool = False,
+    ref_log_probs: torch.Tensor | None = None,
+    anchor_log_probs: torch.Tensor | None = None,
+    divergence: Divergence | None = None,
+    return_log_probs: bool = False,
+    chunk_size: int | None = None,
+) -> TokenStats:
     """Per-token statistics of pi = softmax((hidden @ weight.T + bias) / temperature) (module doc).
 
     hidden [n, H] (cast to the weight's dtype per chunk; may require grad), weight [V, H] the
@@ -75,13 +85,27 @@ def token_stats(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Ten
     return_log_probs: `log_probs`. temperature <= 0 means 1. chunk_size: rows per chunk (default:
     [rows, V] logits of about 2**24 elements). ref_log_probs and anchor_log_probs get no gradient.
     """
-    vocab = _check_inputs(hidden, weight, token_ids, bias, topk_ids, kept_sizes, kept_ids,
-                          ref_log_probs, anchor_log_probs, divergence)
+    vocab = _check_inputs(
+        hidden, weight, token_ids, bias, topk_ids, kept_sizes, kept_ids, ref_log_probs, anchor_log_probs, divergence
+    )
     rows = _chunk_rows(chunk_size, vocab)
     temperature = _check_temperature(temperature)
     outputs = _TokenStatsFunction.apply(
-        hidden, weight, bias, token_ids, topk_ids, kept_sizes, kept_ids, ref_log_probs,
-        anchor_log_probs, divergence, bool(entropy), bool(return_log_probs), temperature, rows)
+        hidden,
+        weight,
+        bias,
+        token_ids,
+        topk_ids,
+        kept_sizes,
+        kept_ids,
+        ref_log_probs,
+        anchor_log_probs,
+        divergence,
+        bool(entropy),
+        bool(return_log_probs),
+        temperature,
+        rows,
+    )
     return TokenStats(*outputs)
 
 
@@ -116,8 +140,9 @@ class _Chunks:
         if self.kept_sizes is None:
             return h, z, None
         first, last = self.kept_offsets[index]
-        row = torch.repeat_interleave(torch.arange(end - start, device=z.device),
-                                      self.kept_sizes[start:end], output_size=last - first)
+        row = torch.repeat_interleave(
+            torch.arange(end - start, device=z.device), self.kept_sizes[start:end], output_size=last - first
+        )
         dropped = torch.ones(z.shape, dtype=torch.bool, device=z.device)
         dropped[row, self.kept_ids[first:last]] = False
         return h, z.masked_fill_(dropped, torch.finfo(self.dtype).min), dropped
@@ -127,8 +152,23 @@ class _TokenStatsFunction(torch.autograd.Function):
     """Forward chunk by chunk; backward recomputes each chunk's logits (module doc)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, token_ids, topk_ids, kept_sizes, kept_ids, ref_log_probs,
-                anchor_log_probs, divergence, want_entropy, want_log_probs, temperature, rows):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        token_ids,
+        topk_ids,
+        kept_sizes,
+        kept_ids,
+        ref_log_probs,
+        anchor_log_probs,
+        divergence,
+        want_entropy,
+        want_log_probs,
+        temperature,
+        rows,
+    ):
         plan = _plan(hidden.shape[0], rows, kept_sizes)
         chunks = _Chunks(weight, bias, kept_sizes, kept_ids, temperature, *plan)
         n, dtype, device = hidden.shape[0], chunks.dtype, hidden.device
@@ -170,14 +210,27 @@ class _TokenStatsFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(x for x in (estimate, log_probs) if x is not None))
         ctx.plan, ctx.temperature = plan, temperature
-        ctx.save_for_backward(hidden, weight, bias, token_ids, topk_ids, kept_sizes, kept_ids,
-                              ref_log_probs, shift, log_norm, entropy, kl)
+        ctx.save_for_backward(
+            hidden, weight, bias, token_ids, topk_ids, kept_sizes, kept_ids, ref_log_probs, shift, log_norm, entropy, kl
+        )
         return logp, topk_logp, entropy, kl, estimate, log_probs
 
     @staticmethod
     def backward(ctx, g_logp, g_topk, g_entropy, g_kl, _g_estimate, _g_log_probs):
-        (hidden, weight, bias, token_ids, topk_ids, kept_sizes, kept_ids, ref_log_probs, shift,
-         log_norm, entropy, kl) = ctx.saved_tensors
+        (
+            hidden,
+            weight,
+            bias,
+            token_ids,
+            topk_ids,
+            kept_sizes,
+            kept_ids,
+            ref_log_probs,
+            shift,
+            log_norm,
+            entropy,
+            kl,
+        ) = ctx.saved_tensors
         chunks = _Chunks(weight, bias, kept_sizes, kept_ids, ctx.temperature, *ctx.plan)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -220,8 +273,12 @@ class _TokenStatsFunction(torch.autograd.Function):
                 grad_weight += g_low.T @ h
             if need_bias:
                 grad_bias += g_low.sum(0, dtype=grad_bias.dtype)
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), *([None] * 11))
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            *([None] * 11),
+        )
 
 
 def _kl_cells(log_pi: torch.Tensor, pi: torch.Tensor, log_ref: torch.Tensor) -> torch.Tensor:
@@ -234,37 +291,54 @@ def _chunk_rows(chunk_size, vocab: int) -> int:
     if chunk_size is None:
         return max(1, CHUNK_ELEMENTS // vocab)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise GPPOInputError(f"token_stats: chunk_size must be an integer >= 1 (rows per chunk), got "
-                             f"{chunk_size!r}; pass e.g. chunk_size=128, or None for the default")
+        raise GPPOInputError(
+            f"token_stats: chunk_size must be an integer >= 1 (rows per chunk), got "
+            f"{chunk_size!r}; pass e.g. chunk_size=128, or None for the default"
+        )
     return chunk_size
 
 
 def _check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature):
-        raise GPPOInputError(f"token_stats: temperature must be a finite number (<= 0 means 1), "
-                             f"got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+        raise GPPOInputError(f"token_stats: temperature must be a finite number (<= 0 means 1), got {temperature!r}")
     return float(temperature) if temperature > 0 else 1.0
 
 
-def _check_inputs(hidden, weight, token_ids, bias, topk_ids, kept_sizes, kept_ids, ref_log_probs,
-                  anchor_log_probs, divergence) -> int:
+def _check_inputs(
+    hidden, weight, token_ids, bias, topk_ids, kept_sizes, kept_ids, ref_log_probs, anchor_log_probs, divergence
+) -> int:
     """Raise a GPPOInputError naming the first bad argument, the shape got and the one expected;
     returns V."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         _check_tensor(name, x, 2, float_=True)
     n, (vocab, width) = hidden.shape[0], weight.shape
     if hidden.device != weight.device:
-        raise GPPOInputError(f"token_stats: hidden is on {hidden.device}, weight on {weight.device}; "
-                             "move all inputs to one device")
+        raise GPPOInputError(
+            f"token_stats: hidden is on {hidden.device}, weight on {weight.device}; move all inputs to one device"
+        )
     if hidden.shape[1] != width:
-        raise GPPOInputError(f"token_stats: hidden must be [n, H] with H = weight.shape[1] = {width}, "
-                             f"got {list(hidden.shape)} (weight {list(weight.shape)} is [V, H])")
-    expected = {"bias": ([vocab], True), "token_ids": ([n], False), "topk_ids": ([n, None], False),
-                "kept_sizes": ([n], False), "kept_ids": ([None], False),
-                "ref_log_probs": ([n, vocab], True), "anchor_log_probs": ([n, vocab], True)}
-    given = {"bias": bias, "token_ids": token_ids, "topk_ids": topk_ids, "kept_sizes": kept_sizes,
-             "kept_ids": kept_ids, "ref_log_probs": ref_log_probs, "anchor_log_probs": anchor_log_probs}
+        raise GPPOInputError(
+            f"token_stats: hidden must be [n, H] with H = weight.shape[1] = {width}, "
+            f"got {list(hidden.shape)} (weight {list(weight.shape)} is [V, H])"
+        )
+    expected = {
+        "bias": ([vocab], True),
+        "token_ids": ([n], False),
+        "topk_ids": ([n, None], False),
+        "kept_sizes": ([n], False),
+        "kept_ids": ([None], False),
+        "ref_log_probs": ([n, vocab], True),
+        "anchor_log_probs": ([n, vocab], True),
+    }
+    given = {
+        "bias": bias,
+        "token_ids": token_ids,
+        "topk_ids": topk_ids,
+        "kept_sizes": kept_sizes,
+        "kept_ids": kept_ids,
+        "ref_log_probs": ref_log_probs,
+        "anchor_log_probs": anchor_log_probs,
+    }
     for name, x in given.items():
         if x is None:
             continue
@@ -272,33 +346,37 @@ def _check_inputs(hidden, weight, token_ids, bias, topk_ids, kept_sizes, kept_id
         _check_tensor(name, x, len(shape), float_)
         if any(want is not None and got != want for got, want in zip(x.shape, shape)):
             want = ", ".join("K" if s is None and name == "topk_ids" else str(s) for s in shape)
-            raise GPPOInputError(f"token_stats: {name} must be [{want}] (n = hidden.shape[0], "
-                                 f"V = weight.shape[0]), got {list(x.shape)}")
+            raise GPPOInputError(
+                f"token_stats: {name} must be [{want}] (n = hidden.shape[0], V = weight.shape[0]), got {list(x.shape)}"
+            )
         if x.device != weight.device:
-            raise GPPOInputError(f"token_stats: {name} is on {x.device}, weight on {weight.device}; "
-                                 "move all inputs to one device")
+            raise GPPOInputError(
+                f"token_stats: {name} is on {x.device}, weight on {weight.device}; move all inputs to one device"
+            )
     for name in ("token_ids", "topk_ids", "kept_ids"):
         ids = given[name]
         if ids is not None and ids.numel():
             low, high = torch.stack(torch.aminmax(ids)).tolist()
             if low < 0 or high >= vocab:
-                raise GPPOInputError(f"token_stats: {name} must lie in [0, V = {vocab}), got values "
-                                     f"in [{low}, {high}]")
+                raise GPPOInputError(f"token_stats: {name} must lie in [0, V = {vocab}), got values in [{low}, {high}]")
     if (kept_sizes is None) != (kept_ids is None):
-        raise GPPOInputError("token_stats: kept_sizes and kept_ids describe the nucleus together; "
-                             "pass both or neither")
+        raise GPPOInputError("token_stats: kept_sizes and kept_ids describe the nucleus together; pass both or neither")
     if kept_sizes is not None:
-        total, low = (torch.stack([kept_sizes.sum(), kept_sizes.min()]).tolist()
-                      if kept_sizes.numel() else (0, 0))
+        total, low = torch.stack([kept_sizes.sum(), kept_sizes.min()]).tolist() if kept_sizes.numel() else (0, 0)
         if low < 0 or total != kept_ids.numel():
-            raise GPPOInputError(f"token_stats: kept_sizes must be >= 0 and sum to len(kept_ids) = "
-                                 f"{kept_ids.numel()}, got sum {total} (min {low})")
+            raise GPPOInputError(
+                f"token_stats: kept_sizes must be >= 0 and sum to len(kept_ids) = "
+                f"{kept_ids.numel()}, got sum {total} (min {low})"
+            )
     if (anchor_log_probs is None) != (divergence is None):
-        raise GPPOInputError("token_stats: full_estimate needs anchor_log_probs and divergence "
-                             "together; pass both or neither")
+        raise GPPOInputError(
+            "token_stats: full_estimate needs anchor_log_probs and divergence together; pass both or neither"
+        )
     if divergence is not None and not isinstance(divergence, Divergence):
-        raise GPPOInputError(f"token_stats: divergence must be a gppo Divergence (e.g. "
-                             f"gppo.divergence('kl')), got {type(divergence).__name__}")
+        raise GPPOInputError(
+            f"token_stats: divergence must be a gppo Divergence (e.g. "
+            f"gppo.divergence('kl')), got {type(divergence).__name__}"
+        )
     return vocab
 
 
@@ -307,7 +385,6 @@ def _check_tensor(name: str, x, dims: int, float_: bool) -> None:
     if not isinstance(x, torch.Tensor):
         raise GPPOInputError(f"token_stats: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != dims:
-        raise GPPOInputError(f"token_stats: {name} must have {dims} dimension(s), got shape "
-                             f"{list(x.shape)}")
+        raise GPPOInputError(f"token_stats: {name} must have {dims} dimension(s), got shape {list(x.shape)}")
     if x.is_floating_point() != float_ or (not float_ and x.dtype != torch.long):
         raise GPPOInputError(f"token_stats: {name} must be a {kind} tensor, got {x.dtype}")

@@ -47,20 +47,21 @@ import io
 import json
 import pickle
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from gppo.core import closest
-from gppo.data.loaders import (MATH_INSTRUCTION, DataRecord, LoadResult, get_field, map_rows, read_rows,
-                               reference_answer)
+from gppo.data.loaders import MATH_INSTRUCTION, DataRecord, LoadResult, get_field, map_rows, read_rows, reference_answer
 from gppo.rewards.code import AssertTest, io_tests
 from gppo.rewards.math import check_golds
 
 BenchmarkProblem = DataRecord  # benchmarks and training data share one record type
 
-STDIN_INSTRUCTION = ("Write a Python 3 program that reads the input from standard input and writes "
-                     "the answer to standard output. Put the whole program in one ```python code block.")
+STDIN_INSTRUCTION = (
+    "Write a Python 3 program that reads the input from standard input and writes "
+    "the answer to standard output. Put the whole program in one ```python code block."
+)
 STARTER_INSTRUCTION = "Complete this starter code and put the whole solution in one ```python code block:"
 
 
@@ -86,8 +87,13 @@ def _math(problem_fields: tuple[str, ...], answer_fields: tuple[str, ...], keep:
         problem = get_field(row, *problem_fields)
         answer = reference_answer(get_field(row, *answer_fields), answer_fields[0])
         problem_id = next((str(row[k]) for k in ("id", "unique_id", "ID") if row.get(k) is not None), str(i))
-        return DataRecord(problem_id, f"{problem}\n\n{MATH_INSTRUCTION}", "math", answer=answer,
-                          metadata={k: row[k] for k in keep if k in row})
+        return DataRecord(
+            problem_id,
+            f"{problem}\n\n{MATH_INSTRUCTION}",
+            "math",
+            answer=answer,
+            metadata={k: row[k] for k in keep if k in row},
+        )
 
     return to_problem
 
@@ -104,16 +110,18 @@ def _livecodebench(row: dict, i: int) -> DataRecord:
     tests = io_tests(inputs, outputs, fn_name if functional else None)
     starter = row.get("starter_code") or ""
     question = get_field(row, "question_content")
-    prompt = (f"{question}\n\n{STARTER_INSTRUCTION}\n```python\n{starter}\n```" if starter
-              else f"{question}\n\n{STDIN_INSTRUCTION}")
+    prompt = (
+        f"{question}\n\n{STARTER_INSTRUCTION}\n```python\n{starter}\n```"
+        if starter
+        else f"{question}\n\n{STDIN_INSTRUCTION}"
+    )
     keep = {k: row[k] for k in ("question_title", "platform", "difficulty", "contest_date") if k in row}
     return DataRecord(str(get_field(row, "question_id")), prompt, "code", tests=tests, metadata=keep)
 
 
 def _pairs(cases, name: str) -> list[dict]:
     """`cases` if it is a list of objects with 'input' and 'output'."""
-    if not isinstance(cases, list) or not all(isinstance(c, dict) and {"input", "output"} <= c.keys()
-                                              for c in cases):
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and {"input", "output"} <= c.keys() for c in cases):
         raise ValueError(f"{name!r} must be a list of objects with 'input' and 'output'")
     return cases
 
@@ -140,8 +148,7 @@ def _private_cases(value) -> list:
     try:
         text = _TextOnly(io.BytesIO(zlib.decompress(base64.b64decode(value)))).load()
     except (ValueError, zlib.error, pickle.UnpicklingError, EOFError) as e:
-        raise ValueError(f"field 'private_test_cases' is neither JSON nor base64(zlib(pickle)): {e}"
-                         ) from None
+        raise ValueError(f"field 'private_test_cases' is neither JSON nor base64(zlib(pickle)): {e}") from None
     return _json(text, "private_test_cases")
 
 
@@ -171,41 +178,73 @@ def _codeforces(row: dict, i: int) -> DataRecord:
 
 def _humanevalplus(row: dict, i: int) -> DataRecord:
     prompt, entry, test = get_field(row, "prompt"), get_field(row, "entry_point"), get_field(row, "test")
-    text = ("Complete the following Python function. Put the whole function, with its imports and "
-            f"signature, in one ```python code block.\n```python\n{prompt}```")
-    return DataRecord(str(get_field(row, "task_id")), text, "code",
-                      tests=[AssertTest(f"{test}\n\ncheck({entry})\n")])
+    text = (
+        "Complete the following Python function. Put the whole function, with its imports and "
+        f"signature, in one ```python code block.\n```python\n{prompt}```"
+    )
+    return DataRecord(str(get_field(row, "task_id")), text, "code", tests=[AssertTest(f"{test}\n\ncheck({entry})\n")])
 
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
-    Benchmark("aime24", "math", "HuggingFaceH4/aime_2024", "train", _math(("problem",), ("answer",)), n=32),
-    Benchmark("aime25", "math", "math-ai/aime25", "test", _math(("problem",), ("answer",)), n=32),
-    Benchmark("amc23", "math", "math-ai/amc23", "test", _math(("question", "problem"), ("answer",)), n=32),
-    Benchmark("math500", "math", "HuggingFaceH4/MATH-500", "test",
-              _math(("problem",), ("answer",), keep=("subject", "level")), n=4),
-    Benchmark("gsm8k", "math", "openai/gsm8k", "test", _math(("question",), ("answer",)), n=1, temperature=0.0,
-              top_p=1.0, max_tokens=256, hub_config="main", flexible=True),
-    Benchmark("minerva", "math", "math-ai/minervamath", "test",
-              _math(("question", "problem"), ("answer",)), n=4),
-    Benchmark("olympiadbench", "math", "math-ai/olympiadbench", "test",
-              _math(("question", "problem"), ("answer", "final_answer")), n=4),
-    Benchmark("livecodebench", "code", "livecodebench/code_generation_lite", "test", _livecodebench, n=8),
-    Benchmark("codeforces", "code", "open-r1/codeforces", "test", _codeforces, n=8),
-    Benchmark("humanevalplus", "code", "evalplus/humanevalplus", "test", _humanevalplus, n=4),
-)}
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark("aime24", "math", "HuggingFaceH4/aime_2024", "train", _math(("problem",), ("answer",)), n=32),
+        Benchmark("aime25", "math", "math-ai/aime25", "test", _math(("problem",), ("answer",)), n=32),
+        Benchmark("amc23", "math", "math-ai/amc23", "test", _math(("question", "problem"), ("answer",)), n=32),
+        Benchmark(
+            "math500",
+            "math",
+            "HuggingFaceH4/MATH-500",
+            "test",
+            _math(("problem",), ("answer",), keep=("subject", "level")),
+            n=4,
+        ),
+        Benchmark(
+            "gsm8k",
+            "math",
+            "openai/gsm8k",
+            "test",
+            _math(("question",), ("answer",)),
+            n=1,
+            temperature=0.0,
+            top_p=1.0,
+            max_tokens=256,
+            hub_config="main",
+            flexible=True,
+        ),
+        Benchmark("minerva", "math", "math-ai/minervamath", "test", _math(("question", "problem"), ("answer",)), n=4),
+        Benchmark(
+            "olympiadbench",
+            "math",
+            "math-ai/olympiadbench",
+            "test",
+            _math(("question", "problem"), ("answer", "final_answer")),
+            n=4,
+        ),
+        Benchmark("livecodebench", "code", "livecodebench/code_generation_lite", "test", _livecodebench, n=8),
+        Benchmark("codeforces", "code", "open-r1/codeforces", "test", _codeforces, n=8),
+        Benchmark("humanevalplus", "code", "evalplus/humanevalplus", "test", _humanevalplus, n=4),
+    )
+}
 
 
 def get_benchmark(name: str) -> Benchmark:
     """The registered benchmark `name` (case-insensitive); a typo names the closest match."""
     key = name.lower()
     if key not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}{closest(key, BENCHMARKS)}; known benchmarks: "
-                         f"{', '.join(BENCHMARKS)}")
+        raise ValueError(
+            f"unknown benchmark {name!r}{closest(key, BENCHMARKS)}; known benchmarks: {', '.join(BENCHMARKS)}"
+        )
     return BENCHMARKS[key]
 
 
-def load_benchmark(name: str, data_file: str | Path | None = None, from_hub: bool = False,
-                   validate: bool = True, limit: int | None = None) -> LoadResult:
+def load_benchmark(
+    name: str,
+    data_file: str | Path | None = None,
+    from_hub: bool = False,
+    validate: bool = True,
+    limit: int | None = None,
+) -> LoadResult:
     """Problems of a benchmark from `data_file`, or from the hub when `from_hub` is set.
 
     Rows that do not map (missing field, wrong test schema, duplicate id, and with `validate` a
@@ -217,9 +256,11 @@ def load_benchmark(name: str, data_file: str | Path | None = None, from_hub: boo
     elif from_hub:
         rows = read_rows(bench.hub_id, from_hub=True, split=bench.hub_split, config=bench.hub_config)
     else:
-        raise ValueError(f"no data for benchmark {bench.name!r}: give a local file in {bench.hub_id}'s schema "
-                         f"(gppo eval --data FILE; in Python data_files={{{bench.name!r}: FILE}}) or load "
-                         f"{bench.hub_id} from the Hub (--from_hub; in Python from_hub=True)")
+        raise ValueError(
+            f"no data for benchmark {bench.name!r}: give a local file in {bench.hub_id}'s schema "
+            f"(gppo eval --data FILE; in Python data_files={{{bench.name!r}: FILE}}) or load "
+            f"{bench.hub_id} from the Hub (--from_hub; in Python from_hub=True)"
+        )
     check = _check_answers if validate and bench.kind == "math" else None
     records, errors = map_rows(bench.name, rows[:limit], bench.to_problem, check)
     return LoadResult(records, errors, bench.name)

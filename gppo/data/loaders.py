@@ -39,10 +39,10 @@ from __future__ import annotations
 import ast
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 from gppo.prompts import Prompt, check_messages
 from gppo.rewards.code import AssertTest, CodeTest, io_tests
@@ -93,8 +93,9 @@ class LoadResult:
     schema: str
 
 
-def read_rows(source: str | Path, *, from_hub: bool = False, split: str = "train",
-              config: str | None = None) -> list[dict]:
+def read_rows(
+    source: str | Path, *, from_hub: bool = False, split: str = "train", config: str | None = None
+) -> list[dict]:
     """Rows of a data file, a `save_to_disk` directory, or (with `from_hub`) a Hub dataset, read with `datasets`."""
     import datasets  # slow to import: only when data is read
 
@@ -106,14 +107,18 @@ def read_rows(source: str | Path, *, from_hub: bool = False, split: str = "train
     elif path.is_file():
         builder = FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise ValueError(f"unsupported data file type {path.suffix!r} ({path}): use "
-                             f"{', '.join(FILE_BUILDERS)} or a datasets.save_to_disk directory")
+            raise ValueError(
+                f"unsupported data file type {path.suffix!r} ({path}): use "
+                f"{', '.join(FILE_BUILDERS)} or a datasets.save_to_disk directory"
+            )
         if path.stat().st_size == 0:
             raise ValueError(f"data file {str(path)!r} is empty")
         load = partial(datasets.load_dataset, builder, data_files=str(path), split="train")
     else:
-        raise FileNotFoundError(f"data {str(source)!r} does not exist: give a .jsonl/.json/.parquet/.csv file or a "
-                                "datasets.save_to_disk directory (a Hub dataset name needs --from_hub)")
+        raise FileNotFoundError(
+            f"data {str(source)!r} does not exist: give a .jsonl/.json/.parquet/.csv file or a "
+            "datasets.save_to_disk directory (a Hub dataset name needs --from_hub)"
+        )
     bars_were_on = not datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # per-file bars would interleave with gppo's own progress
     try:
@@ -121,8 +126,10 @@ def read_rows(source: str | Path, *, from_hub: bool = False, split: str = "train
     except Exception as err:  # datasets wraps parse, network and format errors in its own types
         cause = err.__cause__ or err
         if from_hub:
-            raise ValueError(f"could not load {source} (config {config!r}, split {split!r}) from the Hub: {cause}; "
-                             "download it and pass the local file") from err
+            raise ValueError(
+                f"could not load {source} (config {config!r}, split {split!r}) from the Hub: {cause}; "
+                "download it and pass the local file"
+            ) from err
         if "corresponds to no data" in str(cause):
             raise ValueError(f"data {str(source)!r} has no rows") from None
         raise ValueError(f"could not read {source}: {type(cause).__name__}: {cause}") from None
@@ -150,9 +157,12 @@ def _present(row: dict) -> str:
     return ", ".join(sorted(k for k, v in row.items() if v is not None))
 
 
-def map_rows(source: str, rows: list[dict], to_record: Callable[[dict, int], DataRecord],
-             check: Callable[[list[DataRecord]], list[str | None]] | None = None,
-             ) -> tuple[list[DataRecord], list[RowError]]:
+def map_rows(
+    source: str,
+    rows: list[dict],
+    to_record: Callable[[dict, int], DataRecord],
+    check: Callable[[list[DataRecord]], list[str | None]] | None = None,
+) -> tuple[list[DataRecord], list[RowError]]:
     """Apply `to_record` to each row, collecting per-row errors (later duplicate ids are errors);
     `check` may then reject records by returning an error message for them."""
     mapped: list[tuple[int, DataRecord]] = []
@@ -274,18 +284,23 @@ def code_tests(truth) -> list[CodeTest]:
     if isinstance(spec, dict) and isinstance(spec.get("assert_case"), list) and spec["assert_case"]:
         return [AssertTest(str(code)) for code in spec["assert_case"]]
     keys = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
-    raise ValueError(f"code ground truth has {keys}; expected 'inputs' and 'outputs' (optionally "
-                     f"'fn_name') or a non-empty 'assert_case' list")
+    raise ValueError(
+        f"code ground truth has {keys}; expected 'inputs' and 'outputs' (optionally "
+        f"'fn_name') or a non-empty 'assert_case' list"
+    )
 
 
 def _mapping_flags() -> str:
-    return (f"map the prompt with --prompt_field (default: the first of {', '.join(PROMPT_COLUMNS)}; text or chat "
-            f"messages) and the answer with --answer_field (default: the first of {', '.join(ANSWER_COLUMNS)}), or "
-            "use the verl schema ('prompt' and 'reward_model', as DAPO-Math-17k and Skywork-OR1)")
+    return (
+        f"map the prompt with --prompt_field (default: the first of {', '.join(PROMPT_COLUMNS)}; text or chat "
+        f"messages) and the answer with --answer_field (default: the first of {', '.join(ANSWER_COLUMNS)}), or "
+        "use the verl schema ('prompt' and 'reward_model', as DAPO-Math-17k and Skywork-OR1)"
+    )
 
 
-def map_columns(columns: list[str], prompt_field: str | None = None, answer_field: str | None = None,
-                need_answer: bool = True) -> tuple[str, str | None, str]:
+def map_columns(
+    columns: list[str], prompt_field: str | None = None, answer_field: str | None = None, need_answer: bool = True
+) -> tuple[str, str | None, str]:
     """(prompt column, answer column or None, schema name) for a table with `columns`; a clear error
     listing the columns found and the flags that map them when they cannot be mapped."""
     found = f"the columns found are {sorted(columns)}"
@@ -294,8 +309,10 @@ def map_columns(columns: list[str], prompt_field: str | None = None, answer_fiel
             raise ValueError(f"{flag} {name!r} is not a column: {found}")
     clash = sorted(set(columns) & set(RESERVED_COLUMNS))
     if clash:
-        raise ValueError(f"the columns {clash} clash with reward-function arguments of the same name "
-                         f"({', '.join(RESERVED_COLUMNS)}): rename them in the data")
+        raise ValueError(
+            f"the columns {clash} clash with reward-function arguments of the same name "
+            f"({', '.join(RESERVED_COLUMNS)}): rename them in the data"
+        )
     if prompt_field is None and answer_field is None and {"prompt", "reward_model"} <= set(columns):
         return "prompt", None, "verl"
     prompt = prompt_field or next((c for c in PROMPT_COLUMNS if c in columns), None)
@@ -303,14 +320,23 @@ def map_columns(columns: list[str], prompt_field: str | None = None, answer_fiel
         raise ValueError(f"cannot find the prompt: {found}; {_mapping_flags()}")
     answer = answer_field or next((c for c in ANSWER_COLUMNS if c in columns and c != prompt), None)
     if answer is None and need_answer:
-        raise ValueError(f"cannot find the answer: {found}; {_mapping_flags()}. Without an answer column, give "
-                         "reward functions (--reward_funcs) to score completions instead of the math verifier")
+        raise ValueError(
+            f"cannot find the answer: {found}; {_mapping_flags()}. Without an answer column, give "
+            "reward functions (--reward_funcs) to score completions instead of the math verifier"
+        )
     return prompt, answer, f"prompt={prompt}, answer={answer}"
 
 
-def load_training_data(source: str | Path, *, prompt_field: str | None = None, answer_field: str | None = None,
-                       need_answer: bool = True, from_hub: bool = False, split: str = "train",
-                       config: str | None = None) -> LoadResult:
+def load_training_data(
+    source: str | Path,
+    *,
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    need_answer: bool = True,
+    from_hub: bool = False,
+    split: str = "train",
+    config: str | None = None,
+) -> LoadResult:
     """Load training data (see the module docstring for sources and columns). `need_answer=False`
     allows data without an answer column (scored by reward functions only). Bad math gold answers
     raise a ValueError (`check_gold_answers`)."""
@@ -321,8 +347,11 @@ def load_training_data(source: str | Path, *, prompt_field: str | None = None, a
     prompt, answer, schema = map_columns(columns, prompt_field, answer_field, need_answer)
     name = Path(str(source)).stem or str(source)
     if schema == "verl":
-        golds = [(i, row["reward_model"].get("ground_truth")) for i, row in enumerate(rows)
-                 if isinstance(row.get("reward_model"), dict) and str(row.get("ability", "")).lower() != "code"]
+        golds = [
+            (i, row["reward_model"].get("ground_truth"))
+            for i, row in enumerate(rows)
+            if isinstance(row.get("reward_model"), dict) and str(row.get("ability", "")).lower() != "code"
+        ]
         check_gold_answers(str(source), "reward_model.ground_truth", golds, lambda truth: _answers(truth)[0])
     elif answer is not None:
         golds = [(i, row[answer]) for i, row in enumerate(rows) if row.get(answer) is not None]
@@ -348,26 +377,34 @@ def _gold_kind(value) -> str | None:
     return None
 
 
-def check_gold_answers(source: str, column: str, golds: list[tuple[int, object]],
-                       to_text: Callable[[object], str]) -> None:
+def check_gold_answers(
+    source: str, column: str, golds: list[tuple[int, object]], to_text: Callable[[object], str]
+) -> None:
     """Refuse (ValueError) gold answers that can never be matched: values that are not one answer
     (a struct, a list of structs, a non-finite number), a column mixing kinds of values, or golds
     math-verify cannot read. `golds` holds (row, raw value); `to_text` makes the reference answer
     (its ValueErrors are left to the row mapping, which skips such rows with a warning)."""
     where = f"{source}: the answer column {column!r}"
-    flags = "map the column that holds the answer with --answer_field" if column != "reward_model.ground_truth" \
+    flags = (
+        "map the column that holds the answer with --answer_field"
+        if column != "reward_model.ground_truth"
         else "fix reward_model.ground_truth"
+    )
     not_one = [(i, v) for i, v in golds if _gold_kind(v) is None]
     if not_one:
-        raise ValueError(f"{where} holds values that are not one answer (text or a number) in {_rows(not_one)}: "
-                         f"a gold answer must be one value per row; {flags}, or flatten these values in the data")
+        raise ValueError(
+            f"{where} holds values that are not one answer (text or a number) in {_rows(not_one)}: "
+            f"a gold answer must be one value per row; {flags}, or flatten these values in the data"
+        )
     by_kind: dict[str, list[tuple[int, object]]] = {}
     for i, value in golds:
         by_kind.setdefault(_gold_kind(value), []).append((i, value))
     if len(by_kind) > 1:
         kinds = "; ".join(f"{kind} in {_rows(values)}" for kind, values in by_kind.items())
-        raise ValueError(f"{where} mixes kinds of values across rows ({kinds}): give every row's answer as "
-                         f"text or a number (one kind for the whole column), or {flags}")
+        raise ValueError(
+            f"{where} mixes kinds of values across rows ({kinds}): give every row's answer as "
+            f"text or a number (one kind for the whole column), or {flags}"
+        )
     texts = []
     for i, value in golds:
         try:
@@ -377,9 +414,11 @@ def check_gold_answers(source: str, column: str, golds: list[tuple[int, object]]
     problems = check_golds([text for _, _, text in texts])
     bad = [(i, value, problem) for (i, value, _), problem in zip(texts, problems) if problem]
     if bad:
-        raise ValueError(f"{where} has gold answers math-verify cannot read in {_rows([(i, v) for i, v, _ in bad])} "
-                         f"({bad[0][2]}): such a gold is never matched, so these problems would always score 0; "
-                         f"correct or remove these rows, or {flags}")
+        raise ValueError(
+            f"{where} has gold answers math-verify cannot read in {_rows([(i, v) for i, v, _ in bad])} "
+            f"({bad[0][2]}): such a gold is never matched, so these problems would always score 0; "
+            f"correct or remove these rows, or {flags}"
+        )
 
 
 def _rows(values: list[tuple[int, object]]) -> str:

@@ -42,15 +42,47 @@ from gppo.trainer.batch import decoder_and_output_layer
 
 # TokenBatch fields GPPOTrainer fills: the sampled token's log-probs (both anchors) and ids, the
 # top-K of its own old-policy pass when the estimator needs rollout top-K, the reference's log-probs.
-PROVIDED_FIELDS = ("logp", "logp_behavior", "logp_old", "advantages", "mask", "token_ids", "topk_ids",
-                   "topk_logp", "topk_logp_behavior", "topk_logp_old", "logp_ref")
+PROVIDED_FIELDS = (
+    "logp",
+    "logp_behavior",
+    "logp_old",
+    "advantages",
+    "mask",
+    "token_ids",
+    "topk_ids",
+    "topk_logp",
+    "topk_logp_behavior",
+    "topk_logp_old",
+    "logp_ref",
+)
 # Inputs of TRL's log-prob pass for vision-language models, passed through unchanged.
-VISION_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-               "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+VISION_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 # GRPOConfig fields that only TRL's own loss reads: gppo_preset / gppo_overrides replace them.
-TRL_LOSS_FIELDS = ("loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
-                   "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos",
-                   "vespo_k_neg", "vespo_lambda_neg", "off_policy_mask_threshold")
+TRL_LOSS_FIELDS = (
+    "loss_type",
+    "epsilon",
+    "epsilon_high",
+    "delta",
+    "importance_sampling_level",
+    "sapo_temperature_neg",
+    "sapo_temperature_pos",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "off_policy_mask_threshold",
+)
 # GRPOConfig features implemented inside TRL's loss that GPPOTrainer does not apply.
 TRL_LOSS_FEATURES = ("top_entropy_quantile", "entropy_coef", "use_adaptive_entropy")
 
@@ -67,8 +99,11 @@ class GPPOTrainerConfig(GRPOConfig):
     gppo_preset: str = field(default="gppo", metadata={"help": "GPPO preset: " + ", ".join(gppo.PRESETS)})
     gppo_overrides: dict | str | None = field(
         default=None,
-        metadata={"help": "GPPOConfig fields that override the preset, e.g. "
-                          '{"divergence": "hellinger", "delta_high": 0.2} (JSON on the command line)'})
+        metadata={
+            "help": "GPPOConfig fields that override the preset, e.g. "
+            '{"divergence": "hellinger", "delta_high": 0.2} (JSON on the command line)'
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -78,15 +113,16 @@ class GPPOTrainerConfig(GRPOConfig):
         if changed:
             raise gppo.GPPOConfigError(
                 f"GPPOTrainer replaces TRL's loss, so {changed} would be ignored: choose the loss with "
-                "gppo_preset and gppo_overrides (docs/trl.md maps TRL's loss types to presets)")
+                "gppo_preset and gppo_overrides (docs/trl.md maps TRL's loss types to presets)"
+            )
         changed = [name for name in TRL_LOSS_FEATURES if getattr(self, name) != defaults[name]]
         if changed:
-            raise gppo.GPPOConfigError(
-                f"GPPOTrainer does not apply TRL's {changed}; leave them at their defaults")
+            raise gppo.GPPOConfigError(f"GPPOTrainer does not apply TRL's {changed}; leave them at their defaults")
         if self.beta != 0 and self.use_bias_correction_kl:
             raise gppo.GPPOConfigError(
                 "GPPOTrainer adds gppo's KL penalty beta * k3 without TRL's importance weight pi/pi_old "
-                "(use_bias_correction_kl, on by default in TRL); set use_bias_correction_kl=False")
+                "(use_bias_correction_kl, on by default in TRL); set use_bias_correction_kl=False"
+            )
         self.gppo_config()
 
     def gppo_config(self) -> gppo.GPPOConfig:
@@ -95,16 +131,23 @@ class GPPOTrainerConfig(GRPOConfig):
         if "kl_coef" in overrides:
             raise gppo.GPPOConfigError(
                 "set the KL coefficient with TRL's beta, not gppo_overrides['kl_coef']: TRL computes "
-                "the reference log-probs only when beta != 0")
+                "the reference log-probs only when beta != 0"
+            )
         overrides.setdefault("norm_length", self.max_completion_length)
         cfg = gppo.preset(self.gppo_preset, kl_coef=self.beta, **overrides)
-        missing = [] if cfg.estimator is None else [
-            name for name in gppo.ESTIMATORS[cfg.estimator].batch_fields(cfg.anchor) if name not in PROVIDED_FIELDS]
+        missing = (
+            []
+            if cfg.estimator is None
+            else [
+                name for name in gppo.ESTIMATORS[cfg.estimator].batch_fields(cfg.anchor) if name not in PROVIDED_FIELDS
+            ]
+        )
         if missing or cfg.kl_estimator == "full":
             what = f"estimator={cfg.estimator!r} (it reads {missing})" if missing else "kl_estimator='full'"
             raise gppo.GPPOConfigError(
                 f"GPPOTrainer cannot run {what}: the old policy's full distribution [B,T,V] would have "
-                "to be kept for the whole generation batch; use topk")
+                "to be kept for the whole generation batch; use topk"
+            )
         return cfg
 
 
@@ -118,12 +161,14 @@ def parse_overrides(overrides: dict | str | None) -> dict:
         except json.JSONDecodeError as err:
             raise gppo.GPPOConfigError(
                 f"gppo_overrides: {overrides!r} is not JSON ({err.msg} at column {err.colno}); give e.g. "
-                '\'{"divergence": "kl", "delta_high": 0.2}\' (double quotes around names)') from None
+                '\'{"divergence": "kl", "delta_high": 0.2}\' (double quotes around names)'
+            ) from None
     if overrides is None:
         return {}
     if not isinstance(overrides, dict):
-        raise gppo.GPPOConfigError(f"gppo_overrides: {overrides!r} is not a mapping of GPPOConfig fields; give e.g. "
-                                   '{"divergence": "kl"}')
+        raise gppo.GPPOConfigError(
+            f'gppo_overrides: {overrides!r} is not a mapping of GPPOConfig fields; give e.g. {{"divergence": "kl"}}'
+        )
     try:
         return gppo_overrides(overrides, source)
     except ConfigError as err:
@@ -158,12 +203,14 @@ class GPPOTrainer(GRPOTrainer):
         self.gppo = args.gppo_config()
         if self.aux_loss_enabled:
             raise gppo.GPPOConfigError(
-                "GPPOTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0")
+                "GPPOTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0"
+            )
         if self.use_vllm and self.gppo.rollout_top_k and self.gppo.anchor == "behavior":
             raise gppo.GPPOConfigError(
                 f"estimator {self.gppo.estimator!r} with anchor='behavior' needs vLLM's top-K log-probs, "
                 "which GRPOTrainer does not request; use gppo_overrides={'anchor': 'old'} (top-K of the "
-                "old-policy pass) or a binary estimator")
+                "old-policy pass) or a binary estimator"
+            )
 
     def _output_layer_pass(self, model, inputs, rows: slice, compute) -> torch.Tensor:
         """Run `model`'s own forward (the wrapped one under DDP / FSDP / DeepSpeed, so that gradient
@@ -189,8 +236,12 @@ class GPPOTrainer(GRPOTrainer):
             return compute(hidden[:, :-1], weight, bias)
 
         with replaced_forward(head, forward), self.accelerator.autocast():
-            return model(input_ids=input_ids, attention_mask=attention_mask,
-                         logits_to_keep=completion_ids.size(1) + 1, use_cache=False).logits
+            return model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=completion_ids.size(1) + 1,
+                use_cache=False,
+            ).logits
 
     def _policy_topk(self, model, inputs):
         """(logp [B,T], topk_logp [B,T,K] at inputs["gppo_topk_ids"], entropy [B,T] detached) of the
@@ -201,8 +252,15 @@ class GPPOTrainer(GRPOTrainer):
         top_k = topk_ids.size(-1)
 
         def compute(hidden, weight, bias):
-            stats = gppo.token_stats(hidden[valid], weight, inputs["completion_ids"][valid], bias=bias,
-                                     temperature=self.temperature, topk_ids=topk_ids[valid], entropy=True)
+            stats = gppo.token_stats(
+                hidden[valid],
+                weight,
+                inputs["completion_ids"][valid],
+                bias=bias,
+                temperature=self.temperature,
+                topk_ids=topk_ids[valid],
+                entropy=True,
+            )
             values = torch.cat([stats.logp[:, None], stats.topk_logp, stats.entropy.detach()[:, None]], 1)
             return values.new_zeros((*valid.shape, top_k + 2)).index_put((valid,), values)
 
@@ -226,8 +284,14 @@ class GPPOTrainer(GRPOTrainer):
             step = max(1, CHUNK_ELEMENTS // weight.size(0))
             for start in range(0, len(hidden), step):
                 chunk = slice(start, start + step)
-                stats = gppo.token_stats(hidden[chunk], weight, completion_ids[chunk], bias=bias,
-                                         temperature=self.temperature, return_log_probs=True)
+                stats = gppo.token_stats(
+                    hidden[chunk],
+                    weight,
+                    completion_ids[chunk],
+                    bias=bias,
+                    temperature=self.temperature,
+                    return_log_probs=True,
+                )
                 topk_logp, ids[chunk] = stats.log_probs.topk(top_k, dim=-1)
                 values[chunk] = torch.cat([stats.logp[:, None], topk_logp], 1)
             found["ids"] = ids.new_zeros((*valid.shape, top_k)).index_put((valid,), ids)
@@ -245,8 +309,9 @@ class GPPOTrainer(GRPOTrainer):
         chunk = self.args.per_device_train_batch_size
         with torch.no_grad():
             for start in range(0, output["completion_ids"].size(0), chunk):
-                for values, parts in zip(self._sampling_topk(output, slice(start, start + chunk)),
-                                         (ids, topk_logp, token_logp), strict=True):
+                for values, parts in zip(
+                    self._sampling_topk(output, slice(start, start + chunk)), (ids, topk_logp, token_logp), strict=True
+                ):
                     parts.append(values)
         output["gppo_topk_ids"] = torch.cat(ids)
         output["gppo_topk_logp_old"] = torch.cat(topk_logp)
@@ -268,17 +333,30 @@ class GPPOTrainer(GRPOTrainer):
             input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             logp, entropies, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
-                **{key: inputs.get(key) for key in VISION_KEYS})
+                model,
+                input_ids,
+                attention_mask,
+                completion_ids.size(1),
+                compute_entropy=True,
+                **{key: inputs.get(key) for key in VISION_KEYS},
+            )
             logp_old = inputs.get("old_per_token_logps")
             logp_old = logp.detach() if logp_old is None else logp_old
         sampling = inputs.get("sampling_per_token_logps")
         logp_behavior = logp_old if sampling is None else torch.where(sampling.isnan(), logp_old, sampling)
         batch = gppo.TokenBatch(
-            logp=logp, logp_behavior=logp_behavior, logp_old=logp_old, advantages=inputs["advantages"],
-            mask=mask, token_ids=completion_ids, topk_ids=topk_ids, topk_logp=topk_logp,
-            topk_logp_behavior=topk_logp_old if sampling is None else None, topk_logp_old=topk_logp_old,
-            logp_ref=inputs.get("ref_per_token_logps"))
+            logp=logp,
+            logp_behavior=logp_behavior,
+            logp_old=logp_old,
+            advantages=inputs["advantages"],
+            mask=mask,
+            token_ids=completion_ids,
+            topk_ids=topk_ids,
+            topk_logp=topk_logp,
+            topk_logp_behavior=topk_logp_old if sampling is None else None,
+            topk_logp_old=topk_logp_old,
+            logp_ref=inputs.get("ref_per_token_logps"),
+        )
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -300,6 +378,5 @@ class GPPOTrainer(GRPOTrainer):
         for name in sorted({key for m in gathered for key in m} - {"loss/policy"}):
             values = [m[name] for m in gathered if name in m]
             self._metrics[mode][f"gppo/{name}"].append(sum(values) / len(values))
-        totals = self.accelerator.reduce(torch.stack([(entropies * mask).sum(), mask.sum().float()]),
-                                         reduction="sum")
+        totals = self.accelerator.reduce(torch.stack([(entropies * mask).sum(), mask.sum().float()]), reduction="sum")
         self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())

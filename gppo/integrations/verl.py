@@ -62,7 +62,8 @@ def check_verl_version(version: str) -> None:
             f"gppo's verl plugin supports verl >={low},<{high} (tested with 0.9.1), found verl {version}: "
             f"the policy-loss interface it registers into differs in other versions. Run "
             f"pip install 'verl>={low},<{high}' (pip install 'gppo[verl]' pins it), or use a gppo "
-            "release written for your verl")
+            "release written for your verl"
+        )
 
 
 check_verl_version(verl.__version__)
@@ -72,14 +73,18 @@ from verl.workers.config import PolicyLossConfig  # noqa: E402
 
 DEFAULT_PRESET = "gppo"
 # loss_mode -> preset; None: the preset is `policy_loss.preset`.
-MODES = {"gppo": None, **{"gppo_" + name.replace("-", "_"): name
-                           for name in gppo.PRESETS if name != DEFAULT_PRESET}}
+MODES = {"gppo": None, **{"gppo_" + name.replace("-", "_"): name for name in gppo.PRESETS if name != DEFAULT_PRESET}}
 
 # verl's own PolicyLossConfig fields for its loss modes clip_cov, kl_cov and dro, which the gppo
 # modes do not read: changed under a gppo mode, they are refused with the gppo field to set instead.
-VERL_LOSS_FIELDS = {"clip_cov_ratio": "cov_ratio", "clip_cov_lb": "cov_low", "clip_cov_ub": "cov_high",
-                    "kl_cov_ratio": "cov_ratio", "ppo_kl_coef": "cov_kl_coef",
-                    "dro_beta": "kl_tau (= beta / 2)"}
+VERL_LOSS_FIELDS = {
+    "clip_cov_ratio": "cov_ratio",
+    "clip_cov_lb": "cov_low",
+    "clip_cov_ub": "cov_high",
+    "kl_cov_ratio": "cov_ratio",
+    "ppo_kl_coef": "cov_kl_coef",
+    "dro_beta": "kl_tau (= beta / 2)",
+}
 _VERL_DEFAULTS = {f.name: f.default for f in fields(PolicyLossConfig) if f.name in VERL_LOSS_FIELDS}
 
 # The TokenBatch fields this plugin fills from what verl passes a policy loss.
@@ -146,20 +151,21 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
 
     def __post_init__(self):
         if self.loss_mode not in MODES:
-            ignored = [name for name in ("preset", "topk_source", *OVERRIDABLE)
-                       if getattr(self, name) is not None]
+            ignored = [name for name in ("preset", "topk_source", *OVERRIDABLE) if getattr(self, name) is not None]
             if ignored:
                 raise gppo.GPPOConfigError(
                     f"policy_loss sets GPPO fields {ignored} but loss_mode={self.loss_mode!r} is not a "
-                    f"gppo mode, so nothing would read them; use one of {sorted(MODES)}")
+                    f"gppo mode, so nothing would read them; use one of {sorted(MODES)}"
+                )
             return
-        changed = {name: getattr(self, name) for name in VERL_LOSS_FIELDS
-                   if getattr(self, name) != _VERL_DEFAULTS[name]}
+        changed = {
+            name: getattr(self, name) for name in VERL_LOSS_FIELDS if getattr(self, name) != _VERL_DEFAULTS[name]
+        }
         if changed:
             raise gppo.GPPOConfigError(
                 f"policy_loss sets verl's {changed}, which loss_mode={self.loss_mode!r} does not read; "
-                "set the gppo field instead: "
-                + ", ".join(f"{name} -> {VERL_LOSS_FIELDS[name]}" for name in changed))
+                "set the gppo field instead: " + ", ".join(f"{name} -> {VERL_LOSS_FIELDS[name]}" for name in changed)
+            )
         check_startup(self, self.gppo_config())
 
     @property
@@ -168,20 +174,20 @@ class GPPOPolicyLossConfig(PolicyLossConfig):
         if fixed is not None and self.preset not in (None, fixed):
             raise gppo.GPPOConfigError(
                 f"policy_loss.loss_mode={self.loss_mode!r} fixes the preset {fixed!r} but "
-                f"policy_loss.preset={self.preset!r}; use loss_mode=gppo to choose the preset by name")
+                f"policy_loss.preset={self.preset!r}; use loss_mode=gppo to choose the preset by name"
+            )
         return fixed or self.preset or DEFAULT_PRESET
 
-    def gppo_config(self, loss_agg_mode: str = "token-mean",
-                    loss_scale_factor: int | None = None) -> gppo.GPPOConfig:
+    def gppo_config(self, loss_agg_mode: str = "token-mean", loss_scale_factor: int | None = None) -> gppo.GPPOConfig:
         """The preset with this config's overrides and verl's aggregation (actor.loss_agg_mode,
         actor.loss_scale_factor -> norm_length)."""
         if loss_agg_mode == "token-sum":
             raise gppo.GPPOConfigError(
                 "actor.loss_agg_mode='token-sum' has no GPPO counterpart; use token-mean, "
-                "seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm")
+                "seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm"
+            )
         overrides = {name: getattr(self, name) for name in OVERRIDABLE if getattr(self, name) is not None}
-        return gppo.preset(self.preset_name, loss_agg_mode=loss_agg_mode,
-                           norm_length=loss_scale_factor, **overrides)
+        return gppo.preset(self.preset_name, loss_agg_mode=loss_agg_mode, norm_length=loss_scale_factor, **overrides)
 
 
 # The GPPOConfig fields declared above, settable under policy_loss. verl owns aggregation and the KL
@@ -197,12 +203,12 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
     if policy_loss.topk_source not in TOPK_SOURCES:
         raise gppo.GPPOConfigError(
             f"policy_loss.topk_source={policy_loss.topk_source!r}: use null (verl's rollout, which records "
-            "no top-K) or 'batch' (your rollouts put mu's top-K in the batch, docs/verl.md)")
+            "no top-K) or 'batch' (your rollouts put mu's top-K in the batch, docs/verl.md)"
+        )
     missing = missing_fields(cfg.estimator, cfg.anchor, policy_loss.topk_source)
     if missing:
         est = gppo.ESTIMATORS[cfg.estimator]
-        runnable = [name for name in gppo.ESTIMATORS
-                    if not missing_fields(name, cfg.anchor, policy_loss.topk_source)]
+        runnable = [name for name in gppo.ESTIMATORS if not missing_fields(name, cfg.anchor, policy_loss.topk_source)]
         if est.needs_rollout_topk and policy_loss.topk_source is None:
             raise gppo.GPPOConfigError(
                 f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs mu's top-K token ids "
@@ -211,42 +217,49 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
                 "`python -m gppo.integrations.verl_topk` instead of `python -m verl.trainer.main_ppo` "
                 "(same config and overrides: its vLLM rollout records mu's top-K and the actor reads it), "
                 f"or use an estimator among {' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv "
-                "instead of gppo_dppo_topk_tv (docs/verl.md)")
+                "instead of gppo_dppo_topk_tv (docs/verl.md)"
+            )
         raise gppo.GPPOConfigError(
             f"loss_mode={mode!r} uses estimator {cfg.estimator!r} with anchor {cfg.anchor!r}, which needs "
             f"the TokenBatch fields {missing}; verl passes a policy loss only the sampled token's "
             f"log-probs{' and mu' + chr(39) + 's top-K' if policy_loss.topk_source else ''}. Use an "
-            f"estimator among {' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv")
+            f"estimator among {' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv"
+        )
     if cfg.behavior_weight_cap is not None:
         raise gppo.GPPOConfigError(
             f"loss_mode={mode!r} weights each token by sg[min(pi_old/mu, {cfg.behavior_weight_cap:g})] "
             "(behavior_weight_cap), but verl passes a policy loss one anchor, not both; verl applies that "
             "weight itself: use loss_mode=gppo_ppo with actor_rollout_ref.actor.policy_loss.anchor=old, "
             "algorithm.rollout_correction.bypass_mode=false, algorithm.rollout_correction.rollout_is=token "
-            f"and rollout_is_threshold={cfg.behavior_weight_cap:g}")
+            f"and rollout_is_threshold={cfg.behavior_weight_cap:g}"
+        )
     if policy_loss.bypass_mode is None:
         raise gppo.GPPOConfigError(
             "policy_loss.bypass_mode is unset, so the plugin cannot tell whether verl's "
             "old_log_prob holds the rollout log-probs (mu) or the recomputed pi_old: set "
             "actor_rollout_ref.actor.policy_loss.bypass_mode='${algorithm.rollout_correction."
-            "bypass_mode}' (examples/verl/config/gppo_trainer.yaml does)")
+            "bypass_mode}' (examples/verl/config/gppo_trainer.yaml does)"
+        )
     if cfg.anchor == "behavior" and not policy_loss.bypass_mode:
         raise gppo.GPPOConfigError(
             f"loss_mode={mode!r} anchors the trust region on the rollout log-probs (anchor='behavior') "
             "but algorithm.rollout_correction.bypass_mode=false makes verl pass the recomputed pi_old "
             "as old_log_prob. Set algorithm.rollout_correction.bypass_mode=true (with "
             "actor_rollout_ref.rollout.calculate_log_probs=true), or anchor on pi_old with "
-            "actor_rollout_ref.actor.policy_loss.anchor=old")
+            "actor_rollout_ref.actor.policy_loss.anchor=old"
+        )
     if cfg.anchor == "old" and policy_loss.bypass_mode:
         raise gppo.GPPOConfigError(
             "policy_loss.anchor='old' asks for the recomputed pi_old but "
             "algorithm.rollout_correction.bypass_mode=true makes verl pass the rollout log-probs; "
-            "set bypass_mode=false or anchor=behavior")
+            "set bypass_mode=false or anchor=behavior"
+        )
     if policy_loss.bypass_mode and policy_loss.use_v1 is not True:
         raise gppo.GPPOConfigError(
             "bypass_mode=true needs trainer.use_v1=true (and policy_loss.use_v1='${trainer.use_v1}'): "
             "verl's legacy trainer rewrites policy_loss.loss_mode to 'bypass_mode' when bypass_mode "
-            "is on (verl.trainer.ppo.rollout_corr_helper.apply_bypass_mode)")
+            "is on (verl.trainer.ppo.rollout_corr_helper.apply_bypass_mode)"
+        )
 
 
 def missing_fields(estimator: str | None, anchor: str, topk_source: str | None = None) -> list[str]:
@@ -272,14 +285,22 @@ def global_normalizers(info: dict, loss_agg_mode: str) -> tuple[float | None, fl
         if dp_size > 1:
             raise gppo.GPPOInputError(
                 f"verl passed no global_batch_info[{key!r}] with dp_size={dp_size}: the loss of a "
-                "data-parallel micro-batch needs the global count")
+                "data-parallel micro-batch needs the global count"
+            )
         return None, None
     per_rank = total / dp_size
     return (per_rank, None) if token_mean else (None, per_rank)
 
 
-def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
-                             loss_agg_mode: str = "token-mean", config=None, rollout_is_weights=None):
+def compute_policy_loss_gppo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl policy-loss function: TokenBatch from verl's arguments, then gppo.policy_loss.
 
     old_log_prob is the anchor (module docstring). rollout_is_weights w >= 0 scale the advantages:
@@ -291,18 +312,23 @@ def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
         raise gppo.GPPOConfigError(
             "the gppo loss modes read their settings from "
             "actor_rollout_ref.actor.policy_loss._target_=gppo.integrations.verl.GPPOPolicyLossConfig; "
-            f"got {type(policy_loss).__name__}")
+            f"got {type(policy_loss).__name__}"
+        )
     cfg = policy_loss.gppo_config(loss_agg_mode, config.loss_scale_factor)
     preset_agg = gppo.preset(policy_loss.preset_name).loss_agg_mode
     if preset_agg != loss_agg_mode:
-        warnings.warn(f"gppo preset {policy_loss.preset_name!r} is defined with loss_agg_mode="
-                      f"{preset_agg!r}; verl's actor.loss_agg_mode={loss_agg_mode!r} is used", stacklevel=2)
+        warnings.warn(
+            f"gppo preset {policy_loss.preset_name!r} is defined with loss_agg_mode="
+            f"{preset_agg!r}; verl's actor.loss_agg_mode={loss_agg_mode!r} is used",
+            stacklevel=2,
+        )
     if rollout_is_weights is not None:
         if not gppo.RULES[cfg.rule].is_advantage_linear(cfg):
             raise gppo.GPPOConfigError(
                 f"verl passed rollout_is_weights, which the plugin folds into the advantages, but the loss "
                 f"of rule {cfg.rule!r} here is not proportional to A (a penalty or a selection by A): "
-                "unset algorithm.rollout_correction.rollout_is, or use bypass_mode=true (anchor=behavior)")
+                "unset algorithm.rollout_correction.rollout_is, or use bypass_mode=true (anchor=behavior)"
+            )
         advantages = advantages * rollout_is_weights
     # verl passes one anchor; both anchor fields hold it and cfg.anchor says which one it is
     # (checked against bypass_mode at start-up).
@@ -314,22 +340,33 @@ def compute_policy_loss_gppo(old_log_prob, log_prob, advantages, response_mask,
                 f"estimator {cfg.estimator!r} needs mu's top-K, which reaches the policy loss only "
                 "through gppo.integrations.verl.topk_ppo_loss (the actor's loss function in place of "
                 "verl's ppo_loss) with the batch carrying it: launch with `python -m "
-                "gppo.integrations.verl_topk`, not verl's main_ppo (docs/verl.md)")
+                "gppo.integrations.verl_topk`, not verl's main_ppo (docs/verl.md)"
+            )
         recorded = topk["topk_ids"].shape[-1]
         if cfg.top_k is not None and recorded < cfg.top_k:
             raise gppo.GPPOInputError(
                 f"the batch carries mu's top-{recorded} but top_k={cfg.top_k}: record at least "
-                f"{cfg.top_k} log-probs per token in the rollout, or set policy_loss.top_k={recorded}")
-    batch = gppo.TokenBatch(logp=log_prob, logp_behavior=old_log_prob, logp_old=old_log_prob,
-                            advantages=advantages, mask=response_mask, **topk)
+                f"{cfg.top_k} log-probs per token in the rollout, or set policy_loss.top_k={recorded}"
+            )
+    batch = gppo.TokenBatch(
+        logp=log_prob,
+        logp_behavior=old_log_prob,
+        logp_old=old_log_prob,
+        advantages=advantages,
+        mask=response_mask,
+        **topk,
+    )
     num_tokens, num_sequences = global_normalizers(config.global_batch_info, loss_agg_mode)
     loss, metrics = gppo.policy_loss(batch, cfg, num_tokens=num_tokens, num_sequences=num_sequences)
     # verl logs the loss itself (actor/pg_loss, summed over micro-batches); the rest are means.
     # verl's Metric.aggregate_dp needs every key in every micro-batch of every rank, so the masked
     # fractions of sub-groups (masked_frac/adv_pos, /adv_neg, /q[...]), which gppo leaves out
     # where the micro-batch has no token of the group, are not reported.
-    return loss, {f"gppo/{name}": value for name, value in metrics.items()
-                  if name != "loss/policy" and not name.startswith("masked_frac/")}
+    return loss, {
+        f"gppo/{name}": value
+        for name, value in metrics.items()
+        if name != "loss/policy" and not name.startswith("masked_frac/")
+    }
 
 
 def topk_ppo_loss(config, model_output=None, data=None, dp_group=None, student_logits=None):
@@ -357,26 +394,32 @@ def topk_ppo_loss(config, model_output=None, data=None, dp_group=None, student_l
             raise gppo.GPPOInputError(
                 f"batch[{TOPK_IDS_KEY!r}] has {ids.shape[1]} packed positions but the logits "
                 f"{student_logits.shape[1]}: mu's top-K must be [B, S, K] over the padded prompt + "
-                "response, like input_ids")
+                "response, like input_ids"
+            )
         picked = torch.empty(ids.shape, dtype=torch.float32, device=student_logits.device)
         for start in range(0, ids.shape[1], TOPK_CHUNK):
-            chunk = student_logits[:, start:start + TOPK_CHUNK].float()
-            picked[:, start:start + TOPK_CHUNK] = (chunk.gather(-1, ids[:, start:start + TOPK_CHUNK])
-                                                   - torch.logsumexp(chunk, -1, keepdim=True))
+            chunk = student_logits[:, start : start + TOPK_CHUNK].float()
+            picked[:, start : start + TOPK_CHUNK] = chunk.gather(
+                -1, ids[:, start : start + TOPK_CHUNK]
+            ) - torch.logsumexp(chunk, -1, keepdim=True)
         return {_TOPK_OUTPUT.format(k): picked[..., k] for k in range(ids.shape[-1])}
     if model_output is None or _TOPK_OUTPUT.format(0) not in model_output:
         raise gppo.GPPOInputError(
             "topk_ppo_loss got no top-K log-probs from the engine: set the batch's non-tensor "
             "distillation_use_topk=True (verl's engine then calls the loss function as its logits "
             f"processor) and put mu's top-K in batch[{TOPK_IDS_KEY!r}] / batch[{TOPK_LOGPROBS_KEY!r}]; "
-            "`python -m gppo.integrations.verl_topk` does both")
+            "`python -m gppo.integrations.verl_topk` does both"
+        )
     recorded = data[TOPK_IDS_KEY].values().shape[-1]
     responses = data["responses"]
-    topk = {"token_ids": responses.to_padded_tensor(0) if responses.is_nested else responses,
-            "topk_ids": no_padding_2_padding(data[TOPK_IDS_KEY], data).long(),
-            "topk_logp_behavior": no_padding_2_padding(data[TOPK_LOGPROBS_KEY], data).float(),
-            "topk_logp": torch.stack([no_padding_2_padding(model_output[_TOPK_OUTPUT.format(k)], data)
-                                      for k in range(recorded)], -1)}
+    topk = {
+        "token_ids": responses.to_padded_tensor(0) if responses.is_nested else responses,
+        "topk_ids": no_padding_2_padding(data[TOPK_IDS_KEY], data).long(),
+        "topk_logp_behavior": no_padding_2_padding(data[TOPK_LOGPROBS_KEY], data).float(),
+        "topk_logp": torch.stack(
+            [no_padding_2_padding(model_output[_TOPK_OUTPUT.format(k)], data) for k in range(recorded)], -1
+        ),
+    }
     token = _rollout_topk.set(topk)
     try:
         return ppo_loss(config, model_output, data, dp_group)

@@ -32,6 +32,7 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import gppo
+
 # first: the plugin refuses a verl outside the versions this module extends, naming the install line
 from gppo.integrations.verl import MODES, TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, topk_ppo_loss
 from gppo.integrations.vllm_topk import TOPK_IDS_FIELD, TOPK_LOGPROBS_FIELD, TOPK_REQUEST
@@ -49,7 +50,8 @@ except ModuleNotFoundError as missing:  # verl installed without its v1 trainer'
     raise ImportError(
         f"gppo.integrations.verl_topk extends verl's v1 trainer, which imports {missing.name!r}, not installed: "
         "pip install 'verl[verl-core]>=0.9.1,<0.10' (TransferQueue; verl[vllm] includes it), or "
-        f"pip install {missing.name}") from missing
+        f"pip install {missing.name}"
+    ) from missing
 
 VLLM_DEFAULT_MAX_LOGPROBS = 20  # vLLM's engine argument max_logprobs when unset: the largest K it returns
 
@@ -82,41 +84,56 @@ def prepare_config(config: DictConfig) -> int:
         "trainer.use_v1": ((True,), "the rollout's top-K reaches the actor through the v1 trainer's agent loop"),
         "actor_rollout_ref.rollout.name": (("vllm",), "only verl's vLLM server is extended"),
         "actor_rollout_ref.rollout.logprobs_mode": (
-            ("processed_logprobs",), "mu's top-K must be of the distribution sampled (temperature applied)"),
+            ("processed_logprobs",),
+            "mu's top-K must be of the distribution sampled (temperature applied)",
+        ),
         "actor_rollout_ref.rollout.top_p": (
-            (1,), "a top-p rollout's mu is 0 outside the nucleus while verl scores pi on the whole vocabulary"),
+            (1,),
+            "a top-p rollout's mu is 0 outside the nucleus while verl scores pi on the whole vocabulary",
+        ),
         "actor_rollout_ref.rollout.top_k": (
-            (-1, 0), "a top-k rollout's mu is 0 outside it while verl scores pi on the whole vocabulary"),
+            (-1, 0),
+            "a top-k rollout's mu is 0 outside it while verl scores pi on the whole vocabulary",
+        ),
         "actor_rollout_ref.rollout.multi_turn.enable": ((False,), "tool tokens in a response have no rollout top-K"),
         "actor_rollout_ref.rollout.disaggregation.enabled": (
-            (False,), "verl's prefill/decode-disaggregated replica is not extended"),
+            (False,),
+            "verl's prefill/decode-disaggregated replica is not extended",
+        ),
         "distillation.enabled": (
-            (False,), f"mu's top-K travels in the batch under the teacher keys {TOPK_IDS_KEY} / {TOPK_LOGPROBS_KEY}"),
+            (False,),
+            f"mu's top-K travels in the batch under the teacher keys {TOPK_IDS_KEY} / {TOPK_LOGPROBS_KEY}",
+        ),
     }
     for field, (allowed, why) in needs.items():
-        value = OmegaConf.select(config, field, default=allowed[0] if allowed[0] is False else None,
-                                 throw_on_missing=False)
+        value = OmegaConf.select(
+            config, field, default=allowed[0] if allowed[0] is False else None, throw_on_missing=False
+        )
         if value not in allowed:
             raise gppo.GPPOConfigError(
                 f"{field}={value!r}: loss_mode={mode!r} needs mu's top-K (K={k}) from the rollout, and "
                 f"{why}; set {field}={allowed[0]!r} or use a loss mode without a top-K estimator "
-                "(e.g. gppo_dppo_binary_kl) with verl's own main_ppo")
+                "(e.g. gppo_dppo_binary_kl) with verl's own main_ppo"
+            )
     if actor.policy_loss.get("topk_source") not in (None, "batch"):
         raise gppo.GPPOConfigError(
             f"policy_loss.topk_source={actor.policy_loss.topk_source!r}: this launcher puts mu's top-K "
-            "in the batch (topk_source=batch); leave it null")
+            "in the batch (topk_source=batch); leave it null"
+        )
     manager = f"{__name__}.{TopKAgentLoopManager.__qualname__}"
     chosen = rollout.get("agent", {}).get("agent_loop_manager_class")
     if chosen not in (None, manager):
         raise gppo.GPPOConfigError(
             f"actor_rollout_ref.rollout.agent.agent_loop_manager_class={chosen!r}: the rollout's top-K "
-            f"needs gppo's agent-loop manager ({manager}); leave the setting null")
+            f"needs gppo's agent-loop manager ({manager}); leave the setting null"
+        )
     vllm_kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
     max_logprobs = vllm_kwargs.get("max_logprobs")
     if max_logprobs is not None and max_logprobs < k:
         raise gppo.GPPOConfigError(
             f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={max_logprobs} is below the "
-            f"K={k} that loss_mode={mode!r} reads; set it to {k} or more (or leave it unset)")
+            f"K={k} that loss_mode={mode!r} reads; set it to {k} or more (or leave it unset)"
+        )
     with open_dict(config):
         actor.policy_loss.topk_source = "batch"
         rollout.agent.agent_loop_manager_class = manager
@@ -125,8 +142,9 @@ def prepare_config(config: DictConfig) -> int:
     return k
 
 
-def teacher_layout(prompt_length: int, response_mask: list[int], topk_ids: list[list[int]],
-                   topk_logprobs: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_layout(
+    prompt_length: int, response_mask: list[int], topk_ids: list[list[int]], topk_logprobs: list[list[float]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample's mu top-K as verl's teacher fields: [P + R, K] ids (int32) and log-probs (float32),
     entry p holding the distribution that predicts token p + 1, so the response's t-th token's top-K
     sits at P - 1 + t; the other entries (the prompt's, the last) hold id 0 and log-prob 0, which the
@@ -136,18 +154,20 @@ def teacher_layout(prompt_length: int, response_mask: list[int], topk_ids: list[
         raise gppo.GPPOInputError(
             f"the response holds {length - sum(response_mask)} tokens the model did not generate (tool "
             "output): the rollout records no top-K there. gppo's top-K rollout supports single-turn agent "
-            "loops (agent_name single_turn_agent)")
+            "loops (agent_name single_turn_agent)"
+        )
     if len(topk_ids) < length:
         raise gppo.GPPOInputError(
             f"the rollout recorded mu's top-K for {len(topk_ids)} tokens of a {length}-token response; "
             "every generated token needs one (a request resumed after an abort, as in partial rollouts, "
-            "is not supported)")
+            "is not supported)"
+        )
     k = len(topk_ids[0]) if topk_ids else 0
     ids = torch.zeros(prompt_length + length, k, dtype=torch.int32)
     logprobs = torch.zeros(prompt_length + length, k, dtype=torch.float32)
     if length:
-        ids[prompt_length - 1:prompt_length - 1 + length] = torch.tensor(topk_ids[:length], dtype=torch.int32)
-        logprobs[prompt_length - 1:prompt_length - 1 + length] = torch.tensor(topk_logprobs[:length])
+        ids[prompt_length - 1 : prompt_length - 1 + length] = torch.tensor(topk_ids[:length], dtype=torch.int32)
+        logprobs[prompt_length - 1 : prompt_length - 1 + length] = torch.tensor(topk_logprobs[:length])
     return ids, logprobs
 
 
@@ -183,9 +203,11 @@ class TopKAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
             raise gppo.GPPOInputError(
                 "the agent loop's output carries no rollout top-K: an agent loop must pass its "
                 "sampling_params to server_manager.generate unchanged and keep the TokenOutput's "
-                f"extra_fields ({TOPK_IDS_FIELD}, {TOPK_LOGPROBS_FIELD}); verl's single_turn_agent does")
+                f"extra_fields ({TOPK_IDS_FIELD}, {TOPK_LOGPROBS_FIELD}); verl's single_turn_agent does"
+            )
         output.extra_fields[TOPK_IDS_KEY], output.extra_fields[TOPK_LOGPROBS_KEY] = teacher_layout(
-            len(prompt_ids), output.response_mask, ids, logprobs)
+            len(prompt_ids), output.response_mask, ids, logprobs
+        )
 
 
 class TopKAgentLoopManager(AgentLoopManagerTQ):
@@ -251,8 +273,7 @@ def main(config: DictConfig) -> None:
     if not prepare_config(config):
         return verl_main.__wrapped__(config)  # the function under verl's own hydra.main
     auto_set_device(config)
-    validate_config(config=config, use_reference_policy=need_reference_policy(config),
-                    use_critic=need_critic(config))
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     run_ppo(config, task_runner_class=TopKTaskRunner)
 
 

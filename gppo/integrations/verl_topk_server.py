@@ -24,8 +24,7 @@ class TopKvLLMHttpServer(vLLMHttpServer):
         self.__dict__["_gppo_engine"] = None if engine is None else RecordingEngine(engine)
 
     async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
-        return await generate_with_topk(super().generate, prompt_ids, sampling_params, request_id,
-                                        *args, **kwargs)
+        return await generate_with_topk(super().generate, prompt_ids, sampling_params, request_id, *args, **kwargs)
 
 
 class TopKvLLMReplica(vLLMReplica):

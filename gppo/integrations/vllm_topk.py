@@ -56,7 +56,7 @@ async def generate_with_topk(generate, prompt_ids, sampling_params: dict, reques
     finally:
         _recording.reset(token)
     if output.token_ids:  # an aborted request returns no tokens
-        per_token = recording.final.outputs[0].logprobs[:len(output.token_ids)]
+        per_token = recording.final.outputs[0].logprobs[: len(output.token_ids)]
         steps = [ranked_topk(entries, k) for entries in per_token]
         output.extra_fields[TOPK_IDS_FIELD] = [ids for ids, _ in steps]
         output.extra_fields[TOPK_LOGPROBS_FIELD] = [lps for _, lps in steps]

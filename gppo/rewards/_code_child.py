@@ -28,25 +28,65 @@ _MESSAGE_LIMIT = 64 << 20
 
 # Audit events refused: network, processes, signals, native code, links, and the ways to the
 # interpreter's frames, objects and control flow.
-_REFUSED_EVENTS = frozenset({
-    "socket.__new__", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill", "os.killpg",
-    "signal.pthread_kill", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function",
-    "os.symlink", "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.addaudithook",
-    "sys.monitoring.register_callback", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-})
+_REFUSED_EVENTS = frozenset(
+    {
+        "socket.__new__",
+        "socket.getaddrinfo",
+        "socket.gethostbyname",
+        "socket.gethostbyaddr",
+        "subprocess.Popen",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.kill",
+        "os.killpg",
+        "signal.pthread_kill",
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "ctypes.cdata",
+        "ctypes.call_function",
+        "os.symlink",
+        "sys._current_frames",
+        "sys.settrace",
+        "sys.setprofile",
+        "sys.addaudithook",
+        "sys.monitoring.register_callback",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+    }
+)
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 # modules that reach native code or memory without an audit event (refused with ImportError,
 # which libraries that can do without them expect: numpy without ctypes), and the unaudited
 # process launcher (its fork_exec is replaced; a second copy is refused)
-_REFUSED_MODULES = frozenset({"ctypes", "_ctypes", "_testcapi", "_testinternalcapi", "_testbuffer",
-                              "_testmultiphase", "_xxsubinterpreters", "_xxinterpchannels"})
+_REFUSED_MODULES = frozenset(
+    {
+        "ctypes",
+        "_ctypes",
+        "_testcapi",
+        "_testinternalcapi",
+        "_testbuffer",
+        "_testmultiphase",
+        "_xxsubinterpreters",
+        "_xxinterpchannels",
+    }
+)
 _PROCESS_MODULE = "_posixsubprocess"
 # audit event -> indices of the path arguments that must stay inside the working directory
 _PATH_EVENTS = {
-    "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (1,),
-    "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-    "os.mkfifo": (0,), "os.mknod": (0,),
+    "os.remove": (0,),
+    "os.rmdir": (0,),
+    "os.mkdir": (0,),
+    "os.rename": (0, 1),
+    "os.link": (1,),
+    "os.chmod": (0,),
+    "os.chown": (0,),
+    "os.truncate": (0,),
+    "os.utime": (0,),
+    "os.mkfifo": (0,),
+    "os.mknod": (0,),
 }
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
@@ -63,8 +103,9 @@ def main(request_fd: int, reply_fd: int, drop_root: bool) -> None:
         if name.partition(".")[0] in _REFUSED_MODULES:
             del sys.modules[name]
     __import__(_PROCESS_MODULE).fork_exec = _refused_fork_exec
-    sys.addaudithook(_guard(os.getcwd(), _REFUSED_EVENTS, _FRAME_ATTRIBUTES, _PATH_EVENTS,
-                            _REFUSED_MODULES | {_PROCESS_MODULE}))
+    sys.addaudithook(
+        _guard(os.getcwd(), _REFUSED_EVENTS, _FRAME_ATTRIBUTES, _PATH_EVENTS, _REFUSED_MODULES | {_PROCESS_MODULE})
+    )
     if kind == "stdio":
         os.close(request_fd)
         os.close(reply_fd)
@@ -182,8 +223,7 @@ def _guard(workdir: str, refused_events, frame_attributes, path_events, refused_
             raise ValueError("sandbox: frames are not available")
         if event == "object.__getattr__" and args[1] in frame_attributes:
             raise PermissionError(f"sandbox: reading {args[1]} is not allowed")
-        if event == "object.__setattr__" and args[1] == "__code__" and \
-                getattr(args[0], "__globals__", None) is harness:
+        if event == "object.__setattr__" and args[1] == "__code__" and getattr(args[0], "__globals__", None) is harness:
             raise PermissionError("sandbox: replacing the code of the harness is not allowed")
         if event == "import":
             refused_import(str(args[0]), args[1])

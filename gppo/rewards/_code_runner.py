@@ -33,8 +33,12 @@ _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 # (read-only), a few devices, the two harness files, /proc, and two empty tmpfs.
 _SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
-_DEVICE_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
-                 "/dev/stdout": "/proc/self/fd/1", "/dev/stderr": "/proc/self/fd/2"}
+_DEVICE_LINKS = {
+    "/dev/fd": "/proc/self/fd",
+    "/dev/stdin": "/proc/self/fd/0",
+    "/dev/stdout": "/proc/self/fd/1",
+    "/dev/stderr": "/proc/self/fd/2",
+}
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
 _HARNESS_FILES = ("_wire.py", "_code_child.py")
 _WORKDIR, _WIRE_DIR = "/sandbox", "/harness"  # inside the private root
@@ -113,8 +117,18 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
                 os.setuid(_NOBODY)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
             _set_limits(config)
-            os.execve(sys.executable, [sys.executable, "-I", "-B", "-S", os.path.join(wire_dir, "_code_child.py"),
-                                       *_child_arguments(config, fds, wire_dir, drop_root=False)], env)
+            os.execve(
+                sys.executable,
+                [
+                    sys.executable,
+                    "-I",
+                    "-B",
+                    "-S",
+                    os.path.join(wire_dir, "_code_child.py"),
+                    *_child_arguments(config, fds, wire_dir, drop_root=False),
+                ],
+                env,
+            )
         except BaseException:  # noqa: BLE001  (no "ready" follows: the caller shows this)
             import traceback
 
@@ -153,14 +167,21 @@ def _runtime_paths(prefixes: list[str]) -> list[str]:
     for path in prefixes:
         paths |= {os.path.abspath(path), os.path.realpath(path)}
     paths.add(os.path.realpath(sys.executable))
-    return sorted(p for p in paths
-                  if not any(p.startswith(q + os.sep) for q in paths if not os.path.islink(q)))
+    return sorted(p for p in paths if not any(p.startswith(q + os.sep) for q in paths if not os.path.islink(q)))
 
 
 def _bwrap_command(config: dict, fds: tuple[int, int], drop_root: bool) -> list[str]:
     """The same private root as `_private_root`, built by bubblewrap, in the same order."""
-    command = [config["bwrap"], "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-               "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    command = [
+        config["bwrap"],
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+    ]
     for directory, mode in _TMPFS:
         command += ["--size", str(_TMPFS_BYTES), "--perms", mode, "--tmpfs", directory]
     paths = _runtime_paths(config["prefixes"])
@@ -172,8 +193,22 @@ def _bwrap_command(config: dict, fds: tuple[int, int], drop_root: bool) -> list[
         command += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
     for name in _HARNESS_FILES:
         command += ["--ro-bind", os.path.join(_HARNESS_DIR, name), f"{_WIRE_DIR}/{name}"]
-    command += ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/", "--chdir", _WORKDIR, "--",
-                sys.executable, "-I", "-B", "-S", f"{_WIRE_DIR}/_code_child.py"]
+    command += [
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        _WORKDIR,
+        "--",
+        sys.executable,
+        "-I",
+        "-B",
+        "-S",
+        f"{_WIRE_DIR}/_code_child.py",
+    ]
     return command + _child_arguments(config, fds, _WIRE_DIR, drop_root)
 
 
@@ -236,8 +271,7 @@ def _bind(libc, source: str, target: str, read_only: bool) -> None:
         _mount(libc, None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | kept)
 
 
-def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int,
-           options: str | None = None) -> None:
+def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int, options: str | None = None) -> None:
     src, dst, kind, opts = (None if s is None else s.encode() for s in (source, target, fstype, options))
     if libc.mount(src, dst, kind, flags, opts) != 0:
         import ctypes
@@ -263,12 +297,14 @@ def _unreachable_dirs(prefixes: list[str]) -> list[str]:
 
 def _set_limits(config: dict) -> None:
     cpu = max(1, -(-config["timeout_s"] // 1))  # soft = hard: SIGKILL, which even a PID 1 obeys
-    for limit, value in ((resource.RLIMIT_CPU, int(cpu)),
-                         (resource.RLIMIT_AS, config["memory_mb"] << 20),
-                         (resource.RLIMIT_NPROC, config["max_processes"]),
-                         (resource.RLIMIT_FSIZE, config["max_output_bytes"] + 1),
-                         (resource.RLIMIT_NOFILE, config["max_open_files"]),
-                         (resource.RLIMIT_CORE, 0)):
+    for limit, value in (
+        (resource.RLIMIT_CPU, int(cpu)),
+        (resource.RLIMIT_AS, config["memory_mb"] << 20),
+        (resource.RLIMIT_NPROC, config["max_processes"]),
+        (resource.RLIMIT_FSIZE, config["max_output_bytes"] + 1),
+        (resource.RLIMIT_NOFILE, config["max_open_files"]),
+        (resource.RLIMIT_CORE, 0),
+    ):
         hard = resource.getrlimit(limit)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(limit, (value, value))

@@ -102,7 +102,7 @@ def send(fd: int, message: dict) -> None:
     data = json.dumps(message).encode()
     view = memoryview(len(data).to_bytes(8, "big") + data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def receive(fd: int, limit: int) -> dict:

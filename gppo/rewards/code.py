@@ -31,11 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Context, Decimal, InvalidOperation, localcontext
 from enum import Enum
-from typing import Any, Sequence, Union
+from typing import Any
 
 from gppo.rewards import _wire
 
@@ -64,7 +65,7 @@ class AssertTest:
     code: str
 
 
-CodeTest = Union[StdioTest, CallTest, AssertTest]
+CodeTest = StdioTest | CallTest | AssertTest
 
 
 class CaseStatus(str, Enum):
@@ -148,8 +149,10 @@ def io_tests(inputs: Sequence, outputs: Sequence, fn_name: str | None = None) ->
     for i, (inp, out) in enumerate(zip(inputs, outputs)):
         if fn_name is None:
             if not isinstance(inp, str) or not isinstance(out, str):
-                raise ValueError(f"test {i}: stdin tests need string input and output, got "
-                                 f"{type(inp).__name__} and {type(out).__name__}")
+                raise ValueError(
+                    f"test {i}: stdin tests need string input and output, got "
+                    f"{type(inp).__name__} and {type(out).__name__}"
+                )
             tests.append(StdioTest(inp, out))
             continue
         try:
@@ -197,12 +200,18 @@ def extract_code(completion: str) -> str | None:
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_runner.py")
 _NOBODY = 65534
 _GRACE_S = 5.0  # the caller's backstop beyond the bootstrap's own wall clock
-_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-        # numeric libraries would otherwise start a thread per core, against RLIMIT_NPROC
-        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    # numeric libraries would otherwise start a thread per core, against RLIMIT_NPROC
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _isolation() -> tuple[str, str | None]:
     """("bwrap", its path) where bubblewrap is installed and can make namespaces here, else
     ("namespaces", None): the bootstrap sets them up itself, or falls back to "guard"."""
@@ -217,7 +226,7 @@ def _isolation() -> tuple[str, str | None]:
     return "namespaces", None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runtime() -> dict:
     """This interpreter's prefixes and site-packages: what the sandbox shows of the host."""
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
@@ -231,10 +240,18 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
         if os.geteuid() == 0:
             os.chown(workdir, _NOBODY, _NOBODY)  # the program's directory where there is no private root
         isolation, bwrap = _isolation()
-        config = {"source": code, "timeout_s": limits.timeout_s, "memory_mb": limits.memory_mb,
-                  "max_output_bytes": limits.max_output_bytes, "max_processes": limits.max_processes,
-                  "max_open_files": limits.max_open_files, "env": _ENV,
-                  "isolation": isolation, "bwrap": bwrap, **_runtime()}
+        config = {
+            "source": code,
+            "timeout_s": limits.timeout_s,
+            "memory_mb": limits.memory_mb,
+            "max_output_bytes": limits.max_output_bytes,
+            "max_processes": limits.max_processes,
+            "max_open_files": limits.max_open_files,
+            "env": _ENV,
+            "isolation": isolation,
+            "bwrap": bwrap,
+            **_runtime(),
+        }
         if isinstance(test, CallTest):  # the inputs only: the expected value stays here
             config.update(kind="call", fn_name=test.fn_name, args=test.args)
         elif isinstance(test, AssertTest):  # run by the bootstrap, never by the program's process
@@ -242,8 +259,9 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
         else:
             config.update(kind="stdio")
         # No file has a name: nothing of the harness is on disk for a program to find.
-        files = {name: tempfile.TemporaryFile(dir=workdir)
-                 for name in ("stdin", "stdout", "stderr", "status", "config")}
+        files = {
+            name: tempfile.TemporaryFile(dir=workdir) for name in ("stdin", "stdout", "stderr", "status", "config")
+        }
         try:
             os.fchmod(files["stdin"].fileno(), 0o644)  # the program may reopen it (/dev/stdin)
             if isinstance(test, StdioTest):
@@ -255,8 +273,13 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
             start = time.monotonic()
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-B", "-S", _RUNNER, str(fds[0]), str(fds[1])],
-                stdin=files["stdin"], stdout=files["stdout"], stderr=files["stderr"],
-                pass_fds=fds, cwd=workdir, env=_ENV, start_new_session=True,
+                stdin=files["stdin"],
+                stdout=files["stdout"],
+                stderr=files["stderr"],
+                pass_fds=fds,
+                cwd=workdir,
+                env=_ENV,
+                start_new_session=True,
             )
             try:
                 proc.wait(timeout=limits.timeout_s + _GRACE_S)
@@ -274,8 +297,9 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run_tests(code: str, tests: Sequence[CodeTest], limits: Limits = Limits(),
-              fail_fast: bool = False) -> list[CaseResult]:
+def run_tests(
+    code: str, tests: Sequence[CodeTest], limits: Limits = Limits(), fail_fast: bool = False
+) -> list[CaseResult]:
     """Run the tests one after another; with `fail_fast`, stop after the first failure."""
     results = []
     for test in tests:
@@ -285,8 +309,12 @@ def run_tests(code: str, tests: Sequence[CodeTest], limits: Limits = Limits(),
     return results
 
 
-def run_many(jobs: Sequence[tuple[str, Sequence[CodeTest]]], limits: Limits = Limits(),
-             max_workers: int | None = None, fail_fast: bool = False) -> list[list[CaseResult]]:
+def run_many(
+    jobs: Sequence[tuple[str, Sequence[CodeTest]]],
+    limits: Limits = Limits(),
+    max_workers: int | None = None,
+    fail_fast: bool = False,
+) -> list[list[CaseResult]]:
     """Run `(code, tests)` jobs on a pool of `max_workers` threads (default: CPU count), each
     thread running one sandboxed process at a time; results come back in job order."""
     workers = max_workers or os.cpu_count() or 1
@@ -294,9 +322,13 @@ def run_many(jobs: Sequence[tuple[str, Sequence[CodeTest]]], limits: Limits = Li
         return list(pool.map(lambda job: run_tests(job[0], job[1], limits, fail_fast), jobs))
 
 
-def score_code(completions: Sequence[str], tests: Sequence[Sequence[CodeTest]],
-               limits: Limits = Limits(), all_or_nothing: bool = True,
-               max_workers: int | None = None) -> list[CodeResult]:
+def score_code(
+    completions: Sequence[str],
+    tests: Sequence[Sequence[CodeTest]],
+    limits: Limits = Limits(),
+    all_or_nothing: bool = True,
+    max_workers: int | None = None,
+) -> list[CodeResult]:
     """Score each completion against its tests.
 
     The reward is 1 if every test passes, else 0 (`all_or_nothing`, the evaluation protocol;
@@ -433,15 +465,17 @@ def _same_value(got: Any, expected: Any) -> bool:
         except OverflowError:  # an int too large for a float
             return False
     if isinstance(expected, (list, tuple)):
-        return (type(got) in (list, tuple) and len(got) == len(expected) and
-                all(map(_same_value, got, expected)))
+        return type(got) in (list, tuple) and len(got) == len(expected) and all(map(_same_value, got, expected))
     if isinstance(expected, dict):
         if not isinstance(got, dict):
             return False
         got_keys = {_json_key(k): k for k in got}
         expected_keys = {_json_key(k): k for k in expected}
-        return (len(got_keys) == len(got) and got_keys.keys() == expected_keys.keys() and
-                all(_same_value(got[got_keys[k]], expected[expected_keys[k]]) for k in got_keys))
+        return (
+            len(got_keys) == len(got)
+            and got_keys.keys() == expected_keys.keys()
+            and all(_same_value(got[got_keys[k]], expected[expected_keys[k]]) for k in got_keys)
+        )
     return type(got) is type(expected) and got == expected
 
 

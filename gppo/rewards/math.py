@@ -50,10 +50,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
-from typing import Sequence
 
 
 class MathVerdict(str, Enum):
@@ -87,8 +87,9 @@ class MathResult:
 
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANCHOR = re.compile(r"(?:(?:final answer|the answer) is|^[ \t*]*answer[ \t*]*:|####)[ \t:*]*(.+)$",
-                     re.IGNORECASE | re.MULTILINE)
+_ANCHOR = re.compile(
+    r"(?:(?:final answer|the answer) is|^[ \t*]*answer[ \t*]*:|####)[ \t:*]*(.+)$", re.IGNORECASE | re.MULTILINE
+)
 
 
 def extract_answer(completion: str) -> str | None:
@@ -103,7 +104,7 @@ def extract_answer(completion: str) -> str | None:
     answer = anchored[-1].strip().rstrip(".").strip()
     for left, right in (("**", "**"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if answer.startswith(left) and answer.endswith(right) and len(answer) > len(left) + len(right):
-            answer = answer[len(left):-len(right)].strip()
+            answer = answer[len(left) : -len(right)].strip()
     return answer or None
 
 
@@ -122,20 +123,73 @@ def _last_box(text: str) -> str | None:
             start = open_at.pop()
             if start in box_starts and (last is None or start > last[0]):
                 last = (start, brace.start())
-    return None if last is None else text[last[0]:last[1]]
+    return None if last is None else text[last[0] : last[1]]
 
 
 # Relations other than `=`, the one table of them: an answer stating one (`3 \\mid 4`, `x \\le 3`)
 # relates values rather than giving one, and math-verify keeps one of its sides.
 _RELATION_COMMANDS = (
-    "lt", "gt", "le", "leq", "leqq", "leqslant", "ge", "geq", "geqq", "geqslant", "ll", "gg", "lesssim", "gtrsim",
-    "lessgtr", "gtrless", "nless", "ngtr", "nleq", "ngeq", "prec", "preceq", "succ", "succeq",  # order
-    "ne", "neq", "not", "approx", "approxeq", "simeq", "sim", "nsim", "cong", "ncong", "doteq", "equiv", "asymp",
+    "lt",
+    "gt",
+    "le",
+    "leq",
+    "leqq",
+    "leqslant",
+    "ge",
+    "geq",
+    "geqq",
+    "geqslant",
+    "ll",
+    "gg",
+    "lesssim",
+    "gtrsim",
+    "lessgtr",
+    "gtrless",
+    "nless",
+    "ngtr",
+    "nleq",
+    "ngeq",
+    "prec",
+    "preceq",
+    "succ",
+    "succeq",  # order
+    "ne",
+    "neq",
+    "not",
+    "approx",
+    "approxeq",
+    "simeq",
+    "sim",
+    "nsim",
+    "cong",
+    "ncong",
+    "doteq",
+    "equiv",
+    "asymp",
     "propto",  # (in)equality up to something
-    "mid", "nmid", "shortmid", "nshortmid",  # divisibility
-    "in", "notin", "ni", "owns", "subset", "subseteq", "subsetneq", "nsubseteq", "supset", "supseteq", "supsetneq",
-    "nsupseteq", "sqsubset", "sqsubseteq", "sqsupset", "sqsupseteq",  # sets
-    "parallel", "nparallel", "perp",  # geometry
+    "mid",
+    "nmid",
+    "shortmid",
+    "nshortmid",  # divisibility
+    "in",
+    "notin",
+    "ni",
+    "owns",
+    "subset",
+    "subseteq",
+    "subsetneq",
+    "nsubseteq",
+    "supset",
+    "supseteq",
+    "supsetneq",
+    "nsupseteq",
+    "sqsubset",
+    "sqsubseteq",
+    "sqsupset",
+    "sqsupseteq",  # sets
+    "parallel",
+    "nparallel",
+    "perp",  # geometry
 )
 _RELATION_SYMBOLS = "<>≤≥≦≧⩽⩾≪≫≺≻≠≈≃∼≅≡≍∝∣∤∈∉∋⊂⊆⊊⊄⊈⊃⊇⊋⊅⊉∥∦⊥"
 # A command must not run on into letters: `\\le` is not `\\left`, `\\in` is not `\\infty`.
@@ -210,8 +264,7 @@ def normalize_gold(answer: object) -> str:
     return f"${text}$"
 
 
-def score_math(completions: Sequence[str], golds: Sequence[object],
-               timeout_s: float = 5.0) -> list[MathResult]:
+def score_math(completions: Sequence[str], golds: Sequence[object], timeout_s: float = 5.0) -> list[MathResult]:
     """Verdicts for each completion against its gold answer, in a shared `MathScorer` pool of
     min(4, CPU count) worker processes started on first use."""
     return _default_scorer().score(completions, golds, timeout_s)
@@ -238,8 +291,9 @@ def check_golds(golds: Sequence[object], timeout_s: float = 5.0) -> list[str | N
     for indices, r in zip(texts.values(), results):
         if r.verdict is not MathVerdict.CORRECT:
             for i in indices:
-                errors[i] = r.error or (f"math-verify does not find the gold answer {golds[i]!r} equal "
-                                        f"to itself ({r.verdict.value})")
+                errors[i] = r.error or (
+                    f"math-verify does not find the gold answer {golds[i]!r} equal to itself ({r.verdict.value})"
+                )
     return errors
 
 
@@ -253,8 +307,7 @@ class MathScorer:
             self._idle.put(_Worker())
         self._count = count
 
-    def score(self, completions: Sequence[str], golds: Sequence[object],
-              timeout_s: float = 5.0) -> list[MathResult]:
+    def score(self, completions: Sequence[str], golds: Sequence[object], timeout_s: float = 5.0) -> list[MathResult]:
         """Extract each completion's answer and compare it with its gold answer."""
         if len(completions) != len(golds):
             raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
@@ -347,7 +400,8 @@ class _Worker:
     def _start(self) -> None:
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER_BOOT, json.dumps(sys.path), os.path.abspath(__file__)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
         )
         self._buffer = b""
         try:
@@ -356,8 +410,10 @@ class _Worker:
             ready = None
         if ready != b"ready":
             self.close()
-            raise RuntimeError("the math-verify worker did not start (its error is on stderr); check "
-                               "that `import math_verify` works here (pip install math-verify)")
+            raise RuntimeError(
+                "the math-verify worker did not start (its error is on stderr); check "
+                "that `import math_verify` works here (pip install math-verify)"
+            )
 
     def _read_line(self, deadline: float) -> bytes | None:
         """The next reply line, None at the deadline; EOFError if the worker died."""
@@ -454,8 +510,11 @@ def _shape(value) -> str:
     """What a parsed answer of several values is, in words."""
     import sympy
 
-    for kind, name in ((sympy.Set, "a set or interval of values"), (sympy.MatrixBase, "a matrix"),
-                       (sympy.logic.boolalg.Boolean, "a relation or logical formula")):
+    for kind, name in (
+        (sympy.Set, "a set or interval of values"),
+        (sympy.MatrixBase, "a matrix"),
+        (sympy.logic.boolalg.Boolean, "a relation or logical formula"),
+    ):
         if isinstance(value, kind):
             return name
     return "a tuple or list of values"

@@ -46,9 +46,9 @@ import sys
 import threading
 import warnings
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from gppo.core import closest
 from gppo.problem import Problem
@@ -63,8 +63,10 @@ def compile_format_pattern(pattern: str) -> re.Pattern:
     try:
         return re.compile(pattern, re.DOTALL)
     except re.error as err:
-        raise ValueError(f"is not a valid regular expression ({err}); escape literal characters such as "
-                         "( [ . * + ? with a backslash, e.g. '\\(\\d+\\)'") from None
+        raise ValueError(
+            f"is not a valid regular expression ({err}); escape literal characters such as "
+            "( [ . * + ? with a backslash, e.g. '\\(\\d+\\)'"
+        ) from None
 
 
 def _is_number(value) -> bool:
@@ -93,11 +95,13 @@ def load_function(spec: str) -> Callable:
         module, origin = _import_module(where, spec), f"module {where!r}"
     fn = getattr(module, attr, None)
     if not callable(fn):
-        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-                       and getattr(v, "__module__", None) == module.__name__)
+        names = sorted(
+            n
+            for n, v in vars(module).items()
+            if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
         listed = f"; its functions: {', '.join(names)}" if names else "; it defines no function"
-        raise ValueError(f"{origin} has no function {attr!r}{closest(attr, names)} (reward function {spec!r})"
-                         f"{listed}")
+        raise ValueError(f"{origin} has no function {attr!r}{closest(attr, names)} (reward function {spec!r}){listed}")
     return fn
 
 
@@ -105,8 +109,10 @@ def _import_file(path: Path, spec: str):
     """Import a .py file as a module of its own (registered in sys.modules, so pickling works)."""
     if not path.is_file():
         nearby = [p.name for p in (path.parent if path.parent.is_dir() else Path()).glob("*.py")]
-        raise ValueError(f"reward function file {str(path)!r} does not exist (reward function {spec!r}, looked in "
-                         f"{path.resolve().parent}){closest(path.name, nearby)}; give path/to/file.py:function")
+        raise ValueError(
+            f"reward function file {str(path)!r} does not exist (reward function {spec!r}, looked in "
+            f"{path.resolve().parent}){closest(path.name, nearby)}; give path/to/file.py:function"
+        )
     name = f"gppo_reward_file_{path.stem}_{zlib.crc32(str(path.resolve()).encode()):08x}"
     if name in sys.modules:  # a second function of the same file
         return sys.modules[name]
@@ -133,12 +139,15 @@ def _import_module(name: str, spec: str):
         if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
             raise ValueError(f"module {name!r} of reward function {spec!r} failed to import: {err}") from err
         nearby = [p.stem for p in Path(cwd).glob("*.py")]
-        raise ValueError(f"cannot import module {name!r} of reward function {spec!r}: {err} (looked in the working "
-                         f"directory {cwd} and the installed packages){closest(name, nearby)}; give "
-                         "path/to/file.py:function or package.module:function") from None
+        raise ValueError(
+            f"cannot import module {name!r} of reward function {spec!r}: {err} (looked in the working "
+            f"directory {cwd} and the installed packages){closest(name, nearby)}; give "
+            "path/to/file.py:function or package.module:function"
+        ) from None
     except Exception as err:  # noqa: BLE001 - the user's module: any error is reported in words
-        raise ValueError(f"module {name!r} of reward function {spec!r} failed to import: "
-                         f"{type(err).__name__}: {err}") from err
+        raise ValueError(
+            f"module {name!r} of reward function {spec!r} failed to import: {type(err).__name__}: {err}"
+        ) from err
     finally:
         if added:
             sys.path.remove(cwd)
@@ -170,12 +179,16 @@ def check_reward_weights(weights: Sequence[float], functions: int, verifier: boo
             rewards = f"{n} rewards (one per reward function: the data has no answers, so there is no verifier)"
         else:
             rewards = "1 reward (the verifier)" if n == 1 else f"{n} rewards (the verifier, then each reward function)"
-        raise ValueError(f"reward_weights has {len(weights)} values but there {'is' if n == 1 else 'are'} {rewards}: "
-                         f"give one weight per reward, e.g. --reward_weights {' '.join(['1.0'] * n)}")
+        raise ValueError(
+            f"reward_weights has {len(weights)} values but there {'is' if n == 1 else 'are'} {rewards}: "
+            f"give one weight per reward, e.g. --reward_weights {' '.join(['1.0'] * n)}"
+        )
     for i, w in enumerate(weights):
         if not (_is_number(w) and abs(w) <= MAX_REWARD):
-            raise ValueError(f"reward_weights[{i}] = {w!r} is not a number within +-{MAX_REWARD:g}; "
-                             "give e.g. --reward_weights 1.0 0.5")
+            raise ValueError(
+                f"reward_weights[{i}] = {w!r} is not a number within +-{MAX_REWARD:g}; "
+                "give e.g. --reward_weights 1.0 0.5"
+            )
 
 
 @dataclass
@@ -202,13 +215,17 @@ class RewardPipeline:
 
     def __post_init__(self):
         if self.verifier is None and not self.user_functions:
-            raise ValueError("nothing scores the completions: the data has no answer column, so give reward "
-                             "functions (reward_funcs) or map an answer column (answer_field)")
+            raise ValueError(
+                "nothing scores the completions: the data has no answer column, so give reward "
+                "functions (reward_funcs) or map an answer column (answer_field)"
+            )
         check_reward_weights(self.weights, len(self.user_functions), verifier=self.verifier is not None)
         self.weights = list(self.weights) or [1.0] * ((self.verifier is not None) + len(self.user_functions))
         if not (_is_number(self.format_reward) and abs(self.format_reward) <= MAX_REWARD):
-            raise ValueError(f"format_reward = {self.format_reward!r} is not a number within +-{MAX_REWARD:g}; "
-                             "give e.g. --format_reward 0.1")
+            raise ValueError(
+                f"format_reward = {self.format_reward!r} is not a number within +-{MAX_REWARD:g}; "
+                "give e.g. --format_reward 0.1"
+            )
         try:
             self._format = compile_format_pattern(self.format_pattern) if self.format_pattern else None
         except ValueError as err:
@@ -218,8 +235,9 @@ class RewardPipeline:
                 raise ValueError(f"{knob} = {value!r} must be a number >= 0; give e.g. --{knob} 3")
         self._failures = {name: 0 for name, _ in self.user_functions}  # failing calls in a row
 
-    def __call__(self, problems: Sequence[Problem], completions: Sequence[str],
-                 completion_ids: Sequence[Sequence[int]]) -> RewardResult:
+    def __call__(
+        self, problems: Sequence[Problem], completions: Sequence[str], completion_ids: Sequence[Sequence[int]]
+    ) -> RewardResult:
         n = len(completions)
         user_weights = self.weights[1:] if self.verifier is not None else self.weights
         if self.verifier is not None:
@@ -232,25 +250,39 @@ class RewardPipeline:
         data_columns = [p.metadata.get("columns") or {} for p in problems]
         names = dict.fromkeys(k for c in data_columns for k in c)
         columns = {name: [c.get(name) for c in data_columns] for name in names}
-        columns.update({"prompts": [p.prompt for p in problems], "completions": list(completions),
-                        "completion_ids": [list(c) for c in completion_ids], "answer": [p.answer for p in problems]})
+        columns.update(
+            {
+                "prompts": [p.prompt for p in problems],
+                "completions": list(completions),
+                "completion_ids": [list(c) for c in completion_ids],
+                "answer": [p.answer for p in problems],
+            }
+        )
         applies = [self.verifier is not None] * n  # some reward applies to sample i
         for (name, fn), weight in zip(self.user_functions, user_weights):
             values, bad, first, applied = self._call_user(name, fn, columns, n)
             result.warnings += bad
             if bad:
-                warnings.warn(f"reward function {name}: {bad} of {n} samples gave no finite reward within "
-                              f"+-{MAX_REWARD:g} (raised, NaN, not a number or too large); they get 0. The first: "
-                              f"{first}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"reward function {name}: {bad} of {n} samples gave no finite reward within "
+                    f"+-{MAX_REWARD:g} (raised, NaN, not a number or too large); they get 0. The first: "
+                    f"{first}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             result.components[name] = values
             totals = [t + weight * v for t, v in zip(totals, values)]
             applies = [a or b for a, b in zip(applies, applied)]
         if self.verifier is None:
             result.accuracy = totals
         if not all(applies):
-            warnings.warn(f"{applies.count(False)} of {n} samples have no reward: every reward function returned "
-                          f"None (does not apply) for them, the first sample {applies.index(False)}; they get 0. "
-                          "Give every sample at least one reward that applies", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"{applies.count(False)} of {n} samples have no reward: every reward function returned "
+                f"None (does not apply) for them, the first sample {applies.index(False)}; they get 0. "
+                "Give every sample at least one reward that applies",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if self._format is not None:
             bonus = [self.format_reward * bool(self._format.fullmatch(c.strip())) for c in completions]
             result.components["format"] = bonus
@@ -262,13 +294,14 @@ class RewardPipeline:
         bad = next((i for i, t in enumerate(totals) if not abs(t) <= MAX_REWARD), None)
         if bad is not None:
             parts = ", ".join(f"{name} {values[bad]:g}" for name, values in result.components.items())
-            raise ValueError(f"the reward of sample {bad} is {totals[bad]:g} ({parts}; weights {self.weights}), "
-                             f"beyond +-{MAX_REWARD:g}: lower reward_weights / format_reward")
+            raise ValueError(
+                f"the reward of sample {bad} is {totals[bad]:g} ({parts}; weights {self.weights}), "
+                f"beyond +-{MAX_REWARD:g}: lower reward_weights / format_reward"
+            )
         result.rewards = totals
         return result
 
-    def _call_user(self, name: str, fn: Callable, columns: dict, n: int
-                   ) -> tuple[list[float], int, str, list[bool]]:
+    def _call_user(self, name: str, fn: Callable, columns: dict, n: int) -> tuple[list[float], int, str, list[bool]]:
         """The function's values (0 where unusable or None), how many samples were unusable, the first
         failure in words, and where it applied (not None); raises RewardFunctionError after
         max_failures failing calls in a row (module docstring) or at the timeout."""
@@ -313,13 +346,16 @@ class RewardPipeline:
         if self.max_failures and self._failures[name] >= self.max_failures:
             hint = ""
             if "signal" in last or "thread" in last:
-                hint = (" (reward functions run in a worker thread so that --reward_fn_timeout can stop "
-                        "waiting; one that needs the main thread, e.g. for signal.alarm, needs "
-                        "--reward_fn_timeout 0)")
+                hint = (
+                    " (reward functions run in a worker thread so that --reward_fn_timeout can stop "
+                    "waiting; one that needs the main thread, e.g. for signal.alarm, needs "
+                    "--reward_fn_timeout 0)"
+                )
             raise RewardFunctionError(
                 f"reward function {describe_function(name, fn)} failed on {self._failures[name]} calls in a "
                 f"row, the last with {last}{hint}; fix it (GPPO_DEBUG=1 shows its traceback), or raise "
-                "--reward_fn_max_failures (0: never stop)") from cause
+                "--reward_fn_max_failures (0: never stop)"
+            ) from cause
         return clean, bad, first, applied
 
     def _call_with_timeout(self, name: str, fn: Callable, columns: dict):
@@ -341,7 +377,8 @@ class RewardPipeline:
             raise RewardFunctionError(
                 f"reward function {describe_function(name, fn)} did not return within {self.timeout_s:g} s "
                 f"(--reward_fn_timeout) for {len(columns['completions'])} completions; make it faster, or raise "
-                "--reward_fn_timeout (0: no limit)")
+                "--reward_fn_timeout (0: no limit)"
+            )
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]

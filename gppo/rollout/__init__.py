@@ -5,9 +5,20 @@ from gppo.rollout.base import Generation, RolloutEngine, SamplingParams
 ENGINES = ("hf", "vllm")
 
 
-def make_engine(name: str, model, tokenizer, model_path=None, device="cpu", batch_size: int = 256, seed: int = 0,
-                dtype: str | None = None, kv_cache_gb: float = 1.0, compile: bool = False, max_logprobs: int = 20,
-                top_p_masks: bool = False) -> RolloutEngine:
+def make_engine(
+    name: str,
+    model,
+    tokenizer,
+    model_path=None,
+    device="cpu",
+    batch_size: int = 256,
+    seed: int = 0,
+    dtype: str | None = None,
+    kv_cache_gb: float = 1.0,
+    compile: bool = False,
+    max_logprobs: int = 20,
+    top_p_masks: bool = False,
+) -> RolloutEngine:
     """The engine called `name`. HF samples from `model` itself; vLLM loads `model_path` (the same
     weights) in `dtype` (default: `model`'s) and is synced from `model` by `update_weights`. The
     other keywords are vLLM's (gppo.rollout.vllm.VLLMEngine)."""
@@ -20,8 +31,17 @@ def make_engine(name: str, model, tokenizer, model_path=None, device="cpu", batc
         from gppo.rollout.vllm import VLLMEngine
 
         dtype = dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
-        return VLLMEngine(model_path, tokenizer, eos_token_ids(model, tokenizer), dtype=dtype, kv_cache_gb=kv_cache_gb,
-                          compile=compile, max_logprobs=max_logprobs, top_p_masks=top_p_masks, seed=seed)
+        return VLLMEngine(
+            model_path,
+            tokenizer,
+            eos_token_ids(model, tokenizer),
+            dtype=dtype,
+            kv_cache_gb=kv_cache_gb,
+            compile=compile,
+            max_logprobs=max_logprobs,
+            top_p_masks=top_p_masks,
+            seed=seed,
+        )
     raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
 
 

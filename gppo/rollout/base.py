@@ -7,8 +7,9 @@ log-probs, computed from the same (temperature-scaled) logits that were sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 
 @dataclass(frozen=True)

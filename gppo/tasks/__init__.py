@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from gppo.core import closest
-from gppo.tasks.arithmetic import AdditionTask
 from gppo.problem import Problem
+from gppo.tasks.arithmetic import AdditionTask
 from gppo.tasks.base import Task
 from gppo.tasks.countdown import CountdownTask
 from gppo.tasks.word_problems import WordProblemTask
@@ -29,5 +29,13 @@ def heldout_problems(task: Task, n: int, seed: int = HELDOUT_SEED) -> list[Probl
     return [task.sample(rng) for _ in range(n)]
 
 
-__all__ = ["TASKS", "AdditionTask", "CountdownTask", "Problem", "Task", "WordProblemTask", "get_task",
-           "heldout_problems"]
+__all__ = [
+    "TASKS",
+    "AdditionTask",
+    "CountdownTask",
+    "Problem",
+    "Task",
+    "WordProblemTask",
+    "get_task",
+    "heldout_problems",
+]

@@ -34,8 +34,9 @@ class CountdownTask:
 
     name = "countdown"
 
-    def __init__(self, counts: tuple[int, ...] = (3, 4), max_number: int = 9, max_target: int = 99,
-                 p_correct: float = 0.3):
+    def __init__(
+        self, counts: tuple[int, ...] = (3, 4), max_number: int = 9, max_target: int = 99, p_correct: float = 0.3
+    ):
         if not counts or min(counts) < 2:
             raise ValueError(f"counts must be numbers of operands >= 2, got {counts}")
         if not 0.0 <= p_correct <= 1.0:
@@ -63,7 +64,7 @@ class CountdownTask:
             return solution
         spots = [i for i, c in enumerate(solution) if c in _PREC]
         i = rng.choice(spots)
-        return solution[:i] + rng.choice([o for o in _PREC if o != solution[i]]) + solution[i + 1:]
+        return solution[:i] + rng.choice([o for o in _PREC if o != solution[i]]) + solution[i + 1 :]
 
 
 def evaluate(expression: str, numbers: list[int]) -> int | None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 import re
 
-from gppo.rewards.math import extract_answer
 from gppo.problem import Problem
+from gppo.rewards.math import extract_answer
 
 NAMES = ("Tom", "Mia", "Ali", "Sara", "Ben", "Lena", "Omar", "Yuki", "Ravi", "Anna")
 ITEMS = ("apples", "books", "marbles", "pencils", "cookies", "stickers", "cards", "shells")

@@ -54,21 +54,25 @@ class Rollout:
     def size(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, index: torch.Tensor) -> "Rollout":
+    def select(self, index: torch.Tensor) -> Rollout:
         """The sequences at `index`, trimmed to the columns any of them uses."""
+
         def pick(x):
             if isinstance(x, list):
                 return [x[i] for i in index.tolist()]
             return x[index] if isinstance(x, torch.Tensor) else x
+
         sub = replace(self, **{f.name: pick(getattr(self, f.name)) for f in fields(self)})
         used = sub.attention_mask.any(0).nonzero()
         first_prompt_col = int(used.min()) if used.numel() else 0
         first_prompt_col = min(first_prompt_col, sub.prompt_length - 1)
         last_response = int(sub.response_mask.any(0).nonzero().max()) + 1 if sub.response_mask.any() else 1
         end = sub.prompt_length + last_response
-        trimmed = {"input_ids": sub.input_ids[:, first_prompt_col:end],
-                   "attention_mask": sub.attention_mask[:, first_prompt_col:end],
-                   "prompt_length": sub.prompt_length - first_prompt_col}
+        trimmed = {
+            "input_ids": sub.input_ids[:, first_prompt_col:end],
+            "attention_mask": sub.attention_mask[:, first_prompt_col:end],
+            "prompt_length": sub.prompt_length - first_prompt_col,
+        }
         for f in fields(self):
             value = getattr(sub, f.name)
             if f.name not in trimmed and isinstance(value, torch.Tensor) and value.dim() >= 2:
@@ -76,8 +80,9 @@ class Rollout:
         return replace(sub, **trimmed)
 
 
-def rollout_from_generations(generations: list[Generation], advantages: torch.Tensor, pad_id: int,
-                             top_k: int) -> Rollout:
+def rollout_from_generations(
+    generations: list[Generation], advantages: torch.Tensor, pad_id: int, top_k: int
+) -> Rollout:
     """Pad a list of generations into a Rollout (top-K kept only when top_k > 0)."""
     n = len(generations)
     P = max(len(g.prompt_ids) for g in generations)
@@ -94,10 +99,10 @@ def rollout_from_generations(generations: list[Generation], advantages: torch.Te
     kept_ids = [] if top_p else None
     for i, g in enumerate(generations):
         p, t = len(g.prompt_ids), len(g.completion_ids)
-        input_ids[i, P - p:P] = torch.tensor(g.prompt_ids)
-        attention[i, P - p:P + t] = 1
+        input_ids[i, P - p : P] = torch.tensor(g.prompt_ids)
+        attention[i, P - p : P + t] = 1
         if t:
-            input_ids[i, P:P + t] = torch.tensor(g.completion_ids)
+            input_ids[i, P : P + t] = torch.tensor(g.completion_ids)
             token_ids[i, :t] = torch.tensor(g.completion_ids)
             response_mask[i, :t] = 1
             logp[i, :t] = torch.tensor(g.logprobs)
@@ -106,12 +111,25 @@ def rollout_from_generations(generations: list[Generation], advantages: torch.Te
                 topk_logp[i, :t] = torch.tensor(g.topk_logprobs)[:, :top_k]
         if top_p:
             if g.kept_ids is None or len(g.kept_ids) != t:
-                raise ValueError("every generation of a top-p rollout needs kept_ids, one set per token "
-                                 "(sample with SamplingParams(record_kept_ids=True))")
+                raise ValueError(
+                    "every generation of a top-p rollout needs kept_ids, one set per token "
+                    "(sample with SamplingParams(record_kept_ids=True))"
+                )
             kept_sizes[i, :t] = torch.tensor([len(ids) for ids in g.kept_ids], dtype=torch.long)
             kept_ids.append(torch.tensor([a for ids in g.kept_ids for a in ids], dtype=torch.long))
-    return Rollout(input_ids, attention, P, response_mask, token_ids, logp, advantages.float(),
-                   topk_ids, topk_logp, kept_sizes=kept_sizes, kept_ids=kept_ids)
+    return Rollout(
+        input_ids,
+        attention,
+        P,
+        response_mask,
+        token_ids,
+        logp,
+        advantages.float(),
+        topk_ids,
+        topk_logp,
+        kept_sizes=kept_sizes,
+        kept_ids=kept_ids,
+    )
 
 
 def decoder_and_output_layer(model):
@@ -119,13 +137,18 @@ def decoder_and_output_layer(model):
     gppo scores tokens from the last hidden states (`gppo.token_stats`), never from full logits.
     A model that transforms its logits further (soft-capping, a logit scale) is refused."""
     head = model.get_output_embeddings()
-    reshaped = [name for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")
-                if getattr(model.config, name, None) not in (None, 1, 1.0)]
+    reshaped = [
+        name
+        for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+        if getattr(model.config, name, None) not in (None, 1, 1.0)
+    ]
     if not isinstance(head, torch.nn.Linear) or reshaped:
-        raise ValueError(f"{type(model).__name__}: gppo computes log-probs from the last hidden states through "
-                         f"a linear output layer, but this model's logits are not that"
-                         f"{' (config ' + ', '.join(reshaped) + ')' if reshaped else ''}; use a causal LM whose "
-                         "logits are lm_head(hidden_states)")
+        raise ValueError(
+            f"{type(model).__name__}: gppo computes log-probs from the last hidden states through "
+            f"a linear output layer, but this model's logits are not that"
+            f"{' (config ' + ', '.join(reshaped) + ')' if reshaped else ''}; use a causal LM whose "
+            "logits are lm_head(hidden_states)"
+        )
     return model.get_decoder(), head
 
 
@@ -156,8 +179,11 @@ def enable_activation_checkpointing(model) -> None:
 def drops_cache_in_backward(model) -> bool:
     """True when a forward of `model` now would recompute its layers in the backward without
     their key/value cache (activation checkpointing, training mode, gradients on)."""
-    return model.training and torch.is_grad_enabled() and any(
-        getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    return (
+        model.training
+        and torch.is_grad_enabled()
+        and any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    )
 
 
 def completion_hidden_states(model, rollout: Rollout, share_prompt: bool = True) -> torch.Tensor:
@@ -168,28 +194,41 @@ def completion_hidden_states(model, rollout: Rollout, share_prompt: bool = True)
     forward, up to the order of float additions)."""
     decoder, _ = decoder_and_output_layer(model)
     if share_prompt and drops_cache_in_backward(model):
-        raise ValueError("share_prompt needs the prompt's key/value cache, which activation checkpointing drops "
-                         "in training mode: pass ForwardOptions(share_prompt=False) with checkpointing")
+        raise ValueError(
+            "share_prompt needs the prompt's key/value cache, which activation checkpointing drops "
+            "in training mode: pass ForwardOptions(share_prompt=False) with checkpointing"
+        )
     ids, mask = rollout.input_ids, rollout.attention_mask
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     P, T = rollout.prompt_length, rollout.token_ids.shape[1]
     prompts, rows_of = torch.unique(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0, return_inverse=True)
     if not share_prompt or len(prompts) == len(ids):
-        hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state
-        return hidden[:, P - 1:P - 1 + T]
+        hidden = decoder(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return hidden[:, P - 1 : P - 1 + T]
     first = torch.empty(len(prompts), dtype=torch.long, device=ids.device)
     first[rows_of] = torch.arange(len(ids), device=ids.device)  # one row of each distinct prompt
     cache_kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-    out = decoder(input_ids=ids[first, :P], attention_mask=mask[first, :P], position_ids=position_ids[first, :P],
-                  use_cache=True, **{cache_kw: DynamicCache(config=model.config)})
+    out = decoder(
+        input_ids=ids[first, :P],
+        attention_mask=mask[first, :P],
+        position_ids=position_ids[first, :P],
+        use_cache=True,
+        **{cache_kw: DynamicCache(config=model.config)},
+    )
     last_prompt = out.last_hidden_state[rows_of, -1:]
     if T == 1:
         return last_prompt
     cache = getattr(out, cache_kw)  # the output field has the argument's name
     cache.batch_select_indices(rows_of)  # differentiable indexing: the gradient sums over the group
-    rest = decoder(input_ids=ids[:, P:P + T - 1], attention_mask=mask[:, :P + T - 1],
-                   position_ids=position_ids[:, P:P + T - 1], use_cache=True, **{cache_kw: cache})
+    rest = decoder(
+        input_ids=ids[:, P : P + T - 1],
+        attention_mask=mask[:, : P + T - 1],
+        position_ids=position_ids[:, P : P + T - 1],
+        use_cache=True,
+        **{cache_kw: cache},
+    )
     return torch.cat([last_prompt, rest.last_hidden_state], 1)
 
 
@@ -205,9 +244,16 @@ class PolicyOutputs:
     log_probs: torch.Tensor | None = None  # [N, T, V], only with return_log_probs
 
 
-def policy_outputs(model, rollout: Rollout, temperature: float, config: gppo.GPPOConfig | None = None, *,
-                   entropy: bool = False, return_log_probs: bool = False,
-                   options: ForwardOptions = ForwardOptions()) -> PolicyOutputs:
+def policy_outputs(
+    model,
+    rollout: Rollout,
+    temperature: float,
+    config: gppo.GPPOConfig | None = None,
+    *,
+    entropy: bool = False,
+    return_log_probs: bool = False,
+    options: ForwardOptions = ForwardOptions(),
+) -> PolicyOutputs:
     """The model's per-token log-probs of the rollout (log_softmax(logits / temperature), on the
     top-p nucleus S_t when the rollout has one), and what `config`'s loss reads beyond them: the
     exact D_f to the anchor's full distribution (estimator 'full') and the exact KL to the
@@ -227,31 +273,54 @@ def policy_outputs(model, rollout: Rollout, temperature: float, config: gppo.GPP
     if config is not None and config.kl_estimator == "full" and rollout.logp_ref_full is not None:
         ref_full = rollout.logp_ref_full[valid]
     stats = gppo.token_stats(
-        hidden, weight, rollout.token_ids[valid], bias=bias, temperature=temperature,
+        hidden,
+        weight,
+        rollout.token_ids[valid],
+        bias=bias,
+        temperature=temperature,
         topk_ids=None if rollout.topk_ids is None else rollout.topk_ids[valid],
         kept_sizes=None if rollout.kept_sizes is None else rollout.kept_sizes[valid],
         kept_ids=None if rollout.kept_ids is None else torch.cat(rollout.kept_ids).to(hidden.device),
-        entropy=entropy, ref_log_probs=ref_full,
+        entropy=entropy,
+        ref_log_probs=ref_full,
         anchor_log_probs=None if anchor_full is None else anchor_full[valid],
         divergence=None if anchor_full is None else config.divergence_fn,
-        return_log_probs=return_log_probs, chunk_size=options.chunk_size)
+        return_log_probs=return_log_probs,
+        chunk_size=options.chunk_size,
+    )
 
     def spread(values):  # [n, ...] at the valid positions -> [N, T, ...], 0 elsewhere
         if values is None:
             return None
         out = values.new_zeros((*valid.shape, *values.shape[1:]))
         return out.index_put((valid,), values)
-    return PolicyOutputs(spread(stats.logp), spread(stats.topk_logp), spread(stats.entropy),
-                         spread(stats.full_estimate), spread(stats.kl_ref_full), spread(stats.log_probs))
+
+    return PolicyOutputs(
+        spread(stats.logp),
+        spread(stats.topk_logp),
+        spread(stats.entropy),
+        spread(stats.full_estimate),
+        spread(stats.kl_ref_full),
+        spread(stats.log_probs),
+    )
 
 
 def token_batch(rollout: Rollout, outputs: PolicyOutputs) -> gppo.TokenBatch:
     """The TokenBatch of a micro-batch: the current policy's per-token quantities from `outputs`,
     the rest from the rollout."""
     return gppo.TokenBatch(
-        logp=outputs.logp, logp_behavior=rollout.logp_behavior, advantages=rollout.advantages,
-        mask=rollout.response_mask, logp_old=rollout.logp_old, token_ids=rollout.token_ids,
-        topk_ids=rollout.topk_ids, topk_logp_behavior=rollout.topk_logp_behavior,
-        topk_logp=outputs.topk_logp, topk_logp_old=rollout.topk_logp_old, logp_ref=rollout.logp_ref,
-        entropy=outputs.entropy, full_estimate=outputs.full_estimate, kl_ref_full=outputs.kl_ref_full,
+        logp=outputs.logp,
+        logp_behavior=rollout.logp_behavior,
+        advantages=rollout.advantages,
+        mask=rollout.response_mask,
+        logp_old=rollout.logp_old,
+        token_ids=rollout.token_ids,
+        topk_ids=rollout.topk_ids,
+        topk_logp_behavior=rollout.topk_logp_behavior,
+        topk_logp=outputs.topk_logp,
+        topk_logp_old=rollout.topk_logp_old,
+        logp_ref=rollout.logp_ref,
+        entropy=outputs.entropy,
+        full_estimate=outputs.full_estimate,
+        kl_ref_full=outputs.kl_ref_full,
     )

@@ -38,8 +38,16 @@ TEMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
 MANIFEST = "manifest.json"
 # Everything the trainer writes in a run directory; a restart without a checkpoint moves these aside.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "curves.png", "checkpoints", "final",
-             "tensorboard", "wandb")
+RUN_FILES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "curves.png",
+    "checkpoints",
+    "final",
+    "tensorboard",
+    "wandb",
+)
 ABORTED = "aborted"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _NO_SPACE = {errno.ENOSPC: os.strerror(errno.ENOSPC), errno.EDQUOT: os.strerror(errno.EDQUOT)}
@@ -71,8 +79,10 @@ class RunLock:
             self._file.seek(0)
             holder = self._file.read().strip() or "unknown"
             self._file.close()
-            raise RunError(f"{run_dir} is in use by another gppo process (PID {holder}, which holds {self.path}): "
-                           "wait for it to finish or stop it, or choose another --output_dir") from None
+            raise RunError(
+                f"{run_dir} is in use by another gppo process (PID {holder}, which holds {self.path}): "
+                "wait for it to finish or stop it, or choose another --output_dir"
+            ) from None
         self._file.truncate(0)
         self._file.write(f"{os.getpid()}\n")
         self._file.flush()
@@ -106,8 +116,10 @@ def no_space_is_an_error(path: Path, consequence: str = ""):
     except Exception as err:
         if not is_no_space(err):
             raise
-        raise NoSpaceError(f"no space left on device at {path}{consequence}: free some space "
-                           f"({shutil.disk_usage(path.parent).free // 2**20} MiB free now)") from err
+        raise NoSpaceError(
+            f"no space left on device at {path}{consequence}: free some space "
+            f"({shutil.disk_usage(path.parent).free // 2**20} MiB free now)"
+        ) from err
 
 
 def fsync_dir(path: Path) -> None:
@@ -187,8 +199,9 @@ def _rename_dir(new: Path, target: Path) -> None:
 
 def remove_stale_temps(run_dir: Path) -> list[Path]:
     """Remove the temporary files and directories a killed process left (call with the lock held)."""
-    stale = [p for folder in (run_dir, run_dir / "checkpoints") if folder.is_dir()
-             for p in folder.glob(f"{TEMP_PREFIX}*")]
+    stale = [
+        p for folder in (run_dir, run_dir / "checkpoints") if folder.is_dir() for p in folder.glob(f"{TEMP_PREFIX}*")
+    ]
     for path in stale:
         if path.is_dir():
             shutil.rmtree(path)
@@ -256,13 +269,14 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, kee
         tokenizer.save_pretrained(tmp)
         with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: torch then keeps the OSError's errno
             torch.save({**state, "step": step, "rng": rng_state()}, f)
+
     final = write_dir(root / f"step_{step:06d}", write, kept, manifest=True)
     atomic_write_text(root / "latest", final.name)
     dirs = _step_dirs(root)
     older = [p for s, p in dirs if s < step]
     remove = [p for s, p in dirs if s > step]
     if keep > 0:
-        remove += older[:max(0, len(older) - (keep - 1))]
+        remove += older[: max(0, len(older) - (keep - 1))]
     for path in remove:
         shutil.rmtree(path)
     return final
@@ -270,9 +284,11 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, kee
 
 def save_final(run_dir: Path, model, tokenizer) -> Path:
     """Write RUN_DIR/final/ (model and tokenizer) whole, replacing an earlier one."""
+
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+
     return write_dir(run_dir / "final", write, "; the checkpoints are intact, resume to write final/ again")
 
 
@@ -329,10 +345,14 @@ def load_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
             skipped.append(f"{path.name}: {problem}")
             continue
         if skipped:
-            warnings.warn(f"skipped unusable checkpoints in {path.parent} ({'; '.join(skipped)}); "
-                          f"falling back to {path.name}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"skipped unusable checkpoints in {path.parent} ({'; '.join(skipped)}); falling back to {path.name}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return path, state
     if skipped:
-        warnings.warn(f"no usable checkpoint in {run_dir / 'checkpoints'} ({'; '.join(skipped)})",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"no usable checkpoint in {run_dir / 'checkpoints'} ({'; '.join(skipped)})", RuntimeWarning, stacklevel=2
+        )
     return None

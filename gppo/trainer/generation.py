@@ -50,12 +50,15 @@ def rollout_stats(sampled: SampledGroups, seconds: float) -> dict:
     gens = sampled.generations
     lengths = torch.tensor([len(g.completion_ids) for g in gens], dtype=torch.float)
     return {
-        "rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item(),
         "rollout/accuracy": sum(sampled.accuracy) / len(sampled.accuracy),
         "rollout/zero_variance_groups": 1 - informative_groups(rewards).float().mean().item(),
-        "rollout/length_mean": lengths.mean().item(), "rollout/length_max": lengths.max().item(),
+        "rollout/length_mean": lengths.mean().item(),
+        "rollout/length_max": lengths.max().item(),
         "rollout/truncated_frac": sum(g.finish_reason == "length" for g in gens) / len(gens),
-        "rollout/reward_fn_warnings": sampled.reward_fn_warnings, "rollout/rounds": sampled.rounds,
+        "rollout/reward_fn_warnings": sampled.reward_fn_warnings,
+        "rollout/rounds": sampled.rounds,
         "rollout/groups_kept": len(sampled.kept_rewards),
         "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
     }
@@ -65,9 +68,18 @@ class RolloutGenerator:
     """The batch of each step, sampled by `engine` from the rollout policy and rewarded by
     `rewards` (see the module docstring)."""
 
-    def __init__(self, config: TrainConfig, loss_config: gppo.GPPOConfig, source: TaskSource | DatasetSource,
-                 prompts: PromptBuilder, engine: RolloutEngine, rewards: RewardPipeline, tokenizer,
-                 rollout_policy: RolloutPolicy, device: torch.device):
+    def __init__(
+        self,
+        config: TrainConfig,
+        loss_config: gppo.GPPOConfig,
+        source: TaskSource | DatasetSource,
+        prompts: PromptBuilder,
+        engine: RolloutEngine,
+        rewards: RewardPipeline,
+        tokenizer,
+        rollout_policy: RolloutPolicy,
+        device: torch.device,
+    ):
         self.config, self.loss_config, self.source, self.prompts = config, loss_config, source, prompts
         self.engine, self.rewards, self.tokenizer = engine, rewards, tokenizer
         self.rollout_policy, self.device = rollout_policy, device
@@ -81,8 +93,9 @@ class RolloutGenerator:
         if not sampled.kept_rewards:
             return None, stats
         advantages = group_advantages(torch.stack(sampled.kept_rewards), self.config.advantage).flatten()
-        rollout = rollout_from_generations(sampled.kept_generations, advantages, self.tokenizer.pad_token_id,
-                                           self.top_k)
+        rollout = rollout_from_generations(
+            sampled.kept_generations, advantages, self.tokenizer.pad_token_id, self.top_k
+        )
         if self.loss_config.estimator is not None and "full" in gppo.ESTIMATORS[self.loss_config.estimator].anchor:
             rollout = dataclasses.replace(rollout, logp_behavior_full=self._behavior_distribution(rollout))
         return rollout, stats
@@ -106,7 +119,7 @@ class RolloutGenerator:
             keep = informative_groups(rewards) if c.dynamic_sampling else torch.ones(need, dtype=torch.bool)
             for group in keep.nonzero().flatten().tolist():
                 sampled.kept_rewards.append(rewards[group])
-                sampled.kept_generations.extend(gens[group * c.group_size:(group + 1) * c.group_size])
+                sampled.kept_generations.extend(gens[group * c.group_size : (group + 1) * c.group_size])
             sampled.rounds += 1
             if len(sampled.kept_rewards) == c.prompts_per_step or sampled.rounds > c.max_resample_rounds:
                 return sampled
@@ -114,9 +127,15 @@ class RolloutGenerator:
     def _generate(self, problems, seed: int) -> list[Generation]:
         """group_size completions of each problem, with mu's top-K log-probs when the estimator reads them."""
         c = self.config
-        params = SamplingParams(temperature=c.temperature, max_new_tokens=c.max_new_tokens, n=c.group_size,
-                                top_k_logprobs=self.top_k, seed=seed, top_p=c.rollout_top_p,
-                                record_kept_ids=c.rollout_top_p < 1)
+        params = SamplingParams(
+            temperature=c.temperature,
+            max_new_tokens=c.max_new_tokens,
+            n=c.group_size,
+            top_k_logprobs=self.top_k,
+            seed=seed,
+            top_p=c.rollout_top_p,
+            record_kept_ids=c.rollout_top_p < 1,
+        )
         return self.engine.generate([self.prompts(p.prompt) for p in problems], params)
 
     @torch.no_grad()
@@ -128,8 +147,9 @@ class RolloutGenerator:
         parts = []
         for index in torch.arange(rollout.size).split(self.config.micro_batch_size):
             sub = on_device(rollout.select(index), self.device)
-            log_probs = policy_outputs(self.rollout_policy.model, sub, self.config.temperature,
-                                       return_log_probs=True).log_probs
+            log_probs = policy_outputs(
+                self.rollout_policy.model, sub, self.config.temperature, return_log_probs=True
+            ).log_probs
             parts.append(pad_to(log_probs, rollout.token_ids.shape[1]).cpu())
         return torch.cat(parts)
 
@@ -141,9 +161,14 @@ class RolloutGenerator:
 
 def on_device(rollout: Rollout, device: torch.device) -> Rollout:
     """The rollout with its tensors on `device`."""
-    return dataclasses.replace(rollout, **{f.name: getattr(rollout, f.name).to(device)
-                                           for f in dataclasses.fields(rollout)
-                                           if isinstance(getattr(rollout, f.name), torch.Tensor)})
+    return dataclasses.replace(
+        rollout,
+        **{
+            f.name: getattr(rollout, f.name).to(device)
+            for f in dataclasses.fields(rollout)
+            if isinstance(getattr(rollout, f.name), torch.Tensor)
+        },
+    )
 
 
 def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:

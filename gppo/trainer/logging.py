@@ -24,15 +24,21 @@ class MetricsLog:
     def __init__(self, path: Path, report_to: list[str], config: dict):
         self.path = path
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.sinks = [sink for sink in (_tensorboard(path.parent, report_to), _wandb(path.parent, report_to, config))
-                      if sink is not None]
+        self.sinks = [
+            sink
+            for sink in (_tensorboard(path.parent, report_to), _wandb(path.parent, report_to, config))
+            if sink is not None
+        ]
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps > step (a resumed run redoes them)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and _parse(line) is not None and _parse(line)["step"] <= step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and _parse(line) is not None and _parse(line)["step"] <= step
+        ]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, step: int, metrics: dict) -> None:
@@ -72,8 +78,9 @@ def _tensorboard(run_dir: Path, report_to: list[str]):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        warnings.warn("report_to includes tensorboard but it is not installed (pip install gppo[tensorboard])",
-                      stacklevel=2)
+        warnings.warn(
+            "report_to includes tensorboard but it is not installed (pip install gppo[tensorboard])", stacklevel=2
+        )
         return None
     writer = SummaryWriter(str(run_dir / "tensorboard"))
 
@@ -82,6 +89,7 @@ def _tensorboard(run_dir: Path, report_to: list[str]):
             if key not in ("step", "time"):
                 writer.add_scalar(key, value, step)
         writer.flush()
+
     return sink
 
 
@@ -126,7 +134,7 @@ def plot_curves(records: list[dict], path: Path, title: str) -> Path | None:
     columns = min(3, len(panels))
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     steps = len({r["step"] for r in records})
     for ax, (name, keys) in zip(axes.flat, panels):
@@ -152,6 +160,7 @@ def accuracy_summary(before: dict, after: dict, steps: int, samples: int) -> str
     its number of problems; the greedy change with ± 2 SE of a difference of independent means (a
     conservative bound: the same problems are scored twice). A resumed run evaluated on another
     number of problems gets no change: the two numbers are of different held-out sets."""
+
     def side(m: dict) -> str:
         size = f" ({int(m['eval/problems'])} problems)" if "eval/problems" in m else ""
         return f"greedy {_with_se(m, 'eval/greedy')}, sampled avg@{samples} {_with_se(m, 'eval/avg@k')}{size}"
@@ -179,7 +188,9 @@ def storage_note(run_dir: Path) -> str:
     if not checkpoints:
         return f"{total / 1e9:.2f} GB"
     held = directory_size(run_dir / "checkpoints")
-    return (f"{total / 1e9:.2f} GB, of which {held / 1e9:.2f} GB in {len(checkpoints)} checkpoint(s) under checkpoints/: "
-            "each holds the weights and the optimizer state (AdamW's two moments, twice the weights) to resume from; "
-            "final/ holds the weights alone, so checkpoints/ can be deleted once the run is done "
-            "(--keep_checkpoints 0 deletes them then)")
+    return (
+        f"{total / 1e9:.2f} GB, of which {held / 1e9:.2f} GB in {len(checkpoints)} checkpoint(s) under checkpoints/: "
+        "each holds the weights and the optimizer state (AdamW's two moments, twice the weights) to resume from; "
+        "final/ holds the weights alone, so checkpoints/ can be deleted once the run is done "
+        "(--keep_checkpoints 0 deletes them then)"
+    )

@@ -21,9 +21,9 @@ systems). Three `gppo train` knobs reproduce that (docs/design.md section 1, anc
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
-from typing import Callable
 
 import torch
 
@@ -48,8 +48,7 @@ class RolloutPolicy:
     otherwise, else a copy in `dtype` (fake-quantized when `quantization='int8'`; `separate`
     asks for a copy even in the training dtype, for sampling while the model trains)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, quantization: str = "none",
-                 separate: bool = False):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, quantization: str = "none", separate: bool = False):
         train_dtype = next(model.parameters()).dtype
         self.is_copy = separate or dtype != train_dtype or quantization != "none"
         self.model = model
@@ -62,8 +61,11 @@ class RolloutPolicy:
         self.model = copy.deepcopy(model).to(dtype).eval()
         if quantization == "int8":
             head = model.get_output_embeddings()
-            self._quantized = {f"{name}.weight" for name, module in model.named_modules()
-                               if isinstance(module, torch.nn.Linear) and module is not head}
+            self._quantized = {
+                f"{name}.weight"
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear) and module is not head
+            }
         self.refresh(model)
 
     @torch.no_grad()
@@ -100,8 +102,10 @@ class OffPolicyQueue:
                 self.pending.append((target, step, *sample(target)))
         target, sampled_at, rollout, stats = self.pending.pop(0)
         if target != step:
-            raise RuntimeError(f"the rollout queue holds step {target}'s batch at step {step}: "
-                               "the checkpoint's pending rollouts do not belong to this run")
+            raise RuntimeError(
+                f"the rollout queue holds step {target}'s batch at step {step}: "
+                "the checkpoint's pending rollouts do not belong to this run"
+            )
         if self.steps_ahead:
             stats = {**stats, "mismatch/policy_lag": step - sampled_at}
         return rollout, stats
@@ -115,12 +119,15 @@ class OffPolicyQueue:
 
     def state_dict(self) -> list:
         self.wait()
-        return [(target, sampled_at, None if r is None else {f.name: getattr(r, f.name) for f in fields(r)}, stats)
-                for target, sampled_at, r, stats in self.pending]
+        return [
+            (target, sampled_at, None if r is None else {f.name: getattr(r, f.name) for f in fields(r)}, stats)
+            for target, sampled_at, r, stats in self.pending
+        ]
 
     def load_state_dict(self, state: list) -> None:
-        self.pending = [(target, sampled_at, None if r is None else Rollout(**r), stats)
-                        for target, sampled_at, r, stats in state]
+        self.pending = [
+            (target, sampled_at, None if r is None else Rollout(**r), stats) for target, sampled_at, r, stats in state
+        ]
 
 
 def mismatch_metrics(rollout: Rollout) -> dict:
@@ -138,7 +145,11 @@ def mismatch_metrics(rollout: Rollout) -> dict:
     gap = (old.exp() - mu.exp()).abs()
     ratio = d.exp()
     quantiles = torch.quantile(ratio, torch.tensor(RATIO_QUANTILES, dtype=torch.float64))
-    values = {"mismatch/prob_diff/mean": gap.mean(), "mismatch/prob_diff/max": gap.max(),
-              "mismatch/kl_sample": (-d).mean(), "mismatch/kl_k3": (torch.expm1(d) - d).mean(),
-              **{f"mismatch/ratio/q{q:g}": value for q, value in zip(RATIO_QUANTILES, quantiles)}}
+    values = {
+        "mismatch/prob_diff/mean": gap.mean(),
+        "mismatch/prob_diff/max": gap.max(),
+        "mismatch/kl_sample": (-d).mean(),
+        "mismatch/kl_k3": (torch.expm1(d) - d).mean(),
+        **{f"mismatch/ratio/q{q:g}": value for q, value in zip(RATIO_QUANTILES, quantiles)},
+    }
     return {key: value.item() for key, value in values.items()}

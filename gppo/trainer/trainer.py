@@ -27,15 +27,25 @@ from gppo.allocator import release_free_memory
 from gppo.evaluation import evaluate_problems
 from gppo.models.assets import embedded_checkpoint
 from gppo.models.loading import check_positions, load_model_and_tokenizer
-from gppo.prompts import PromptBuilder
 from gppo.options import load_yaml
+from gppo.prompts import PromptBuilder
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import make_engine
 from gppo.rollout.options import resolve_device
 from gppo.threads import default_threads
 from gppo.trainer.batch import Rollout, enable_activation_checkpointing, policy_outputs, token_batch
-from gppo.trainer.checkpoint import (RunError, RunLock, atomic_write_text, latest_checkpoint, load_checkpoint,
-                                     remove_stale_temps, save_checkpoint, save_final, set_aside, set_rng_state)
+from gppo.trainer.checkpoint import (
+    RunError,
+    RunLock,
+    atomic_write_text,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_stale_temps,
+    save_checkpoint,
+    save_final,
+    set_aside,
+    set_rng_state,
+)
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set, derived_seed
 from gppo.trainer.generation import RolloutGenerator, on_device, pad_to
@@ -102,28 +112,44 @@ class Trainer:
         remove_stale_temps(self.run_dir)
         checkpoint, state = load_checkpoint(self.run_dir) or (None, None)
         if checkpoint is not None and not resume:
-            raise ConfigError(f"{self.run_dir} already holds a run (last checkpoint {checkpoint.name}): continue "
-                              f"it with `gppo train --resume {self.run_dir}` or choose another --output_dir")
+            raise ConfigError(
+                f"{self.run_dir} already holds a run (last checkpoint {checkpoint.name}): continue "
+                f"it with `gppo train --resume {self.run_dir}` or choose another --output_dir"
+            )
         if checkpoint is None and resume:
-            raise ConfigError(f"{self.run_dir} has no usable checkpoint to resume from; start it again without "
-                              f"--resume (the files of the stopped attempt are then moved to {self.run_dir}/aborted/)")
+            raise ConfigError(
+                f"{self.run_dir} has no usable checkpoint to resume from; start it again without "
+                f"--resume (the files of the stopped attempt are then moved to {self.run_dir}/aborted/)"
+            )
 
         self.loss_config = config.gppo_config()
         top_k = self.loss_config.rollout_top_k
 
         self.base_model_path = self._base_model_path()
         # data and reward functions first: a bad gold or reward file is named before the model loads
-        self.problems = build_problem_set(config.task, config.data, config.eval_data, config.eval_size, config.seed,
-                                          config.data_options(), need_answer=not config.reward_funcs)
+        self.problems = build_problem_set(
+            config.task,
+            config.data,
+            config.eval_data,
+            config.eval_size,
+            config.seed,
+            config.data_options(),
+            need_answer=not config.reward_funcs,
+        )
         rewards = RewardPipeline(
             verifier=self.problems.verifier,
             user_functions=[(path, load_function(path)) for path in config.reward_funcs],
-            weights=list(config.reward_weights), format_pattern=config.format_pattern,
-            format_reward=config.format_reward, max_length=config.max_new_tokens,
-            overlong_buffer=config.overlong_buffer, max_failures=config.reward_fn_max_failures,
-            timeout_s=config.reward_fn_timeout)
-        self.model, self.tokenizer = load_model_and_tokenizer(checkpoint or self.base_model_path,
-                                                              dtype=_dtype(config.dtype))
+            weights=list(config.reward_weights),
+            format_pattern=config.format_pattern,
+            format_reward=config.format_reward,
+            max_length=config.max_new_tokens,
+            overlong_buffer=config.overlong_buffer,
+            max_failures=config.reward_fn_max_failures,
+            timeout_s=config.reward_fn_timeout,
+        )
+        self.model, self.tokenizer = load_model_and_tokenizer(
+            checkpoint or self.base_model_path, dtype=_dtype(config.dtype)
+        )
         self.model.to(self.device)
         if config.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
@@ -134,32 +160,55 @@ class Trainer:
             self.ref_model.to(self.device).requires_grad_(False)
         rollout_dtype = config.sampling_dtype()
         copy_dtype = rollout_dtype if config.engine == "hf" else config.dtype  # vLLM loads its own copy
-        self.rollout_policy = RolloutPolicy(self.model, _dtype(copy_dtype), config.rollout_quantization,
-                                            separate=config.overlaps_rollouts() and config.engine == "hf")
+        self.rollout_policy = RolloutPolicy(
+            self.model,
+            _dtype(copy_dtype),
+            config.rollout_quantization,
+            separate=config.overlaps_rollouts() and config.engine == "hf",
+        )
         self.pending = OffPolicyQueue(config.off_policy_steps, background=config.overlaps_rollouts())
         # a resumed run rebuilds vLLM from the checkpoint's weights, which are the model's
-        self.engine = make_engine(config.engine, self.rollout_policy.model, self.tokenizer,
-                                  model_path=checkpoint or self.base_model_path,
-                                  device=self.device, batch_size=config.rollout_batch_size, seed=config.seed,
-                                  dtype=rollout_dtype, kv_cache_gb=config.vllm_kv_cache_gb,
-                                  compile=config.compiles_vllm(), max_logprobs=max(top_k, 1),
-                                  top_p_masks=config.rollout_top_p < 1)
+        self.engine = make_engine(
+            config.engine,
+            self.rollout_policy.model,
+            self.tokenizer,
+            model_path=checkpoint or self.base_model_path,
+            device=self.device,
+            batch_size=config.rollout_batch_size,
+            seed=config.seed,
+            dtype=rollout_dtype,
+            kv_cache_gb=config.vllm_kv_cache_gb,
+            compile=config.compiles_vllm(),
+            max_logprobs=max(top_k, 1),
+            top_p_masks=config.rollout_top_p < 1,
+        )
         if top_k > self.engine.max_top_k_logprobs:
             raise ConfigError(
                 f"preset {config.preset!r} (estimator {self.loss_config.estimator!r}) needs mu's top-{top_k} "
                 f"log-probs per token, but engine {config.engine!r} records at most "
-                f"{self.engine.max_top_k_logprobs}: lower --top_k or use another estimator")
+                f"{self.engine.max_top_k_logprobs}: lower --top_k or use another estimator"
+            )
 
         self.prompts = self._prompt_builder()
         self._check_prompts()
-        self.generator = RolloutGenerator(config, self.loss_config, self.problems.train, self.prompts, self.engine,
-                                          rewards, self.tokenizer, self.rollout_policy, self.device)
+        self.generator = RolloutGenerator(
+            config,
+            self.loss_config,
+            self.problems.train,
+            self.prompts,
+            self.engine,
+            rewards,
+            self.tokenizer,
+            self.rollout_policy,
+            self.device,
+        )
 
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         sequences = config.prompts_per_step * config.group_size
         updates = config.steps * config.epochs * math.ceil(sequences / config.mini_batch_size)
-        self.scheduler = get_scheduler(config.lr_schedule, self.optimizer, num_warmup_steps=config.warmup_steps,
-                                       num_training_steps=updates)
+        self.scheduler = get_scheduler(
+            config.lr_schedule, self.optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=updates
+        )
         self.step = 0
         self.diverged: str | None = None  # what went wrong, set by the update that saw it
         self.weight_norm = _total_norm(self.model.parameters())
@@ -167,8 +216,10 @@ class Trainer:
         if checkpoint is None:
             aside = set_aside(self.run_dir)
             if aside is not None:
-                self.console.print(f"{self.run_dir} held an attempt that stopped before its first checkpoint: "
-                                   f"moved its files to {aside} and started again")
+                self.console.print(
+                    f"{self.run_dir} held an attempt that stopped before its first checkpoint: "
+                    f"moved its files to {aside} and started again"
+                )
         # written on resume too, so that overrides given with --resume survive the next interruption
         atomic_write_text(self.run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
         self.log = MetricsLog(self.run_dir / "metrics.jsonl", config.report_to, config.to_dict())
@@ -176,7 +227,7 @@ class Trainer:
             self._restore(checkpoint, state)
 
     @classmethod
-    def resume(cls, run_dir: str | Path, overrides: dict | None = None, console: Console | None = None) -> "Trainer":
+    def resume(cls, run_dir: str | Path, overrides: dict | None = None, console: Console | None = None) -> Trainer:
         """Continue the run in `run_dir` from its last usable checkpoint. `overrides` (e.g. a larger
         `steps`, another preset) are saved in config.yaml, so a later resume keeps them."""
         run_dir = Path(run_dir)
@@ -207,11 +258,16 @@ class Trainer:
         self.console.print(f"resumed {self.run_dir} from {checkpoint.name} (step {self.step})")
 
     def save(self) -> Path:
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "data": self.problems.train.state_dict(), "pending": self.pending.state_dict(),
-                 "zero_gradient_steps": self.zero_gradient_steps}
-        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state,
-                               max(self.config.keep_checkpoints, 1))
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.problems.train.state_dict(),
+            "pending": self.pending.state_dict(),
+            "zero_gradient_steps": self.zero_gradient_steps,
+        }
+        return save_checkpoint(
+            self.run_dir, self.step, self.model, self.tokenizer, state, max(self.config.keep_checkpoints, 1)
+        )
 
     def close(self) -> None:
         """Release the run directory (`train()` does it when it returns)."""
@@ -228,8 +284,10 @@ class Trainer:
         sample) before anything trains: a chat template that fails, or a prompt that with
         max_new_tokens would run past the model's positions, is an error now, not mid-run."""
         train = getattr(self.problems.train, "problems", [])  # a built-in task's are short and alike
-        for where, problems in (("--data problem" if train else "training problem", train),
-                                ("held-out problem", self.problems.heldout)):
+        for where, problems in (
+            ("--data problem" if train else "training problem", train),
+            ("held-out problem", self.problems.heldout),
+        ):
             texts = [self.prompts(p.prompt) for p in problems]
             lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]] if texts else []
             check_positions(self.model.config, lengths, self.config.max_new_tokens, where)
@@ -247,8 +305,12 @@ class Trainer:
         distribution (estimator 'full') came with the rollout (`_behavior_distribution`)."""
         rollout = on_device(rollout, self.device)
         cfg, temperature = self.loss_config, self.config.temperature
-        need_old = (cfg.anchor == "old" or self.rollout_policy.is_copy or self.config.off_policy_steps > 0
-                    or getattr(self.engine, "separate_weights", False))
+        need_old = (
+            cfg.anchor == "old"
+            or self.rollout_policy.is_copy
+            or self.config.off_policy_steps > 0
+            or getattr(self.engine, "separate_weights", False)
+        )
         need_ref = self.ref_model is not None
         if not (need_old or need_ref):
             return rollout
@@ -257,18 +319,27 @@ class Trainer:
         for index in torch.arange(rollout.size, device=self.device).split(self.config.micro_batch_size):
             sub = rollout.select(index)
             if need_old:
-                old_full = cfg.anchor == "old" and cfg.estimator is not None and \
-                    "full" in gppo.ESTIMATORS[cfg.estimator].anchor
-                out = policy_outputs(self.model, sub, temperature, return_log_probs=old_full,
-                                     options=self.forward_options)
+                old_full = (
+                    cfg.anchor == "old"
+                    and cfg.estimator is not None
+                    and "full" in gppo.ESTIMATORS[cfg.estimator].anchor
+                )
+                out = policy_outputs(
+                    self.model, sub, temperature, return_log_probs=old_full, options=self.forward_options
+                )
                 parts["logp_old"].append(pad_to(out.logp, width))
                 if out.topk_logp is not None:
                     parts["topk_logp_old"].append(pad_to(out.topk_logp, width))
                 if old_full:
                     parts["logp_old_full"].append(pad_to(out.log_probs, width))
             if need_ref:
-                ref = policy_outputs(self.ref_model, sub, temperature, return_log_probs=cfg.kl_estimator == "full",
-                                     options=self.forward_options)
+                ref = policy_outputs(
+                    self.ref_model,
+                    sub,
+                    temperature,
+                    return_log_probs=cfg.kl_estimator == "full",
+                    options=self.forward_options,
+                )
                 parts["logp_ref"].append(pad_to(ref.logp, width))
                 if cfg.kl_estimator == "full":
                     parts["logp_ref_full"].append(pad_to(ref.log_probs, width))
@@ -280,8 +351,11 @@ class Trainer:
         averages, per_update = MeanOf(), MeanOf()
         shuffle = torch.Generator().manual_seed(derived_seed(c.seed, self.step))
         self.model.train()
-        minibatches = (minibatch for _ in range(c.epochs)
-                       for minibatch in shuffled_groups(rollout.size, c.group_size, shuffle).split(c.mini_batch_size))
+        minibatches = (
+            minibatch
+            for _ in range(c.epochs)
+            for minibatch in shuffled_groups(rollout.size, c.group_size, shuffle).split(c.mini_batch_size)
+        )
         all_zero = True
         for minibatch in minibatches:
             stats = self._optimizer_step(rollout, minibatch.to(self.device), averages)
@@ -313,16 +387,20 @@ class Trainer:
         total = 0.0
         for micro in minibatch.split(c.micro_batch_size):
             sub = rollout.select(micro)
-            outputs = policy_outputs(self.model, sub, c.temperature, self.loss_config, entropy=True,
-                                     options=self.forward_options)
+            outputs = policy_outputs(
+                self.model, sub, c.temperature, self.loss_config, entropy=True, options=self.forward_options
+            )
             for name, logp in (("the policy's", outputs.logp), ("the rollout's", sub.logp_behavior)):
                 bad = int((~logp.isfinite() & sub.response_mask.bool()).sum())
                 if bad:
-                    self.diverged = (f"optim/loss is nan ({name} log-probs of {bad} response tokens are not "
-                                     f"finite), so training stopped before applying that update")
+                    self.diverged = (
+                        f"optim/loss is nan ({name} log-probs of {bad} response tokens are not "
+                        f"finite), so training stopped before applying that update"
+                    )
                     return {"loss": math.nan}
-            loss, metrics = gppo.policy_loss(token_batch(sub, outputs), self.loss_config,
-                                             num_tokens=tokens, num_sequences=len(minibatch))
+            loss, metrics = gppo.policy_loss(
+                token_batch(sub, outputs), self.loss_config, num_tokens=tokens, num_sequences=len(minibatch)
+            )
             loss.backward()
             total += loss.item()
             metrics.pop("loss/policy", None)
@@ -338,21 +416,29 @@ class Trainer:
             self.scheduler.step()
             before, self.weight_norm = self.weight_norm, _total_norm(self.model.parameters())
             if not self.weight_norm <= WEIGHT_GROWTH_LIMIT * before:  # also catches nan and inf
-                self.diverged = (f"optim/weight_norm went from {before:.4g} to {self.weight_norm:.4g} in one "
-                                 f"update (more than {WEIGHT_GROWTH_LIMIT:g}x: the update exploded), so training "
-                                 f"stopped without saving it")
-        return {"loss": total, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
-                "weight_norm": self.weight_norm}
+                self.diverged = (
+                    f"optim/weight_norm went from {before:.4g} to {self.weight_norm:.4g} in one "
+                    f"update (more than {WEIGHT_GROWTH_LIMIT:g}x: the update exploded), so training "
+                    f"stopped without saving it"
+                )
+        return {
+            "loss": total,
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "weight_norm": self.weight_norm,
+        }
 
     def _check_zero_gradients(self, stuck: bool) -> None:
         """Count RL steps whose every update had a gradient of exactly 0 although some advantage was
         not 0; ZERO_GRADIENT_STEPS_LIMIT of them in a row set `self.diverged`."""
         self.zero_gradient_steps = self.zero_gradient_steps + 1 if stuck else 0
         if self.zero_gradient_steps >= ZERO_GRADIENT_STEPS_LIMIT and not self.diverged:
-            self.diverged = (f"optim/grad_norm was exactly 0 in every update of the last {self.zero_gradient_steps} "
-                             f"steps although the advantages were not 0: the policy's log-probs are saturated "
-                             f"(weights blown up by an earlier update) or every token is outside the trust region, "
-                             f"so training stopped")
+            self.diverged = (
+                f"optim/grad_norm was exactly 0 in every update of the last {self.zero_gradient_steps} "
+                f"steps although the advantages were not 0: the policy's log-probs are saturated "
+                f"(weights blown up by an earlier update) or every token is outside the trust region, "
+                f"so training stopped"
+            )
 
     def train_step(self) -> dict:
         start = time.time()
@@ -379,16 +465,25 @@ class Trainer:
         c = self.config
         heldout = self.problems.heldout
         verifier = self.problems.verifier or self.generator.reward_score
-        return evaluate_problems(self.engine, heldout, verifier, [self.prompts(p.prompt) for p in heldout],
-                                 c.eval_samples, c.temperature, c.max_new_tokens, seed=derived_seed(c.seed, 7_777_777))
+        return evaluate_problems(
+            self.engine,
+            heldout,
+            verifier,
+            [self.prompts(p.prompt) for p in heldout],
+            c.eval_samples,
+            c.temperature,
+            c.max_new_tokens,
+            seed=derived_seed(c.seed, 7_777_777),
+        )
 
     # ------------------------------------------------------------------------------ main loop
     def train(self, stop_after: int | None = None) -> dict | None:
         """Run to `config.steps`, then release the run directory. `stop_after=k` returns after step k
         as if interrupted (tests). Unstable training raises UnstableTrainingError."""
         if not self.lock.held:
-            raise RunError(f"this Trainer has released {self.run_dir}; continue the run with "
-                           f"Trainer.resume({str(self.run_dir)!r})")
+            raise RunError(
+                f"this Trainer has released {self.run_dir}; continue the run with Trainer.resume({str(self.run_dir)!r})"
+            )
         try:
             return self._train(stop_after)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through gppo.cli: the step in flight is dropped
@@ -400,8 +495,10 @@ class Trainer:
     def _continue_hint(self) -> str:
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is None:
-            return (f"no checkpoint was written yet: run the same command again (this attempt's files are then "
-                    f"moved to {self.run_dir}/aborted/)")
+            return (
+                f"no checkpoint was written yet: run the same command again (this attempt's files are then "
+                f"moved to {self.run_dir}/aborted/)"
+            )
         return f"continue from {checkpoint.name} with `gppo train --resume {self.run_dir}`"
 
     def _train(self, stop_after: int | None) -> dict | None:
@@ -410,8 +507,14 @@ class Trainer:
             first = self.evaluate()
             self.log.write(0, first)
             self._print_eval(0, first)
-        columns = [TextColumn("[bold]gppo[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}")]
+        columns = [
+            TextColumn("[bold]gppo[/] {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+        ]
         piped = c.progress and not self.console.is_terminal  # one plain line per step, never cut to a width
         with Progress(*columns, console=self.console, disable=not c.progress or piped) as progress:
             task = progress.add_task(f"{self.problems.name} {c.preset}", total=c.steps, completed=self.step, info="")
@@ -428,8 +531,12 @@ class Trainer:
                 self.log.write(self.step, metrics)
                 progress.update(task, completed=self.step, info=_progress_info(metrics))
                 if piped:
-                    self.console.print(f"step {self.step}/{c.steps} | {_progress_info(metrics)} | "
-                                       f"{progress.tasks[0].elapsed or 0:.0f} s elapsed", soft_wrap=True, highlight=False)
+                    self.console.print(
+                        f"step {self.step}/{c.steps} | {_progress_info(metrics)} | "
+                        f"{progress.tasks[0].elapsed or 0:.0f} s elapsed",
+                        soft_wrap=True,
+                        highlight=False,
+                    )
                 if last or (c.save_every and self.step % c.save_every == 0):
                     self.save()
                 if stop_after is not None and self.step >= stop_after and not last:
@@ -440,13 +547,19 @@ class Trainer:
         lower = f"--lr {self.config.lr / 10:g}"
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is None:
-            then = (f"no checkpoint was written yet: start the run again with a lower learning rate (e.g. {lower}); "
-                    f"the files of this attempt are then moved to {self.run_dir}/aborted/")
+            then = (
+                f"no checkpoint was written yet: start the run again with a lower learning rate (e.g. {lower}); "
+                f"the files of this attempt are then moved to {self.run_dir}/aborted/"
+            )
         else:
-            then = (f"the last good checkpoint is {checkpoint}: resume from it with a lower learning rate, "
-                    f"e.g. `gppo train --resume {self.run_dir} {lower}`")
-        return UnstableTrainingError(f"step {self.step}: {self.diverged} (metrics.jsonl records the step; the "
-                                     f"learning rate may be too high, or the rewards not finite); {then}")
+            then = (
+                f"the last good checkpoint is {checkpoint}: resume from it with a lower learning rate, "
+                f"e.g. `gppo train --resume {self.run_dir} {lower}`"
+            )
+        return UnstableTrainingError(
+            f"step {self.step}: {self.diverged} (metrics.jsonl records the step; the "
+            f"learning rate may be too high, or the rewards not finite); {then}"
+        )
 
     def finish(self) -> dict:
         """Final model, curves and summary (accuracy before and after RL)."""
@@ -454,24 +567,33 @@ class Trainer:
         records = self.log.read()
         plot = plot_curves(records, self.run_dir / "curves.png", f"{self.problems.name} | {self.config.preset}")
         evals = [r for r in records if "eval/greedy" in r]
-        summary = {"run_dir": str(self.run_dir), "preset": self.config.preset, "steps": self.step,
-                   "before": {k: v for k, v in evals[0].items() if k.startswith("eval/")} if evals else {},
-                   "after": {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {},
-                   "curves": str(plot) if plot else None}
+        summary = {
+            "run_dir": str(self.run_dir),
+            "preset": self.config.preset,
+            "steps": self.step,
+            "before": {k: v for k, v in evals[0].items() if k.startswith("eval/")} if evals else {},
+            "after": {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {},
+            "curves": str(plot) if plot else None,
+        }
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.config.keep_checkpoints == 0:  # the run is complete: its resume state is not needed
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
         if evals:
-            self.console.print(accuracy_summary(summary["before"], summary["after"], self.step,
-                                                self.config.eval_samples), soft_wrap=True)
-        self.console.print(f"run directory: {self.run_dir} (metrics.jsonl, curves.png, final/): "
-                           f"{storage_note(self.run_dir)}", soft_wrap=True)
+            self.console.print(
+                accuracy_summary(summary["before"], summary["after"], self.step, self.config.eval_samples),
+                soft_wrap=True,
+            )
+        self.console.print(
+            f"run directory: {self.run_dir} (metrics.jsonl, curves.png, final/): {storage_note(self.run_dir)}",
+            soft_wrap=True,
+        )
         return summary
 
     def _print_eval(self, step: int, evaluation: dict, console: Console | None = None) -> None:
         (console or self.console).print(
             f"step {step:>4} | held-out greedy {evaluation['eval/greedy']:.3f} | sampled avg@"
-            f"{self.config.eval_samples} {evaluation['eval/avg@k']:.3f}")
+            f"{self.config.eval_samples} {evaluation['eval/avg@k']:.3f}"
+        )
 
 
 @torch.no_grad()
@@ -490,8 +612,10 @@ def _total_norm(parameters) -> float:
 
 
 def _progress_info(m: dict) -> str:
-    parts = [f"reward {m.get('rollout/reward_mean', float('nan')):.3f}",
-             f"acc {m.get('rollout/accuracy', float('nan')):.3f}"]
+    parts = [
+        f"reward {m.get('rollout/reward_mean', float('nan')):.3f}",
+        f"acc {m.get('rollout/accuracy', float('nan')):.3f}",
+    ]
     if "loss/masked_frac" in m:
         parts.append(f"masked {m['loss/masked_frac']:.3f}")
     if "loss/kl_ref" in m:
