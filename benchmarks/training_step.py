@@ -1,5 +1,5 @@
 """Memory and speed of the training forward + backward: the logits path gppo used up to 0.1 against
-today's (`gppo.trainer.batch.policy_outputs`: hidden states at the completion positions, per-token
+today's (`gppo.models.forward.policy_outputs`: hidden states at the completion positions, per-token
 quantities chunk by chunk, one forward per distinct prompt).
 
     logits (0.1):  model(...).logits at every position, float32, / T, log_softmax over [N, T, V],
@@ -96,7 +96,8 @@ def step(case: str, model, rollout, config, temperature: float = 0.7) -> float:
     import torch
 
     import gppo
-    from gppo.trainer.batch import ForwardOptions, policy_outputs, token_batch
+    from gppo.models.forward import ForwardOptions, policy_outputs
+    from gppo.trainer.batch import token_batch
 
     if case == "logits":
         position_ids = (rollout.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -124,7 +125,7 @@ def step(case: str, model, rollout, config, temperature: float = 0.7) -> float:
 
 def prepared(case: str, model, vocab: int):
     """(model in training mode, with activation checkpointing for that case, vocab)."""
-    from gppo.trainer.batch import enable_activation_checkpointing
+    from gppo.models.forward import enable_activation_checkpointing
 
     model.train()
     if case == "checkpointed":

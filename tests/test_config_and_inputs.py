@@ -62,7 +62,7 @@ def test_every_seed_method_is_a_preset_with_its_point():
     assert 1 - 2 * gmpo.delta_low == pytest.approx(math.exp(-0.4))
     assert 1 + 2 * gmpo.delta_high == pytest.approx(math.exp(0.4))
     assert gppo.preset("gppo").__class__ is gppo.GPPOConfig
-    assert "why" in gppo.core.config.__doc__ or gppo.PRESETS["gppo"].summary
+    assert "why" in gppo.core.presets.__doc__ or gppo.PRESETS["gppo"].summary
 
 
 def test_preset_overrides_field_by_field():

@@ -244,7 +244,8 @@ def test_top_p_training_forward_gives_ratio_one_and_exact_divergences(micro):
     D_TV(pi_S || mu_S), and top-K equals it wherever |S| <= K."""
     import gppo
     from gppo.models.embedded import build_model
-    from gppo.trainer.batch import policy_outputs, rollout_from_generations, token_batch
+    from gppo.models.forward import policy_outputs
+    from gppo.trainer.batch import rollout_from_generations, token_batch
 
     model, tok = micro
     K = 40  # of 55 tokens: the near-uniform micro model's nucleus of mass 0.6 holds about 30

@@ -11,9 +11,10 @@ import torch
 
 import gppo.trainer.logging
 import gppo.trainer.trainer
+from gppo.models.forward import policy_outputs
 from gppo.models.loading import load_model_and_tokenizer
 from gppo.trainer import ConfigError, Trainer
-from gppo.trainer.batch import Rollout, policy_outputs
+from gppo.trainer.batch import Rollout
 from gppo.trainer.rollout_policy import OffPolicyQueue, RolloutPolicy, fake_quantize_int8, mismatch_metrics
 from tests.test_trainer import micro_config
 

@@ -39,7 +39,7 @@ def test_every_summary_and_source_is_printed_verbatim(capsys):
 
 @pytest.mark.parametrize("text", ["[bold]x[/bold]", "sg[min(r, 5)]", "[/]", "a \\[b]"])
 def test_markup_like_texts_survive(text, capsys, monkeypatch):
-    from gppo.core.config import Preset
+    from gppo.core.presets import Preset
 
     preset = gppo.PRESETS["ppo"]
     monkeypatch.setattr(gppo, "PRESETS", {**gppo.PRESETS, "ppo": Preset(preset.name, text, text, preset.fields)})

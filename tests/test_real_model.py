@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
+from gppo.models.forward import policy_outputs
 from gppo.models.loading import load_model_and_tokenizer
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
 from gppo.trainer import Trainer
-from gppo.trainer.batch import policy_outputs
 from gppo.trainer.config import from_dict
 from tests.test_hf_engine import nucleus64
 

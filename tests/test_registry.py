@@ -364,7 +364,7 @@ def test_overrides_drop_preset_parameters_the_new_point_does_not_use():
     assert gppo.preset("ppo", divergence="alpha").alpha == 0.5  # the divergence's own default
     # dataclasses.replace keeps a valid config valid (the trainer sets norm_length this way)
     assert dataclasses.replace(gppo.preset("sapo"), norm_length=8).tau_neg == 1.05
-    grid = gppo.core.config.drop_unused(
+    grid = gppo.core.presets.drop_unused(
         {"divergence": "kl", "estimator": "binary", "rule": "mask", "alpha": 0.3, "top_k": 4, "lr": 1e-3}
     )
     assert grid == {"divergence": "kl", "estimator": "binary", "rule": "mask", "lr": 1e-3}

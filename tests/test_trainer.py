@@ -10,6 +10,7 @@ import yaml
 
 import gppo
 from gppo.advantages import group_advantages, informative_groups
+from gppo.models.forward import policy_outputs
 from gppo.models.loading import load_model_and_tokenizer
 from gppo.problem import Problem
 from gppo.rewards.pipeline import RewardPipeline, load_function, overlong_penalty
@@ -17,7 +18,7 @@ from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
 from gppo.tasks import get_task
 from gppo.trainer import ConfigError, Trainer
-from gppo.trainer.batch import policy_outputs, rollout_from_generations, token_batch
+from gppo.trainer.batch import rollout_from_generations, token_batch
 from gppo.trainer.config import from_dict
 
 

@@ -14,16 +14,15 @@ import torch
 
 import gppo
 from gppo.models.embedded import build_model, build_tokenizer
-from gppo.rollout import SamplingParams
-from gppo.rollout.hf import HFEngine
-from gppo.trainer.batch import (
+from gppo.models.forward import (
     ForwardOptions,
     completion_hidden_states,
     enable_activation_checkpointing,
     policy_outputs,
-    rollout_from_generations,
-    token_batch,
 )
+from gppo.rollout import SamplingParams
+from gppo.rollout.hf import HFEngine
+from gppo.trainer.batch import rollout_from_generations, token_batch
 
 PROMPTS = ["1+2=", "345+678=", "9+99="]  # of different lengths: left padding
 

@@ -55,11 +55,12 @@ import gppo
 from gppo import ESTIMATORS
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
 from gppo.core import PARAM_DEFAULTS, Q_BUCKETS, drop_unused, q_buckets
+from gppo.models.forward import ForwardOptions, policy_outputs
 from gppo.options import CLI, ArgumentParser, add_arguments, check, given, option
 from gppo.report import fmt, markdown_table, print_table, pyplot, save_figure, text_color, write_csv
 from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, Trainer
-from gppo.trainer.batch import ForwardOptions, Rollout, policy_outputs
+from gppo.trainer.batch import Rollout
 from gppo.trainer.config import add_config_arguments, config_values, from_dict
 from gppo.trainer.rollout_policy import DTYPES, RolloutPolicy
 

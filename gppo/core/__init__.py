@@ -3,11 +3,12 @@
 Everything outside `gppo.core` imports the names below, never a submodule of core."""
 
 from gppo.core.batch import GPPOInputError, TokenBatch, gather_logp
-from gppo.core.config import PRESETS, GPPOConfig, GPPOConfigError, Preset, drop_unused, preset
+from gppo.core.config import GPPOConfig, GPPOConfigError
 from gppo.core.divergences import DIVERGENCES, Divergence, divergence
 from gppo.core.estimators import ESTIMATORS, Estimator, register_estimator
 from gppo.core.loss import Q_BUCKETS, aggregate, estimate, policy_loss, q_buckets, reference_kl
 from gppo.core.params import PARAM_DEFAULTS
+from gppo.core.presets import PRESETS, Preset, drop_unused, preset
 from gppo.core.registered_divergences import register_divergence
 from gppo.core.registry import closest
 from gppo.core.rules import RULES, Rule, RuleContext, RuleOutput, register_rule

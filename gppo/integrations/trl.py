@@ -37,8 +37,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 import gppo
 from gppo.core import CHUNK_ELEMENTS
+from gppo.models.forward import decoder_and_output_layer
 from gppo.options import ConfigError, Source, gppo_overrides
-from gppo.trainer.batch import decoder_and_output_layer
 
 # TokenBatch fields GPPOTrainer fills: the sampled token's log-probs (both anchors) and ids, the
 # top-K of its own old-policy pass when the estimator needs rollout top-K, the reference's log-probs.

@@ -20,7 +20,7 @@ class SamplingParams:
     reaches top_p) renormalised: mu_S(a) = mu(a) / mu(S) on S, 0 elsewhere. Every recorded
     log-prob is of mu_S (top-K entries outside S read -inf). `record_kept_ids` also returns S per
     token, so that the trainer scores pi on the same truncated, renormalised distribution
-    (gppo.trainer.batch); without it a trainer that scores pi on the full vocabulary sees
+    (gppo.models.forward); without it a trainer that scores pi on the full vocabulary sees
     r = pi(S) < 1 at the first update.
     """
 

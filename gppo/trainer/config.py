@@ -19,6 +19,7 @@ import torch
 from gppo.advantages import ADVANTAGE_ESTIMATORS
 from gppo.core import ESTIMATORS, GPPOConfig, GPPOConfigError, closest
 from gppo.core import preset as build_preset
+from gppo.models.forward import ForwardOptions
 from gppo.models.loading import NAMED_MODELS
 from gppo.options import (
     CLI,
@@ -43,7 +44,6 @@ from gppo.rollout.options import (
     vllm_kv_cache_option,
 )
 from gppo.tasks import TASKS
-from gppo.trainer.batch import ForwardOptions
 from gppo.trainer.data import DataOptions
 
 _opt = option

@@ -21,10 +21,11 @@ import torch
 
 import gppo
 from gppo.advantages import group_advantages, informative_groups
+from gppo.models.forward import policy_outputs
 from gppo.prompts import PromptBuilder
 from gppo.rewards.pipeline import RewardPipeline
 from gppo.rollout import Generation, RolloutEngine, SamplingParams
-from gppo.trainer.batch import Rollout, policy_outputs, rollout_from_generations
+from gppo.trainer.batch import Rollout, on_device, pad_to, rollout_from_generations
 from gppo.trainer.config import TrainConfig
 from gppo.trainer.data import DatasetSource, TaskSource, derived_seed
 from gppo.trainer.rollout_policy import RolloutPolicy
@@ -157,20 +158,3 @@ class RolloutGenerator:
         """Held-out score of data without answers: the reward functions' weighted sum."""
         ids = self.tokenizer(list(completions), add_special_tokens=False)["input_ids"]
         return self.rewards(problems, completions, ids).accuracy
-
-
-def on_device(rollout: Rollout, device: torch.device) -> Rollout:
-    """The rollout with its tensors on `device`."""
-    return dataclasses.replace(
-        rollout,
-        **{
-            f.name: getattr(rollout, f.name).to(device)
-            for f in dataclasses.fields(rollout)
-            if isinstance(getattr(rollout, f.name), torch.Tensor)
-        },
-    )
-
-
-def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    """A micro-batch trimmed to its longest response, padded back to the rollout's width T (dim 1)."""
-    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]))

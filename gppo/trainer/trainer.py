@@ -26,6 +26,7 @@ import gppo
 from gppo.allocator import release_free_memory
 from gppo.evaluation import evaluate_problems
 from gppo.models.assets import embedded_checkpoint
+from gppo.models.forward import enable_activation_checkpointing, policy_outputs
 from gppo.models.loading import check_positions, load_model_and_tokenizer
 from gppo.options import load_yaml
 from gppo.prompts import PromptBuilder
@@ -33,7 +34,7 @@ from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import make_engine
 from gppo.rollout.options import resolve_device
 from gppo.threads import default_threads
-from gppo.trainer.batch import Rollout, enable_activation_checkpointing, policy_outputs, token_batch
+from gppo.trainer.batch import Rollout, on_device, pad_to, token_batch
 from gppo.trainer.checkpoint import (
     RunError,
     RunLock,
@@ -48,7 +49,7 @@ from gppo.trainer.checkpoint import (
 )
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set, derived_seed
-from gppo.trainer.generation import RolloutGenerator, on_device, pad_to
+from gppo.trainer.generation import RolloutGenerator
 from gppo.trainer.logging import MetricsLog, accuracy_summary, plot_curves, storage_note
 from gppo.trainer.rollout_policy import DTYPES, OffPolicyQueue, RolloutPolicy, mismatch_metrics
 
