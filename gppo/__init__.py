@@ -38,7 +38,7 @@ from gppo.core import (
     token_stats,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DIVERGENCES",
