@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gppo
+from gppo.core.estimators import full_estimate
 from tests.reference import partition_divergence
 
 DIVERGENCE_POINTS = [
@@ -195,11 +196,13 @@ def test_full_estimator_is_chunk_independent_and_masked():
     mask = torch.ones(12, 1)
     mask[3] = 0
     batch = make_batch(log_pi, log_mu, k=5, mask=mask)
+    config = gppo.preset("dppo-topk-kl", estimator="full")
     results = [
-        gppo.estimate(gppo.preset("dppo-topk-kl", estimator="full", full_chunk_size=c), batch) for c in (1, 5, 1000)
+        full_estimate(config.divergence_fn, batch.logits, batch.logp_behavior_full, batch.mask, c) for c in (1, 5, 1000)
     ]
     for r in results[1:]:
         torch.testing.assert_close(r, results[0])
+    torch.testing.assert_close(gppo.estimate(config, batch), results[0])
     assert results[0][3].item() == 0.0
 
 

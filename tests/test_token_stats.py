@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import gppo
-from gppo.core.estimators import full_estimate, normalize_rows_
 from gppo.core.loss import reference_kl
 from gppo.core.token_stats import token_stats
+from gppo.core.vocab import log_normalize_
 
 module = importlib.import_module("gppo.core.token_stats")  # gppo.core.token_stats is also the function
 
@@ -209,16 +209,16 @@ def test_autocast_does_not_change_the_dtype_of_the_logits():
 def test_float32_accuracy_at_a_50k_vocabulary():
     """The log-softmax against float64 of the same float32 logits (|log pi| reaches 19 here, where
     a float32 ulp is 2e-6): within a few ulp per entry, the normaliser (the row's mean error)
-    within 1e-6, as normalize_rows_ (which the `full` estimator uses); gradients against float64
+    within 1e-6, as log_normalize_ (which the `full` estimator uses); gradients against float64
     autograd."""
     case = make_case(n=4, width=16, vocab=50_000, dtype=torch.float32, seed=6)
     got = run(case, 0.7, 3, log_probs=True)
     logits = reference(case, 0.7)["logits"].detach()
     exact = torch.log_softmax(logits.double(), -1)
-    for log_pi in (got.log_probs, normalize_rows_(logits.clone())):
+    for log_pi in (got.log_probs, log_normalize_(logits.clone())):
         error = log_pi.double() - exact
         assert error.abs().max() < 5e-6 and error.mean(-1).abs().max() < 1e-6
-    torch.testing.assert_close(got.log_probs, normalize_rows_(logits.clone()), rtol=4e-7, atol=1e-6)
+    torch.testing.assert_close(got.log_probs, log_normalize_(logits.clone()), rtol=4e-7, atol=1e-6)
     assert (got.logp.double() - exact.gather(1, case.token_ids[:, None])[:, 0]).abs().max() < 5e-6
     entropy = -(exact.exp() * exact).sum(-1)
     assert (got.entropy.double() - entropy).abs().max() < 2e-5 * entropy.abs().max()
@@ -237,13 +237,12 @@ def test_full_estimate_matches_the_full_estimator(name, dtype):
     anchor = case.anchor.clone()
     got = run(case, 0.7, 4, outputs=("logp", "full_estimate"), divergence=name).full_estimate
     assert not got.requires_grad and torch.equal(case.anchor, anchor)  # the input is left as it was
-    logits = reference(case, 0.7)["logits"].detach()
-    want = full_estimate(
-        gppo.divergence(name), logits[None], case.anchor[None], torch.ones(1, logits.shape[0]), chunk_size=5
-    )[0]
+    logits = reference(case, 0.7)["logits"].detach().double()
+    # the float64 sum of the cell terms mu f(pi / mu) (Divergence.between_log), not the closed forms
+    want = gppo.divergence(name).between_log(torch.log_softmax(logits, -1), torch.log_softmax(case.anchor.double(), -1))
     # chi2 reaches ~30 on these logits: float32 sums in another order differ by a few ulps of it
-    rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else (1e-12, 1e-12)
-    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (1e-10, 1e-12)
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -424,3 +423,28 @@ def test_bad_inputs_name_the_argument(name):
     call, message = BAD_INPUTS[name]
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_bfloat16_head_weight_gradient_is_summed_in_float32():
+    """A bfloat16 output layer's weight gradient over 512 chunks against float64: each chunk's
+    product is summed in float32, so the chunked gradient is no worse than one chunk's, in the
+    worst entry and in norm (rounding each chunk's product to bfloat16 before the float32 sum made
+    the worst entry 1.5x and the norm 1.2x worse on this case)."""
+    gen = torch.Generator().manual_seed(21)
+    n, width, vocab = 512, 64, 256
+    hidden = torch.randn(n, width, generator=gen).bfloat16()
+    weight = (torch.randn(vocab, width, generator=gen) / 8).bfloat16()
+    token_ids = torch.randint(vocab, (n,), generator=gen)
+    upstream = torch.randn(n, generator=gen)
+
+    def weight_gradient(w, h, chunk_size):
+        w = w.detach().requires_grad_()
+        stats = gppo.token_stats(h, w, token_ids, entropy=True, chunk_size=chunk_size)
+        ((stats.logp * upstream).sum() + stats.entropy.sum()).backward()
+        return w.grad.double()
+
+    exact = weight_gradient(weight.double(), hidden.double(), None)
+    one_chunk = weight_gradient(weight, hidden, None) - exact  # n x V = 2**17 logits: one chunk
+    chunked = weight_gradient(weight, hidden, 1) - exact
+    assert chunked.abs().max() <= 1.05 * one_chunk.abs().max()
+    assert chunked.norm() <= 1.05 * one_chunk.norm()

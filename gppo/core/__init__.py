@@ -12,7 +12,7 @@ from gppo.core.presets import PRESETS, Preset, drop_unused, preset
 from gppo.core.registered_divergences import register_divergence
 from gppo.core.registry import closest
 from gppo.core.rules import RULES, Rule, RuleContext, RuleOutput, register_rule
-from gppo.core.token_stats import CHUNK_ELEMENTS, TokenStats, token_stats
+from gppo.core.token_stats import CHUNK_ELEMENTS, TokenStats, logits_stats, token_stats
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -39,6 +39,7 @@ __all__ = [
     "drop_unused",
     "estimate",
     "gather_logp",
+    "logits_stats",
     "policy_loss",
     "preset",
     "q_buckets",

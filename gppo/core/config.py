@@ -151,11 +151,6 @@ class GPPOConfig:
         "ratios, *_mask weight 0 outside the band",
         default="token_truncate",
     )
-    full_chunk_size: int = _doc(
-        "tokens per chunk of estimator 'full' and of the entropy metric "
-        "(memory: one chunk of [chunk, V] beyond the logits)",
-        default=512,
-    )
 
     def __post_init__(self):
         _validate(self)
@@ -266,7 +261,6 @@ _CHECKS = {
     "behavior_weight_cap": (lambda v: v > 0, "> 0"),
     "behavior_weight_floor": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     "norm_length": (lambda v: v >= 1, ">= 1"),
-    "full_chunk_size": (lambda v: v >= 1, ">= 1"),
 }  # comparisons are False for NaN, so NaN is refused everywhere
 
 

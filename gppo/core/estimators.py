@@ -23,7 +23,6 @@ the floor contribute 0 rather than rounding noise against a floor.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -31,14 +30,13 @@ import torch
 
 from gppo.core.batch import TokenBatch, require
 from gppo.core.divergences import Divergence
-from gppo.core.numerics import log1mexp, upcast, work_dtype
+from gppo.core.numerics import log1mexp, upcast
 from gppo.core.params import check_params
 from gppo.core.regions import bisect_interval, cell_interval, sample_interval
 from gppo.core.registry import Registry
+from gppo.core.token_stats import masked_logits_stats
 
 LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (docs/design.md section 1)
-# Rows x V elements per chunk of an eager vocabulary pass on CPU: its temporaries stay in cache.
-FULL_CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -143,82 +141,12 @@ def nucleus_estimate(
     return terms + div.cell_terms(rest_p, rest_q)
 
 
-def normalize_rows_(x: torch.Tensor) -> torch.Tensor:
-    """x - log sum exp(x) over the last axis, in place, as (x - max) - log sum exp(x - max).
-
-    Used instead of torch.log_softmax, whose float32 normaliser on CPU is off by ~1e-5 at
-    V = 50k (summed less accurately), and of torch.logsumexp, which is ~100x slower on CPU.
-    A row that is all -inf becomes NaN (no distribution)."""
-    x -= x.amax(-1, keepdim=True)
-    x -= x.exp().sum(-1, keepdim=True).log_()
-    return x
-
-
-def chunk_rows(chunk_size: int, vocab: int, device: torch.device) -> int:
-    """Rows per [rows, V] chunk of an eager vocabulary pass: `chunk_size`, and on CPU at most
-    FULL_CHUNK_ELEMENTS elements, so that the temporaries stay in cache."""
-    if device.type == "cpu":
-        return max(1, min(chunk_size, FULL_CHUNK_ELEMENTS // vocab))
-    return chunk_size
-
-
-# A fused (torch.compile'd) vocabulary pass costs ~15 s to build on CPU, once per process and
-# divergence; it pays off from this many masked-in token x vocabulary elements (a 2048 x 32768
-# batch: eager ~12 passes per cell, fused ~2). On CUDA it is always used.
-FUSE_MIN_ELEMENTS = 1 << 26
-_fused: dict = {}  # function -> its torch.compile'd version, or itself where compiling failed
-
-
-def vocabulary_pass(fn: Callable, flat: tuple, positions: torch.Tensor, chunk_size: int, *args):
-    """[fn(*flat rows of one chunk, *args) for each chunk of `positions`], each a [rows] tensor.
-
-    fn reads rows of [N, V] tensors and reduces each row to a number. Large passes (and every pass
-    on CUDA) run fn through torch.compile, one fused kernel per chunk with no [rows, V]
-    temporaries, `chunk_size` rows at a time; small ones run it eagerly in cache-sized chunks
-    (`chunk_rows`). If torch.compile fails on this platform (e.g. no C++ compiler or Triton),
-    the eager function is used from then on, after one warning."""
-    vocab, device = flat[0].shape[-1], flat[0].device
-    fuse = device.type == "cuda" or positions.numel() * vocab >= FUSE_MIN_ELEMENTS
-    if fuse and fn not in _fused:
-        _fused[fn] = torch.compile(fn, dynamic=True)
-    run = _fused[fn] if fuse else fn
-    out = []
-    for chunk in positions.split(chunk_size if run is not fn else chunk_rows(chunk_size, vocab, device)):
-        try:
-            out.append(run(*flat, chunk, *args))
-        except Exception as exc:  # torch.compile cannot build here: run eagerly for good
-            if run is fn:
-                raise
-            warnings.warn(
-                f"torch.compile failed ({type(exc).__name__}: {exc}); vocabulary passes run uncompiled",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            _fused[fn] = run = fn
-            out.append(fn(*flat, chunk, *args))
-    return out
-
-
-def _full_chunk(flat_logits, flat_logq, rows, div: Divergence, dtype: torch.dtype) -> torch.Tensor:
-    """D_f of the distributions at `rows`, both normalised (the closed forms use sum p = sum q =
-    1; recorded log-probs sum to 1 only up to their rounding, 0.5 % in bfloat16). index_select
-    copies the rows, so that the in-place normalisation leaves the inputs be."""
-    log_pi = normalize_rows_(flat_logits.index_select(0, rows).to(dtype))
-    log_mu = normalize_rows_(flat_logq.index_select(0, rows).to(dtype))
-    return div.full_divergence(log_pi, log_mu)
-
-
-def full_estimate(div: Divergence, logits, full_logq, mask, chunk_size: int) -> torch.Tensor:
+def full_estimate(div: Divergence, logits, full_logq, mask, chunk_size: int | None = None) -> torch.Tensor:
     """Exact D_f over the vocabulary (`Divergence.full_divergence`: a closed form for the
-    built-ins) at the masked-in tokens, one chunk at a time (`vocabulary_pass`)."""
-    vocab = logits.shape[-1]
-    flat = (logits.reshape(-1, vocab), full_logq.reshape(-1, vocab))
-    positions = mask.reshape(-1).bool().nonzero().squeeze(-1)
-    dtype = work_dtype(logits, full_logq)
-    out = torch.zeros(mask.numel(), dtype=dtype, device=logits.device)
-    if positions.numel():
-        out[positions] = torch.cat(vocabulary_pass(_full_chunk, flat, positions, chunk_size, div, dtype))
-    return out.view(mask.shape)
+    built-ins) at the masked-in tokens [B,T], both distributions normalised, by the vocabulary
+    kernel (`gppo.core.token_stats`), `chunk_size` tokens at a time (default: about 2**24 logits)."""
+    stats = masked_logits_stats(logits, mask, anchor_log_probs=full_logq, divergence=div, chunk_size=chunk_size)
+    return stats.full_estimate
 
 
 @dataclass(frozen=True)
@@ -339,9 +267,7 @@ for _est in (
     ),
     Estimator(
         "full",
-        lambda div, batch, anchor, config: full_estimate(
-            div, batch.logits, anchor.full_logq, batch.mask, config.full_chunk_size
-        ),
+        lambda div, batch, anchor, config: full_estimate(div, batch.logits, anchor.full_logq, batch.mask),
         ("logits",),
         ("full",),
         (),

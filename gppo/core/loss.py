@@ -12,9 +12,10 @@ import torch
 
 from gppo.core.batch import GPPOInputError, TokenBatch, require, validate
 from gppo.core.config import GPPOConfig
-from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, run_estimator, vocabulary_pass
+from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, run_estimator
 from gppo.core.numerics import upcast
 from gppo.core.rules import RULES, RuleContext
+from gppo.core.token_stats import masked_logits_stats
 
 # mu-probability buckets of the sampled token: the low-probability over-penalisation that
 # motivates GPPO shows up as a high masked fraction in the first buckets.
@@ -72,13 +73,7 @@ def reference_kl(batch: TokenBatch, estimator: str) -> torch.Tensor:
         return torch.where(valid, upcast(batch.kl_ref_full), 0.0)
     if estimator == "full":
         require(batch, ["logits", "logp_ref_full"], "kl_estimator='full' (or TokenBatch.kl_ref_full)")
-        log_pi = torch.log_softmax(torch.where(valid[..., None], upcast(batch.logits), 0.0), dim=-1)
-        log_ref = torch.where(valid[..., None], upcast(batch.logp_ref_full), 0.0)
-        pi = log_pi.exp()
-        # A masked vocabulary column (logit -inf) has pi = 0 and contributes 0, in value and in
-        # gradient: the difference is replaced there before the product (0 * -inf would be NaN).
-        diff = torch.where(pi > 0, log_pi - log_ref, 0.0)
-        return (pi * diff).sum(-1)
+        return masked_logits_stats(batch.logits, valid, ref_log_probs=batch.logp_ref_full).kl_ref_full
     require(batch, ["logp_ref"], f"the KL penalty (kl_estimator={estimator!r})")
     x = torch.where(valid, upcast(batch.logp) - upcast(batch.logp_ref), 0.0)
     x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -87,27 +82,6 @@ def reference_kl(batch: TokenBatch, estimator: str) -> torch.Tensor:
     if estimator == "k2":
         return 0.5 * x * x
     return torch.expm1(-x) + x
-
-
-def _entropy_chunk(flat_logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """-sum pi log pi at `rows` as log S - sum e^d d / S, d = z - max z, S = sum e^d (two
-    reductions of one read, fused by torch.compile); a logit of -inf (a masked vocabulary column)
-    has e^d = 0 and contributes 0."""
-    shifted = flat_logits.index_select(0, rows).float()
-    shifted = shifted - shifted.amax(-1, keepdim=True)
-    weights = shifted.exp()
-    norm = weights.sum(-1)
-    spread = (weights * shifted.clamp(min=torch.finfo(shifted.dtype).min)).sum(-1)
-    return norm.log() - spread / norm
-
-
-def entropy_from_logits(logits: torch.Tensor, valid: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Mean entropy of the current policy over valid tokens, no gradient, in the chunked (and,
-    for large batches, fused) vocabulary pass of the `full` estimator."""
-    with torch.no_grad():
-        positions = valid.reshape(-1).nonzero().squeeze(-1)
-        flat = (logits.reshape(-1, logits.shape[-1]),)
-        return torch.cat(vocabulary_pass(_entropy_chunk, flat, positions, chunk_size)).sum() / positions.numel()
 
 
 def estimate(config: GPPOConfig, batch: TokenBatch) -> torch.Tensor:
@@ -235,7 +209,8 @@ def _metrics(ctx: RuleContext, out, pg_loss: torch.Tensor, kl: torch.Tensor | No
         if ctx.batch.entropy is not None:
             values["entropy"] = torch.where(valid, ctx.batch.entropy.detach().float(), 0.0).sum() / n
         elif ctx.batch.logits is not None:
-            values["entropy"] = entropy_from_logits(ctx.batch.logits, valid, ctx.config.full_chunk_size)
+            entropy = masked_logits_stats(ctx.batch.logits.detach(), valid, entropy=True).entropy
+            values["entropy"] = entropy.sum() / n
         names = list(values)
         numbers = torch.stack(
             [values[k].float().reshape(()) for k in names] + [c.float().reshape(()) for c in counts.values()]

@@ -1,44 +1,49 @@
-"""`token_stats`: per-token quantities of pi = softmax(z / T) computed from the final hidden states
-one chunk of tokens at a time, never holding the [n, V] logits of all tokens.
+"""`token_stats`: per-token quantities of pi = softmax(z / T), one chunk of tokens at a time, from
+the final hidden states (z = hidden @ weight.T + bias: never holding the [n, V] logits of all
+tokens) or from given logits (`logits_stats`). The vocabulary kernel: every pass of gppo over the
+whole vocabulary (the training forward, the TRL and verl top-K passes, the `full` estimator, the
+exact reference KL, the entropy metric) runs here, on the row formulas of `gppo.core.vocab`.
 
-The logits z = hidden @ weight.T (+ bias) of a chunk are computed in the weight's dtype, as the
-model's output layer would, then cast to float32 (float64 for a float64 weight), divided by the
+Each chunk's logits are computed in the weight's dtype, as the model's output layer would (or read
+from the given logits), then cast to float32 (float64 for float64 inputs), divided by the
 temperature and, for top-p rollouts, set to finfo.min outside the nucleus S_t (pi = 0 there, and
-p log p stays 0 rather than NaN). From them, per token:
+p log p stays 0 rather than NaN; a given logit may be -inf). Per token:
 
     logp      = log pi(a)                                 d/dz = (onehot_a - pi) / T
     topk_logp = log pi(k) at topk_ids                     d/dz = (onehot_k - pi) / T
     entropy   = H = -sum_v pi_v log pi_v                  d/dz = -pi (log pi + H) / T
     kl_ref    = KL = sum_v pi_v (log pi_v - log ref_v)     d/dz = pi (log pi - log ref - KL) / T
 
-and, without gradient, the exact D_f(pi || anchor) of a gppo Divergence over the vocabulary (as the
-`full` estimator computes it) and, on request, the whole log-distribution. Backward recomputes each
-chunk's logits from the saved inputs and applies the closed forms above (masked-out entries get 0).
-Autograd keeps the inputs themselves (hidden, weight, bias, the ids, ref_log_probs when given) and
-[n] vectors (each row's max and log-normaliser, its entropy and KL), so the memory beyond the
-inputs is O(chunk rows x V) while a chunk is processed plus O(n x K) for the outputs; only
-`log_probs`, when asked for, is [n, V].
+and, without gradient, the exact D_f(pi || anchor) of a gppo Divergence over the vocabulary,
+pi's own K most probable tokens and, on request, the whole log-distribution. Backward recomputes
+each chunk's logits from the saved inputs and applies the closed forms above (masked-out entries
+get 0); the output layer's weight gradient is summed over chunks in float32 (float64), each
+chunk's product included, whatever the weight's dtype (a bfloat16 product per chunk would round
+each part before the sum and bias the gradient). Autograd keeps the inputs themselves and [n]
+vectors (each row's max and log-normaliser, its entropy and KL), so the memory beyond the inputs
+is O(chunk rows x V) while a chunk is processed plus O(n x K) for the outputs; only `log_probs`,
+when asked for, is [n, V].
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
+from gppo.core import vocab
 from gppo.core.batch import GPPOInputError
 from gppo.core.divergences import Divergence
-from gppo.core.estimators import normalize_rows_
 
 CHUNK_ELEMENTS = 1 << 24  # default rows per chunk: [rows, V] float32 logits of about this many elements
 
 
 @dataclass
 class TokenStats:
-    """Per-token outputs of `token_stats` ([n] unless noted), float32 (float64 for a float64
-    weight); None where not asked for.
+    """Per-token outputs of `token_stats` / `logits_stats` ([n] unless noted), float32 (float64 for
+    float64 inputs); None where not asked for.
 
     logp: log pi(a) of token_ids (differentiable).
     topk_logp [n, K]: log pi at topk_ids (differentiable).
@@ -46,14 +51,46 @@ class TokenStats:
     kl_ref_full: KL(pi || ref) = sum_v pi_v (log pi_v - log ref_v) (differentiable).
     full_estimate: D_f(pi || anchor) over the vocabulary (no gradient).
     log_probs [n, V]: log pi (no gradient): an [n, V] output, the caller's memory cost.
+    pi_topk_logp, pi_topk_ids [n, K]: pi's own K most probable tokens, descending (no gradient).
     """
 
-    logp: torch.Tensor
+    logp: torch.Tensor | None
     topk_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     kl_ref_full: torch.Tensor | None = None
     full_estimate: torch.Tensor | None = None
     log_probs: torch.Tensor | None = None
+    pi_topk_logp: torch.Tensor | None = None
+    pi_topk_ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TokenStatsOptions:
+    """What a pass computes beyond the per-row inputs it is given, and how it chunks.
+
+    temperature: z / T (> 0). entropy / return_log_probs: those outputs. top_k: pi's own top-K
+    (0: none). divergence: of `full_estimate` (with anchor_log_probs). chunk_rows: rows per chunk."""
+
+    temperature: float = 1.0
+    entropy: bool = False
+    return_log_probs: bool = False
+    top_k: int = 0
+    divergence: Divergence | None = None
+    chunk_rows: int = 1
+
+
+@dataclass(frozen=True)
+class RowInputs:
+    """The per-row tensors of a pass that get no gradient, each indexed by row (by `rows[i]` when
+    given: a pass over some rows of larger tensors, without copying them)."""
+
+    token_ids: torch.Tensor | None = None  # [n] long
+    topk_ids: torch.Tensor | None = None  # [n, K] long
+    kept_sizes: torch.Tensor | None = None  # [n] long, with kept_ids: the nucleus of each row
+    kept_ids: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None  # [n, V]
+    anchor_log_probs: torch.Tensor | None = None  # [n, V]
+    rows: torch.Tensor | None = None  # [m] long
 
 
 def token_stats(
@@ -71,6 +108,7 @@ def token_stats(
     anchor_log_probs: torch.Tensor | None = None,
     divergence: Divergence | None = None,
     return_log_probs: bool = False,
+    top_k: int = 0,
     chunk_size: int | None = None,
 ) -> TokenStats:
     """Per-token statistics of pi = softmax((hidden @ weight.T + bias) / temperature) (module doc).
@@ -82,31 +120,84 @@ def token_stats(
     top-p nucleus of each row, pi = 0 outside it (size 0 at padding). entropy=True: `entropy`.
     ref_log_probs [n, V]: the reference's log-distribution, `kl_ref_full`. anchor_log_probs [n, V]
     with `divergence`: `full_estimate`, both rows normalised, `divergence.full_divergence`.
-    return_log_probs: `log_probs`. temperature <= 0 means 1. chunk_size: rows per chunk (default:
-    [rows, V] logits of about 2**24 elements). ref_log_probs and anchor_log_probs get no gradient.
+    return_log_probs: `log_probs`. top_k: `pi_topk_logp` / `pi_topk_ids`. temperature <= 0 means 1.
+    chunk_size: rows per chunk (default: [rows, V] logits of about 2**24 elements). ref_log_probs
+    and anchor_log_probs get no gradient.
     """
-    vocab = _check_inputs(
-        hidden, weight, token_ids, bias, topk_ids, kept_sizes, kept_ids, ref_log_probs, anchor_log_probs, divergence
+    n, vocab_size = _check_hidden(hidden, weight)
+    inputs = RowInputs(token_ids, topk_ids, kept_sizes, kept_ids, ref_log_probs, anchor_log_probs)
+    options = _options(inputs, n, vocab_size, weight.device, bias, temperature, entropy, return_log_probs, top_k,
+                       divergence, chunk_size)  # fmt: skip
+    return TokenStats(*_VocabularyPass.apply(hidden, weight, bias, inputs, options))
+
+
+def logits_stats(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor | None = None,
+    *,
+    rows: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    topk_ids: torch.Tensor | None = None,
+    entropy: bool = False,
+    ref_log_probs: torch.Tensor | None = None,
+    anchor_log_probs: torch.Tensor | None = None,
+    divergence: Divergence | None = None,
+    return_log_probs: bool = False,
+    top_k: int = 0,
+    chunk_size: int | None = None,
+) -> TokenStats:
+    """`token_stats` of given logits [m, V] (z; differentiable): the same outputs, from the same
+    row formulas, for callers that hold the logits already (verl's engine, a TokenBatch with
+    `logits`). rows [n] long: the rows of `logits` (and of every per-row input) to compute, in
+    that order (default: all); the outputs are [n]. token_ids is optional here (`logp` None
+    without it). No nucleus: pass logits that are -inf outside it."""
+    _check_tensor("logits", logits, 2, float_=True)
+    m, vocab_size = logits.shape
+    if rows is not None:
+        _check_tensor("rows", rows, 1, float_=False)
+        if rows.numel() and not bool(((rows >= 0) & (rows < m)).all()):
+            raise GPPOInputError(f"token_stats: rows must lie in [0, logits.shape[0] = {m})")
+    inputs = RowInputs(token_ids, topk_ids, None, None, ref_log_probs, anchor_log_probs, rows)
+    options = _options(inputs, m, vocab_size, logits.device, None, temperature, entropy, return_log_probs, top_k,
+                       divergence, chunk_size, where="(n = logits.shape[0], V = logits.shape[1])")  # fmt: skip
+    return TokenStats(*_VocabularyPass.apply(logits, None, None, inputs, options))
+
+
+def masked_logits_stats(logits: torch.Tensor, mask: torch.Tensor, **kwargs) -> TokenStats:
+    """`logits_stats` of [B, T, V] logits (and [B, T, ...] per-row inputs in `kwargs`) at the
+    positions where `mask` [B, T] is set, without copying any [B, T, V] tensor; each output is
+    spread back to [B, T, ...] with 0 elsewhere (differentiable where its output is)."""
+    rows = mask.reshape(-1).bool().nonzero().squeeze(-1)
+
+    def flat(x):
+        return x.reshape(-1, *x.shape[2:]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
+
+    stats = logits_stats(flat(logits), rows=rows, **{name: flat(value) for name, value in kwargs.items()})
+
+    def spread(values):
+        if values is None:
+            return None
+        out = values.new_zeros((mask.numel(), *values.shape[1:]))
+        return out.index_copy(0, rows, values).view(*mask.shape, *values.shape[1:])
+
+    return TokenStats(*(spread(getattr(stats, f.name)) for f in fields(TokenStats)))
+
+
+def _options(inputs: RowInputs, n, vocab_size, device, bias, temperature, entropy, return_log_probs, top_k,
+             divergence, chunk_size, where="(n = hidden.shape[0], V = weight.shape[0])") -> TokenStatsOptions:  # fmt: skip
+    """The validated options of a pass (every argument checked, named in the error)."""
+    _check_inputs(n, vocab_size, device, inputs.token_ids, bias, inputs.topk_ids, inputs.kept_sizes, inputs.kept_ids,
+                  inputs.ref_log_probs, inputs.anchor_log_probs, divergence, where)  # fmt: skip
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= vocab_size:
+        raise GPPOInputError(f"token_stats: top_k must be an integer in [0, V = {vocab_size}], got {top_k!r}")
+    return TokenStatsOptions(
+        temperature=_check_temperature(temperature),
+        entropy=bool(entropy),
+        return_log_probs=bool(return_log_probs),
+        top_k=top_k,
+        divergence=divergence,
+        chunk_rows=_chunk_rows(chunk_size, vocab_size),
     )
-    rows = _chunk_rows(chunk_size, vocab)
-    temperature = _check_temperature(temperature)
-    outputs = _TokenStatsFunction.apply(
-        hidden,
-        weight,
-        bias,
-        token_ids,
-        topk_ids,
-        kept_sizes,
-        kept_ids,
-        ref_log_probs,
-        anchor_log_probs,
-        divergence,
-        bool(entropy),
-        bool(return_log_probs),
-        temperature,
-        rows,
-    )
-    return TokenStats(*outputs)
 
 
 def _plan(n: int, rows: int, kept_sizes):
@@ -121,121 +212,117 @@ def _plan(n: int, rows: int, kept_sizes):
 
 
 class _Chunks:
-    """Each chunk's float32 (float64) logits, in forward and backward alike."""
+    """Each chunk's rows and float32 (float64) logits, in forward and backward alike: from hidden
+    states and the output layer (weight given), or read from given logits (weight None)."""
 
-    def __init__(self, weight, bias, kept_sizes, kept_ids, temperature: float, bounds, kept_offsets):
-        self.weight, self.kept_sizes, self.kept_ids = weight, kept_sizes, kept_ids
-        self.bias = None if bias is None else bias.to(weight.dtype)
-        self.dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        self.temperature, self.bounds, self.kept_offsets = temperature, bounds, kept_offsets
+    def __init__(self, source, weight, bias, inputs: RowInputs, temperature: float):
+        self.source, self.weight, self.inputs, self.temperature = source, weight, inputs, temperature
+        self.bias = None if bias is None or weight is None else bias.to(weight.dtype)
+        lead = source if weight is None else weight
+        self.dtype = torch.float64 if lead.dtype == torch.float64 else torch.float32
+        self.n = source.shape[0] if inputs.rows is None else inputs.rows.shape[0]
 
-    def logits(self, hidden, index: int):
-        """(h, z, dropped): the chunk's hidden rows in the weight's dtype, its logits z / T in the
-        working dtype with finfo.min outside the nucleus, and the [rows, V] bool mask of those
-        entries (None without a nucleus)."""
+    def plan(self, chunk_rows: int):
+        self.bounds, self.kept_offsets = _plan(self.n, chunk_rows, self.inputs.kept_sizes)
+        return self
+
+    def row(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """The chunk's rows of a per-row input."""
         start, end = self.bounds[index]
-        h = hidden[start:end].to(self.weight.dtype)
+        rows = self.inputs.rows
+        return x[start:end] if rows is None else x.index_select(0, rows[start:end])
+
+    def logits(self, index: int):
+        """(h, z, dropped): the chunk's hidden rows in the weight's dtype (None for given logits),
+        its logits z / T in the working dtype with finfo.min outside the nucleus, and the
+        [rows, V] bool mask of those entries (None without a nucleus)."""
+        if self.weight is None:
+            z = self.row(self.source, index).to(self.dtype, copy=True)
+            return None, z.div_(self.temperature), None
+        h = self.row(self.source, index).to(self.weight.dtype)
         with torch.autocast(h.device.type, enabled=False):  # the weight's dtype, also under autocast
             z = F.linear(h, self.weight, self.bias).to(self.dtype).div_(self.temperature)
-        if self.kept_sizes is None:
+        if self.inputs.kept_sizes is None:
             return h, z, None
+        start, end = self.bounds[index]
         first, last = self.kept_offsets[index]
         row = torch.repeat_interleave(
-            torch.arange(end - start, device=z.device), self.kept_sizes[start:end], output_size=last - first
+            torch.arange(end - start, device=z.device), self.inputs.kept_sizes[start:end], output_size=last - first
         )
         dropped = torch.ones(z.shape, dtype=torch.bool, device=z.device)
-        dropped[row, self.kept_ids[first:last]] = False
+        dropped[row, self.inputs.kept_ids[first:last]] = False
         return h, z.masked_fill_(dropped, torch.finfo(self.dtype).min), dropped
 
 
-class _TokenStatsFunction(torch.autograd.Function):
-    """Forward chunk by chunk; backward recomputes each chunk's logits (module doc)."""
+class _VocabularyPass(torch.autograd.Function):
+    """Forward chunk by chunk; backward recomputes each chunk's logits (module doc). Gradients
+    reach the source (hidden states or logits), the weight and the bias."""
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        bias,
-        token_ids,
-        topk_ids,
-        kept_sizes,
-        kept_ids,
-        ref_log_probs,
-        anchor_log_probs,
-        divergence,
-        want_entropy,
-        want_log_probs,
-        temperature,
-        rows,
-    ):
-        plan = _plan(hidden.shape[0], rows, kept_sizes)
-        chunks = _Chunks(weight, bias, kept_sizes, kept_ids, temperature, *plan)
-        n, dtype, device = hidden.shape[0], chunks.dtype, hidden.device
+    def forward(ctx, source, weight, bias, inputs: RowInputs, options: TokenStatsOptions):
+        chunks = _Chunks(source, weight, bias, inputs, options.temperature).plan(options.chunk_rows)
+        n, dtype, device = chunks.n, chunks.dtype, source.device
+        vocab_size = source.shape[1] if weight is None else weight.shape[0]
 
-        def per_row(wanted: bool, *shape):
+        def per_row(wanted, *shape, dtype=dtype):
             return torch.empty(n, *shape, dtype=dtype, device=device) if wanted else None
 
-        logp = per_row(True)
-        topk_logp = None if topk_ids is None else per_row(True, topk_ids.shape[1])
-        entropy, kl = per_row(want_entropy), per_row(ref_log_probs is not None)
-        estimate = per_row(divergence is not None)
-        log_probs = per_row(want_log_probs, weight.shape[0])
+        logp = per_row(inputs.token_ids is not None)
+        topk_logp = None if inputs.topk_ids is None else per_row(True, inputs.topk_ids.shape[1])
+        entropy, kl = per_row(options.entropy), per_row(inputs.ref_log_probs is not None)
+        estimate = per_row(options.divergence is not None)
+        log_probs = per_row(options.return_log_probs, vocab_size)
+        pi_topk_logp = per_row(options.top_k > 0, options.top_k)
+        pi_topk_ids = per_row(options.top_k > 0, options.top_k, dtype=torch.long)
         shift, log_norm = per_row(True), per_row(True)  # log pi = (z - shift) - log_norm
         for index, (start, end) in enumerate(chunks.bounds):
-            _, z, _ = chunks.logits(hidden, index)
-            # log-softmax as normalize_rows_: (z - max) - log sum exp(z - max)
+            _, z, _ = chunks.logits(index)
             top = z.amax(-1, keepdim=True)
-            z -= top
-            weights = z.exp()
+            weights = z.sub_(top).exp()
             norm = weights.sum(-1, keepdim=True)
             log_s = norm.log()
             shift[start:end], log_norm[start:end] = top.squeeze(-1), log_s.squeeze(-1)
-            logp[start:end] = (z.gather(1, token_ids[start:end, None]) - log_s).squeeze(-1)
+            log_pi = z.sub_(log_s)  # vocab.log_normalize_, keeping the max and the normaliser
+            if logp is not None:
+                logp[start:end] = log_pi.gather(1, chunks.row(inputs.token_ids, index)[:, None]).squeeze(-1)
             if topk_logp is not None:
-                topk_logp[start:end] = z.gather(1, topk_ids[start:end]) - log_s
-            if entropy is not None:  # log S - sum e^d d / S, d = z - max (finfo.min cells: e^d = 0)
-                entropy[start:end] = (log_s - (weights * z).sum(-1, keepdim=True) / norm).squeeze(-1)
-            if kl is None and estimate is None and log_probs is None:
-                continue
-            log_pi = z.sub_(log_s)
+                topk_logp[start:end] = log_pi.gather(1, chunks.row(inputs.topk_ids, index))
+            if pi_topk_logp is not None:
+                pi_topk_logp[start:end], pi_topk_ids[start:end] = log_pi.topk(options.top_k, dim=-1)
             if log_probs is not None:
                 log_probs[start:end] = log_pi
-            if kl is not None:
-                kl[start:end] = _kl_cells(log_pi, log_pi.exp(), ref_log_probs[start:end]).sum(-1)
-            if estimate is not None:  # as estimators._full_chunk; normalize_rows_ works in place
-                log_mu = normalize_rows_(anchor_log_probs[start:end].to(dtype, copy=True))
-                estimate[start:end] = divergence.full_divergence(log_pi, log_mu)
+            if entropy is not None or kl is not None:
+                pi = weights.div_(norm)
+                if entropy is not None:
+                    entropy[start:end] = vocab.entropy(log_pi, pi)
+                if kl is not None:
+                    kl[start:end] = vocab.kl_cells(log_pi, pi, chunks.row(inputs.ref_log_probs, index)).sum(-1)
+            if estimate is not None:
+                anchor = chunks.row(inputs.anchor_log_probs, index)
+                estimate[start:end] = vocab.exact_divergence(options.divergence, log_pi, anchor)
 
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*(x for x in (estimate, log_probs) if x is not None))
-        ctx.plan, ctx.temperature = plan, temperature
-        ctx.save_for_backward(
-            hidden, weight, bias, token_ids, topk_ids, kept_sizes, kept_ids, ref_log_probs, shift, log_norm, entropy, kl
-        )
-        return logp, topk_logp, entropy, kl, estimate, log_probs
+        no_gradient = (estimate, log_probs, pi_topk_logp, pi_topk_ids)
+        ctx.mark_non_differentiable(*(x for x in no_gradient if x is not None))
+        ctx.options = options
+        backward_inputs = (inputs.token_ids, inputs.topk_ids, inputs.kept_sizes, inputs.kept_ids)
+        backward_inputs += (inputs.ref_log_probs, inputs.rows)
+        ctx.save_for_backward(source, weight, bias, shift, log_norm, entropy, kl, *backward_inputs)
+        return logp, topk_logp, entropy, kl, estimate, log_probs, pi_topk_logp, pi_topk_ids
 
     @staticmethod
-    def backward(ctx, g_logp, g_topk, g_entropy, g_kl, _g_estimate, _g_log_probs):
-        (
-            hidden,
-            weight,
-            bias,
-            token_ids,
-            topk_ids,
-            kept_sizes,
-            kept_ids,
-            ref_log_probs,
-            shift,
-            log_norm,
-            entropy,
-            kl,
-        ) = ctx.saved_tensors
-        chunks = _Chunks(weight, bias, kept_sizes, kept_ids, ctx.temperature, *ctx.plan)
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    def backward(ctx, g_logp, g_topk, g_entropy, g_kl, *_no_gradient):
+        source, weight, bias, shift, log_norm, entropy, kl, *backward_inputs = ctx.saved_tensors
+        token_ids, topk_ids, kept_sizes, kept_ids, ref_log_probs, rows = backward_inputs
+        inputs = RowInputs(token_ids, topk_ids, kept_sizes, kept_ids, ref_log_probs, rows=rows)
+        options = ctx.options
+        chunks = _Chunks(source, weight, bias, inputs, options.temperature).plan(options.chunk_rows)
+        need_source, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_source = None
+        if need_source:  # rows not computed (given logits outside `rows`) get 0
+            grad_source = torch.zeros_like(source) if inputs.rows is not None else torch.empty_like(source)
         # parameter gradients are summed over chunks in float32 (float64), cast at the end
-        accumulator = dict(dtype=chunks.dtype, device=weight.device)
+        accumulator = dict(dtype=chunks.dtype, device=source.device)
         grad_weight = torch.zeros(weight.shape, **accumulator) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], **accumulator) if need_bias else None
         # g = pi * (c + a log pi + b (log pi - log ref)) + the one-hot terms, per row:
@@ -250,46 +337,45 @@ class _TokenStatsFunction(torch.autograd.Function):
         if g_kl is not None:
             c -= g_kl * kl
         for index, (start, end) in enumerate(chunks.bounds):
-            h, z, dropped = chunks.logits(hidden, index)
+            h, z, dropped = chunks.logits(index)
             log_pi = z.sub_(shift[start:end, None]).sub_(log_norm[start:end, None])
             pi = log_pi.exp()
             g = pi * c[start:end, None]
-            if g_entropy is not None:  # pi log pi is 0 where pi = 0 (log pi = finfo.min)
-                g -= g_entropy[start:end, None] * (pi * log_pi)
+            if g_entropy is not None:
+                g -= g_entropy[start:end, None] * vocab.plogp(log_pi, pi)
             if g_kl is not None:
-                g += g_kl[start:end, None] * _kl_cells(log_pi, pi, ref_log_probs[start:end])
+                g += g_kl[start:end, None] * vocab.kl_cells(log_pi, pi, chunks.row(inputs.ref_log_probs, index))
             if g_logp is not None:
-                g.scatter_add_(1, token_ids[start:end, None], g_logp[start:end, None])
+                g.scatter_add_(1, chunks.row(inputs.token_ids, index)[:, None], g_logp[start:end, None])
             if g_topk is not None:
-                g.scatter_add_(1, topk_ids[start:end], g_topk[start:end])
+                g.scatter_add_(1, chunks.row(inputs.topk_ids, index), g_topk[start:end])
             if dropped is not None:
                 g.masked_fill_(dropped, 0.0)
-            g_low = g.div_(chunks.temperature).to(weight.dtype)  # the gradient wrt the chunk's logits
-            if need_hidden:
-                grad_hidden[start:end] = g_low @ weight
-            if need_weight and grad_weight.dtype == weight.dtype:
-                grad_weight.addmm_(g_low.T, h)
-            elif need_weight:
-                grad_weight += g_low.T @ h
+            g.div_(options.temperature)  # the gradient wrt the chunk's logits
+            if weight is None:
+                if need_source and inputs.rows is None:
+                    grad_source[start:end] = g
+                elif need_source:
+                    grad_source.index_copy_(0, inputs.rows[start:end], g.to(source.dtype))
+                continue
+            if need_source:
+                grad_source[start:end] = g.to(weight.dtype) @ weight
+            if need_weight:  # float32 accumulation of the chunk's product, whatever the weight's dtype
+                grad_weight.addmm_(g.T, h.to(g.dtype))
             if need_bias:
-                grad_bias += g_low.sum(0, dtype=grad_bias.dtype)
+                grad_bias += g.sum(0)
         return (
-            grad_hidden,
+            grad_source,
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
-            *([None] * 11),
+            None,
+            None,
         )
 
 
-def _kl_cells(log_pi: torch.Tensor, pi: torch.Tensor, log_ref: torch.Tensor) -> torch.Tensor:
-    """pi (log pi - log ref): the KL(pi || ref) cells, 0 where pi = 0 (a masked column, where
-    log ref may be -inf); log ref is read in log pi's dtype."""
-    return pi * torch.where(pi > 0, log_pi - log_ref.to(log_pi.dtype), 0.0)
-
-
-def _chunk_rows(chunk_size, vocab: int) -> int:
+def _chunk_rows(chunk_size, vocab_size: int) -> int:
     if chunk_size is None:
-        return max(1, CHUNK_ELEMENTS // vocab)
+        return max(1, CHUNK_ELEMENTS // vocab_size)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise GPPOInputError(
             f"token_stats: chunk_size must be an integer >= 1 (rows per chunk), got "
@@ -304,14 +390,11 @@ def _check_temperature(temperature) -> float:
     return float(temperature) if temperature > 0 else 1.0
 
 
-def _check_inputs(
-    hidden, weight, token_ids, bias, topk_ids, kept_sizes, kept_ids, ref_log_probs, anchor_log_probs, divergence
-) -> int:
-    """Raise a GPPOInputError naming the first bad argument, the shape got and the one expected;
-    returns V."""
+def _check_hidden(hidden, weight) -> tuple[int, int]:
+    """(n, V) of token_stats' hidden [n, H] and weight [V, H], or a GPPOInputError."""
     for name, x in (("hidden", hidden), ("weight", weight)):
         _check_tensor(name, x, 2, float_=True)
-    n, (vocab, width) = hidden.shape[0], weight.shape
+    (vocab, width) = weight.shape
     if hidden.device != weight.device:
         raise GPPOInputError(
             f"token_stats: hidden is on {hidden.device}, weight on {weight.device}; move all inputs to one device"
@@ -321,6 +404,25 @@ def _check_inputs(
             f"token_stats: hidden must be [n, H] with H = weight.shape[1] = {width}, "
             f"got {list(hidden.shape)} (weight {list(weight.shape)} is [V, H])"
         )
+    return hidden.shape[0], vocab
+
+
+def _check_inputs(
+    n,
+    vocab,
+    device,
+    token_ids,
+    bias,
+    topk_ids,
+    kept_sizes,
+    kept_ids,
+    ref_log_probs,
+    anchor_log_probs,
+    divergence,
+    where,
+) -> None:
+    """Raise a GPPOInputError naming the first bad per-row argument, the shape got and the one
+    expected (n rows, V columns, all on `device`)."""
     expected = {
         "bias": ([vocab], True),
         "token_ids": ([n], False),
@@ -346,12 +448,10 @@ def _check_inputs(
         _check_tensor(name, x, len(shape), float_)
         if any(want is not None and got != want for got, want in zip(x.shape, shape)):
             want = ", ".join("K" if s is None and name == "topk_ids" else str(s) for s in shape)
+            raise GPPOInputError(f"token_stats: {name} must be [{want}] {where}, got {list(x.shape)}")
+        if x.device != device:
             raise GPPOInputError(
-                f"token_stats: {name} must be [{want}] (n = hidden.shape[0], V = weight.shape[0]), got {list(x.shape)}"
-            )
-        if x.device != weight.device:
-            raise GPPOInputError(
-                f"token_stats: {name} is on {x.device}, weight on {weight.device}; move all inputs to one device"
+                f"token_stats: {name} is on {x.device}, the logits on {device}; move all inputs to one device"
             )
     for name in ("token_ids", "topk_ids", "kept_ids"):
         ids = given[name]
@@ -377,7 +477,6 @@ def _check_inputs(
             f"token_stats: divergence must be a gppo Divergence (e.g. "
             f"gppo.divergence('kl')), got {type(divergence).__name__}"
         )
-    return vocab
 
 
 def _check_tensor(name: str, x, dims: int, float_: bool) -> None:
