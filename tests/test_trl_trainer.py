@@ -29,7 +29,6 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import gppo  # noqa: E402
-import gppo.integrations.trl as gppo_trl  # noqa: E402
 from gppo.integrations.trl import GPPOTrainer, GPPOTrainerConfig  # noqa: E402
 from gppo.models.embedded import build_model, build_tokenizer  # noqa: E402
 
@@ -292,9 +291,8 @@ class FullLogitsReference(GPPOTrainer):
 
 
 def small_chunks(monkeypatch, rows: int, vocab: int) -> None:
-    """token_stats' default chunk (and GPPOTrainer's no-grad top-K chunk) at `rows` tokens."""
+    """token_stats' default chunk (that of GPPOTrainer's top-K passes) at `rows` tokens."""
     monkeypatch.setattr(sys.modules["gppo.core.token_stats"], "CHUNK_ELEMENTS", rows * vocab)
-    monkeypatch.setattr(gppo_trl, "CHUNK_ELEMENTS", rows * vocab)
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -18,6 +18,8 @@ Config mapping tested here (also in docs/verl.md); float64 inputs, max abs diffs
 | gppo_icepop                                 | bypass_mode    | policy_loss.rollout_correction = verl's bypass_pg_token_icepop() |
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -386,9 +388,9 @@ def test_topk_logits_processor_is_log_softmax_at_mu_ids(monkeypatch):
     end) with gradients into the logits."""
     import gppo.integrations.verl as plugin
 
-    monkeypatch.setattr(plugin, "TOPK_CHUNK", 7)
     gen = torch.Generator().manual_seed(0)
     lengths, vocab, k = torch.tensor([5, 9, 3]), 11, 4
+    monkeypatch.setattr(sys.modules["gppo.core.token_stats"], "CHUNK_ELEMENTS", 7 * vocab)
     logits = torch.randn(1, int(lengths.sum()), vocab, generator=gen, requires_grad=True)
     ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(int(lengths.sum()))])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])

@@ -36,7 +36,6 @@ from accelerate.utils import gather_object
 from trl import GRPOConfig, GRPOTrainer
 
 import gppo
-from gppo.core import CHUNK_ELEMENTS
 from gppo.models.forward import decoder_and_output_layer
 from gppo.options import ConfigError, Source, gppo_overrides
 
@@ -270,31 +269,18 @@ class GPPOTrainer(GRPOTrainer):
     def _sampling_topk(self, output, rows: slice):
         """(topk_ids [B,T,K], topk_logp [B,T,K], logp [B,T]) of the generating weights at the
         completion `rows` of a generation batch (0 at padding), without gradient: the top-K of
-        log_softmax(logits / temperature), from gppo.token_stats's log-distribution of one chunk of
-        tokens at a time (the numerics of the training pass, at most a chunk of [tokens, V])."""
+        log_softmax(logits / temperature) by gppo.token_stats, one chunk of tokens at a time (the
+        numerics of the training pass, at most a chunk of [tokens, V])."""
         valid = output["completion_mask"][rows].bool()
         completion_ids = output["completion_ids"][rows][valid]
         top_k = self.gppo.rollout_top_k
         found = {}
 
         def compute(hidden, weight, bias):
-            hidden = hidden[valid]
-            ids = hidden.new_zeros((len(hidden), top_k), dtype=torch.long)
-            values = hidden.new_zeros((len(hidden), top_k + 1), dtype=torch.float32)
-            step = max(1, CHUNK_ELEMENTS // weight.size(0))
-            for start in range(0, len(hidden), step):
-                chunk = slice(start, start + step)
-                stats = gppo.token_stats(
-                    hidden[chunk],
-                    weight,
-                    completion_ids[chunk],
-                    bias=bias,
-                    temperature=self.temperature,
-                    return_log_probs=True,
-                )
-                topk_logp, ids[chunk] = stats.log_probs.topk(top_k, dim=-1)
-                values[chunk] = torch.cat([stats.logp[:, None], topk_logp], 1)
-            found["ids"] = ids.new_zeros((*valid.shape, top_k)).index_put((valid,), ids)
+            stats = gppo.token_stats(hidden[valid], weight, completion_ids, bias=bias, temperature=self.temperature,
+                                     top_k=top_k)  # fmt: skip
+            found["ids"] = stats.pi_topk_ids.new_zeros((*valid.shape, top_k)).index_put((valid,), stats.pi_topk_ids)
+            values = torch.cat([stats.logp[:, None], stats.pi_topk_logp], 1)
             return values.new_zeros((*valid.shape, top_k + 1)).index_put((valid,), values)
 
         values = self._output_layer_pass(self.model, output, rows, compute)

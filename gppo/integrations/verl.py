@@ -97,7 +97,6 @@ TOPK_SOURCES = (None, "batch")
 # teacher_ids / teacher_logprobs, which left_right_2_no_padding turns into nested tensors and the
 # engine's logits processor reads). Top-K distillation therefore cannot run in the same batch.
 TOPK_IDS_KEY, TOPK_LOGPROBS_KEY = "teacher_ids", "teacher_logprobs"
-TOPK_CHUNK = 4096  # tokens per logsumexp in topk_ppo_loss's logits processor (memory: chunk x V floats)
 _TOPK_OUTPUT = "gppo/topk_logp_{}"  # model_output keys: pi's log-prob at mu's k-th entry
 _rollout_topk: contextvars.ContextVar = contextvars.ContextVar("gppo_rollout_topk", default=None)
 
@@ -377,7 +376,8 @@ def topk_ppo_loss(config, model_output=None, data=None, dp_group=None, student_l
     `distillation_use_topk` is true (the hook of its top-K distillation):
     - with `student_logits` [1, N, V] (all N packed tokens, temperature applied): returns, per
       recorded entry k, pi's log-prob at mu's k-th token id as a [1, N] tensor (the hook takes
-      per-token values only): logits[id] - logsumexp(logits), one chunk of tokens at a time;
+      per-token values only): log_softmax(logits)[id], by gppo.logits_stats, one chunk of tokens
+      at a time;
     - with `model_output`: lays those out as [B, T, K], takes mu's top-K ids and log-probs from the
       batch (TOPK_IDS_KEY, TOPK_LOGPROBS_KEY) and the sampled ids (`responses`), and runs verl's
       own ppo_loss, whose gppo policy loss reads them (entropy, KL and aggregation stay verl's).
@@ -396,12 +396,7 @@ def topk_ppo_loss(config, model_output=None, data=None, dp_group=None, student_l
                 f"{student_logits.shape[1]}: mu's top-K must be [B, S, K] over the padded prompt + "
                 "response, like input_ids"
             )
-        picked = torch.empty(ids.shape, dtype=torch.float32, device=student_logits.device)
-        for start in range(0, ids.shape[1], TOPK_CHUNK):
-            chunk = student_logits[:, start : start + TOPK_CHUNK].float()
-            picked[:, start : start + TOPK_CHUNK] = chunk.gather(
-                -1, ids[:, start : start + TOPK_CHUNK]
-            ) - torch.logsumexp(chunk, -1, keepdim=True)
+        picked = gppo.logits_stats(student_logits[0], topk_ids=ids[0]).topk_logp[None]
         return {_TOPK_OUTPUT.format(k): picked[..., k] for k in range(ids.shape[-1])}
     if model_output is None or _TOPK_OUTPUT.format(0) not in model_output:
         raise gppo.GPPOInputError(

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+import gppo
 from gppo.rollout.base import Generation, SamplingParams
 
 
@@ -191,11 +192,11 @@ class HFEngine:
         """Pick one token per row; return it with its log-prob, mu's top-K and (record_kept) the
         nucleus as (sizes [rows], ids concatenated by row), all of the distribution that was sampled."""
         kept = None
+        # log_softmax(logits / T) by the training pass's own normalisation (temperature 0: T = 1)
+        logp = gppo.logits_stats(logits, temperature=params.temperature, return_log_probs=True).log_probs
         if params.temperature == 0:
-            logp = torch.log_softmax(logits, dim=-1)
             token = logp.argmax(dim=-1)
         else:
-            logp = torch.log_softmax(logits / params.temperature, dim=-1)
             if params.top_p < 1:
                 logp, kept = top_p_truncate(logp, params.top_p)
                 if record_kept:
