@@ -219,3 +219,81 @@ def test_garbage_in_padding_never_reaches_the_gradient():
         (grad,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), name
         assert (grad[:, -1] == 0).all()
+
+
+def every_field_batch(seed=0, batch=3, length=4, vocab=10, k=3):
+    """A TokenBatch with every optional field filled from consistent distributions."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def log_dist():
+        return torch.log_softmax(torch.randn(batch, length, vocab, generator=gen, dtype=torch.float64), -1)
+
+    log_pi, log_mu, log_old, log_ref = log_dist(), log_dist(), log_dist(), log_dist()
+    token_ids = torch.randint(vocab, (batch, length), generator=gen)
+    topk_ids = log_mu.topk(k, -1).indices
+
+    def at(log_p, ids):
+        return log_p.gather(-1, ids[..., None]).squeeze(-1)
+
+    return dict(
+        logp=at(log_pi, token_ids), logp_behavior=at(log_mu, token_ids), logp_old=at(log_old, token_ids),
+        advantages=torch.randn(batch, generator=gen, dtype=torch.float64), mask=torch.ones(batch, length),
+        token_ids=token_ids, topk_ids=topk_ids, topk_logp=log_pi.gather(-1, topk_ids),
+        topk_logp_behavior=log_mu.gather(-1, topk_ids), topk_logp_old=log_old.gather(-1, topk_ids),
+        logits=log_pi, logp_behavior_full=log_mu, logp_old_full=log_old, logp_ref=at(log_ref, token_ids),
+        logp_ref_full=log_ref, entropy=-(log_pi.exp() * log_pi).sum(-1),
+        full_estimate=(log_pi.exp() - log_mu.exp()).abs().sum(-1) / 2,
+        kl_ref_full=(log_pi.exp() * (log_pi - log_ref)).sum(-1),
+    )  # fmt: skip
+
+
+VARIANTS = {
+    "as is": {},
+    "anchor old": {"anchor": "old"},
+    "full estimator": {"estimator": "full"},
+    "full, anchor old": {"estimator": "full", "anchor": "old"},
+    "k3 penalty": {"kl_coef": 0.1},
+    "exact penalty": {"kl_coef": 0.1, "kl_estimator": "full"},
+}
+
+
+def points():
+    """(preset, variant) for every variant that is a point of the preset."""
+    for name in gppo.PRESETS:
+        for variant, overrides in VARIANTS.items():
+            try:
+                gppo.preset(name, **overrides)
+            except gppo.GPPOConfigError:
+                continue
+            yield name, variant
+
+
+@pytest.mark.parametrize("name,variant", list(points()))
+def test_missing_fields_is_what_policy_loss_reads(name, variant):
+    """GPPOConfig.missing_fields (what the integrations and the trainer consult) against what
+    policy_loss does: with every optional field but one, the loss refuses the batch naming that
+    field exactly when missing_fields lists it."""
+    config = gppo.preset(name, **VARIANTS[variant])
+    values = every_field_batch()
+    optional = [key for key in values if key not in ("logp", "logp_behavior", "advantages", "mask")]
+    assert config.missing_fields(optional) == []
+    gppo.policy_loss(gppo.TokenBatch(**values), config)
+    for dropped in optional:
+        fields = {key: value for key, value in values.items() if key != dropped}
+        listed = config.missing_fields(set(fields)) == [dropped]
+        try:
+            gppo.policy_loss(gppo.TokenBatch(**fields), config)
+            refused = False
+        except gppo.GPPOInputError as err:
+            refused = f"TokenBatch.{dropped} is missing" in str(err)
+        assert listed == refused, dropped
+
+
+def test_anchor_and_reference_distributions_name_the_fields_to_keep():
+    assert gppo.preset("gppo").anchor_distribution is None
+    assert gppo.preset("dppo-topk-kl", estimator="full").anchor_distribution == "logp_behavior_full"
+    assert gppo.preset("dppo-topk-kl", estimator="full", anchor="old").anchor_distribution == "logp_old_full"
+    assert gppo.preset("gppo", kl_estimator="full").reference_distribution is None  # no penalty: not read
+    assert gppo.preset("gppo", kl_coef=0.1, kl_estimator="full").reference_distribution == "logp_ref_full"
+    assert [gppo.preset(p).rollout_top_k for p in ("gppo", "dppo-topk-tv", "cppo")] == [0, 20, 20]
+    assert gppo.preset("dppo-topk-tv", estimator="topp", top_p=0.9).rollout_top_k == 20

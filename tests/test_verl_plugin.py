@@ -331,6 +331,26 @@ def test_verl_caller_with_global_batch_and_rollout_weights(agg):
     assert "gppo/masked_frac" in metrics
 
 
+def test_policy_loss_config_restates_gppo_config_fields_with_their_types():
+    """GPPOPolicyLossConfig declares every GPPOConfig field by hand (Hydra needs them declared):
+    all but those verl owns (aggregation, the KL penalty) or cannot feed (the weight pi_old / mu),
+    each as Optional of GPPOConfig's own type."""
+    import typing
+    from dataclasses import fields
+
+    from gppo.integrations.verl import OVERRIDABLE
+
+    ours = typing.get_type_hints(gppo.GPPOConfig)
+    theirs = typing.get_type_hints(GPPOPolicyLossConfig)
+    owned_by_verl = {"loss_agg_mode", "norm_length", "kl_coef", "kl_estimator"}
+    two_anchors = {"behavior_weight_cap", "behavior_weight_floor", "behavior_weight_mode"}
+    assert set(OVERRIDABLE) == set(gppo.GPPOConfig.field_names()) - owned_by_verl - two_anchors
+    assert set(OVERRIDABLE) <= {f.name for f in fields(GPPOPolicyLossConfig)}
+    for name in OVERRIDABLE:
+        base = {t for t in typing.get_args(ours[name]) or (ours[name],) if t is not type(None)}
+        assert theirs[name] == typing.Optional[base.pop()], name  # noqa: UP045 (verl's Optional)
+
+
 def test_entry_point_registers_every_mode():
     from importlib.metadata import entry_points
 

@@ -7,7 +7,7 @@ rollout engine must apply the same temperature).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 
@@ -73,6 +73,8 @@ class TokenBatch:
         adv = self.advantages
         return adv[:, None].expand_as(self.logp) if adv.dim() == 1 else adv
 
+
+REQUIRED_FIELDS = tuple(f.name for f in fields(TokenBatch) if f.default is MISSING)  # always given
 
 # How to obtain each optional field, for error messages.
 HOW_TO_RECORD = {

@@ -16,8 +16,9 @@ import typing
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
+from gppo.core.batch import REQUIRED_FIELDS
 from gppo.core.divergences import DIVERGENCES
-from gppo.core.estimators import ESTIMATORS
+from gppo.core.estimators import ANCHOR_FIELDS, ANCHOR_ROLES, ESTIMATORS
 from gppo.core.params import PARAM_DEFAULTS, PARAM_FIELDS, PARAMS
 from gppo.core.registry import closest
 from gppo.core.rules import RULES
@@ -170,10 +171,43 @@ class GPPOConfig:
 
     @property
     def rollout_top_k(self) -> int:
-        """K of mu's top-K that the rollout must record (0 when the estimator needs none)."""
+        """K of mu's top-K that the rollout must record (the topk and topp estimators, whose cells
+        are mu's top-K or its nucleus within it), 0 when the estimator needs none."""
         if self.estimator is None or not ESTIMATORS.lookup(self.estimator).needs_rollout_topk:
             return 0
         return self.top_k
+
+    @property
+    def anchor_distribution(self) -> str | None:
+        """The TokenBatch field holding the anchor's whole distribution [B,T,V] that the estimator
+        reads (estimator 'full': logp_behavior_full, from the rollout, or logp_old_full, from the
+        pi_old pass), else None. A caller that scores pi from hidden states reduces it to
+        TokenBatch.full_estimate chunk by chunk (`gppo.token_stats(anchor_log_probs=...)`)."""
+        if self.estimator is None or "full" not in ESTIMATORS.lookup(self.estimator).anchor:
+            return None
+        return ANCHOR_FIELDS[self.anchor][ANCHOR_ROLES.index("full")]
+
+    @property
+    def reference_distribution(self) -> str | None:
+        """'logp_ref_full' when the KL penalty is exact (kl_estimator='full', kl_coef > 0): the
+        reference's whole distribution, reduced to TokenBatch.kl_ref_full like the anchor's."""
+        return "logp_ref_full" if self.kl_coef > 0 and self.kl_estimator == "full" else None
+
+    def missing_fields(self, provided) -> list[str]:
+        """The optional TokenBatch fields `policy_loss` reads with this config that are not among
+        `provided` (names). A whole distribution counts as provided when its per-token reduction
+        is (full_estimate for the anchor's, kl_ref_full for the reference's)."""
+        provided, needed = set(provided) | set(REQUIRED_FIELDS), []
+        if self.estimator is not None:
+            est = ESTIMATORS.lookup(self.estimator)
+            needed += [est.precomputed] if est.precomputed in provided else est.batch_fields(self.anchor)
+        if self.anchor == "old":  # also what the behavior weight pi_old / mu reads
+            needed.append("logp_old")
+        if self.kl_coef > 0 and self.kl_estimator != "full":
+            needed.append("logp_ref")
+        elif self.kl_coef > 0:
+            needed += ["kl_ref_full"] if "kl_ref_full" in provided else ["logits", "logp_ref_full"]
+        return [name for name in dict.fromkeys(needed) if name not in provided]
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -134,13 +134,7 @@ class GPPOTrainerConfig(GRPOConfig):
             )
         overrides.setdefault("norm_length", self.max_completion_length)
         cfg = gppo.preset(self.gppo_preset, kl_coef=self.beta, **overrides)
-        missing = (
-            []
-            if cfg.estimator is None
-            else [
-                name for name in gppo.ESTIMATORS[cfg.estimator].batch_fields(cfg.anchor) if name not in PROVIDED_FIELDS
-            ]
-        )
+        missing = cfg.missing_fields(PROVIDED_FIELDS)
         if missing or cfg.kl_estimator == "full":
             what = f"estimator={cfg.estimator!r} (it reads {missing})" if missing else "kl_estimator='full'"
             raise gppo.GPPOConfigError(

@@ -204,11 +204,11 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
             f"policy_loss.topk_source={policy_loss.topk_source!r}: use null (verl's rollout, which records "
             "no top-K) or 'batch' (your rollouts put mu's top-K in the batch, docs/verl.md)"
         )
-    missing = missing_fields(cfg.estimator, cfg.anchor, policy_loss.topk_source)
+    provided = provided_fields(policy_loss.topk_source)
+    missing = cfg.missing_fields(provided)
     if missing:
-        est = gppo.ESTIMATORS[cfg.estimator]
-        runnable = [name for name in gppo.ESTIMATORS if not missing_fields(name, cfg.anchor, policy_loss.topk_source)]
-        if est.needs_rollout_topk and policy_loss.topk_source is None:
+        runnable = [name for name, entry in gppo.ESTIMATORS.items() if set(entry.batch_fields(cfg.anchor)) <= provided]
+        if cfg.rollout_top_k and policy_loss.topk_source is None:
             raise gppo.GPPOConfigError(
                 f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs mu's top-K token ids "
                 "and log-probs at every response position; verl 0.9's rollout records only the sampled "
@@ -261,13 +261,9 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
         )
 
 
-def missing_fields(estimator: str | None, anchor: str, topk_source: str | None = None) -> list[str]:
-    """The TokenBatch fields `estimator` reads (per the registry) that verl does not provide
-    (with topk_source='batch': that `topk_ppo_loss` does not provide either)."""
-    if estimator is None:
-        return []
-    provided = PROVIDED_FIELDS + (TOPK_FIELDS if topk_source == "batch" else ())
-    return [f for f in gppo.ESTIMATORS[estimator].batch_fields(anchor) if f not in provided]
+def provided_fields(topk_source: str | None = None) -> set[str]:
+    """The TokenBatch fields the plugin fills (with topk_source='batch': and `topk_ppo_loss`)."""
+    return set(PROVIDED_FIELDS + (TOPK_FIELDS if topk_source == "batch" else ()))
 
 
 def global_normalizers(info: dict, loss_agg_mode: str) -> tuple[float | None, float | None]:
@@ -332,7 +328,7 @@ def compute_policy_loss_gppo(
     # verl passes one anchor; both anchor fields hold it and cfg.anchor says which one it is
     # (checked against bypass_mode at start-up).
     topk = {}
-    if cfg.estimator is not None and gppo.ESTIMATORS[cfg.estimator].needs_rollout_topk:
+    if cfg.rollout_top_k:
         topk = _rollout_topk.get()
         if topk is None:
             raise gppo.GPPOInputError(

@@ -181,10 +181,10 @@ def policy_outputs(
     if options.autocast is not None:  # the output layer in the forward's precision, as autocast runs it
         weight, bias = weight.to(options.autocast), None if bias is None else bias.to(options.autocast)
     anchor_full = ref_full = None
-    if config is not None and config.estimator is not None and "full" in gppo.ESTIMATORS[config.estimator].anchor:
-        anchor_full = rollout.logp_behavior_full if config.anchor == "behavior" else rollout.logp_old_full
-    if config is not None and config.kl_estimator == "full" and rollout.logp_ref_full is not None:
-        ref_full = rollout.logp_ref_full[valid]
+    if config is not None and config.anchor_distribution is not None:
+        anchor_full = getattr(rollout, config.anchor_distribution)[valid]
+    if config is not None and config.reference_distribution is not None:
+        ref_full = getattr(rollout, config.reference_distribution)[valid]
     stats = gppo.token_stats(
         hidden,
         weight,
@@ -196,7 +196,7 @@ def policy_outputs(
         kept_ids=None if rollout.kept_ids is None else torch.cat(rollout.kept_ids).to(hidden.device),
         entropy=entropy,
         ref_log_probs=ref_full,
-        anchor_log_probs=None if anchor_full is None else anchor_full[valid],
+        anchor_log_probs=anchor_full,
         divergence=None if anchor_full is None else config.divergence_fn,
         return_log_probs=return_log_probs,
         chunk_size=options.chunk_size,

@@ -59,7 +59,15 @@ class RolloutEngine(Protocol):
     """Anything that can sample completions: `HFEngine` (CPU/GPU, transformers) or `VLLMEngine`."""
 
     max_top_k_logprobs: int  # the largest K it can record (vLLM caps it; HF has no cap)
+    # True when mu comes from the engine's own copy of the weights and kernels (vLLM): the trainer
+    # then recomputes pi_old on every batch, for the mismatch metrics.
+    separate_weights: bool
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         """Return `params.n` generations per prompt, grouped by prompt in prompt order."""
+        ...
+
+    def update_weights(self, model) -> None:
+        """Sample from `model`'s weights from now on (a no-op for an engine that samples from
+        `model` itself)."""
         ...

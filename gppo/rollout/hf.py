@@ -54,9 +54,14 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = torch.tensor(eos_token_ids(model, tokenizer), device=self.device)
         self.max_top_k_logprobs = model.get_output_embeddings().weight.shape[0]
+        self.separate_weights = False  # mu is `model` itself, or the trainer's copy (RolloutPolicy)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def update_weights(self, model) -> None:
+        """Nothing to load: the engine samples from the model it holds (the trainer refreshes its
+        copy of the weights, if any, itself)."""
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         """Return `params.n` generations per prompt, grouped by prompt in prompt order."""

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 
 from gppo.advantages import ADVANTAGE_ESTIMATORS
-from gppo.core import ESTIMATORS, GPPOConfig, GPPOConfigError, closest
+from gppo.core import GPPOConfig, GPPOConfigError, closest
 from gppo.core import preset as build_preset
 from gppo.models.forward import ForwardOptions
 from gppo.models.loading import NAMED_MODELS
@@ -373,11 +373,12 @@ class TrainConfig:
                 f"rollout_quantization fake-quantizes a rollout copy for the hf engine; engine "
                 f"{self.engine!r} samples with its own weights and numerics: unset it"
             )
-        estimator = self.gppo_config().estimator
-        if self.engine == "vllm" and estimator is not None and "full" in ESTIMATORS[estimator].anchor:
+        loss = self.gppo_config()
+        if self.engine == "vllm" and loss.anchor_distribution == "logp_behavior_full":
             raise ConfigError(
-                f"estimator {estimator!r} needs mu's whole distribution at every token, which vLLM "
-                "does not return: use --engine hf, or another estimator"
+                f"estimator {loss.estimator!r} needs mu's whole distribution at every token, which vLLM "
+                "does not return: use --engine hf, --anchor old (pi_old's distribution, recomputed by the "
+                "trainer), or another estimator"
             )
         if self.rollout_overlap is True and self.off_policy_steps < 1:
             raise ConfigError(

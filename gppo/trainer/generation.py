@@ -97,7 +97,7 @@ class RolloutGenerator:
         rollout = rollout_from_generations(
             sampled.kept_generations, advantages, self.tokenizer.pad_token_id, self.top_k
         )
-        if self.loss_config.estimator is not None and "full" in gppo.ESTIMATORS[self.loss_config.estimator].anchor:
+        if self.loss_config.anchor_distribution == "logp_behavior_full":
             rollout = dataclasses.replace(rollout, logp_behavior_full=self._behavior_distribution(rollout))
         return rollout, stats
 

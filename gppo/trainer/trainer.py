@@ -310,7 +310,7 @@ class Trainer:
             cfg.anchor == "old"
             or self.rollout_policy.is_copy
             or self.config.off_policy_steps > 0
-            or getattr(self.engine, "separate_weights", False)
+            or self.engine.separate_weights
         )
         need_ref = self.ref_model is not None
         if not (need_old or need_ref):
@@ -320,11 +320,7 @@ class Trainer:
         for index in torch.arange(rollout.size, device=self.device).split(self.config.micro_batch_size):
             sub = rollout.select(index)
             if need_old:
-                old_full = (
-                    cfg.anchor == "old"
-                    and cfg.estimator is not None
-                    and "full" in gppo.ESTIMATORS[cfg.estimator].anchor
-                )
+                old_full = cfg.anchor_distribution == "logp_old_full"
                 out = policy_outputs(
                     self.model, sub, temperature, return_log_probs=old_full, options=self.forward_options
                 )
@@ -338,11 +334,11 @@ class Trainer:
                     self.ref_model,
                     sub,
                     temperature,
-                    return_log_probs=cfg.kl_estimator == "full",
+                    return_log_probs=cfg.reference_distribution is not None,
                     options=self.forward_options,
                 )
                 parts["logp_ref"].append(pad_to(ref.logp, width))
-                if cfg.kl_estimator == "full":
+                if cfg.reference_distribution is not None:
                     parts["logp_ref_full"].append(pad_to(ref.log_probs, width))
         return dataclasses.replace(rollout, **{k: torch.cat(v) for k, v in parts.items()})
 
@@ -373,9 +369,7 @@ class Trainer:
         """Give the rollout side the trained weights: the hf engine's copy (a no-op without one),
         vLLM's own weights. Called once the rollout sampling in the background, if any, is done."""
         self.rollout_policy.refresh(self.model)
-        sync = getattr(self.engine, "update_weights", None)
-        if sync is not None:
-            sync(self.model)
+        self.engine.update_weights(self.model)
 
     def _optimizer_step(self, rollout: Rollout, minibatch: torch.Tensor, averages: MeanOf) -> dict:
         """One optimizer step on `minibatch` (gradients accumulated over micro-batches). A non-finite
