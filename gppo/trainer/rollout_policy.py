@@ -79,10 +79,10 @@ class RolloutPolicy:
 
 
 class OffPolicyQueue:
-    """Rollouts sampled ahead. `next(t, sample)` first samples, with the current weights (those
-    of step t), every rollout up to step t + k not sampled yet, then returns step t's: so the
-    batch of step t was sampled at step max(0, t - k). With k = 0 it samples step t's and returns
-    it at once (on-policy). With `background`, step t + k's is sampled in a thread; `wait()`
+    """Rollouts sampled ahead, for off_policy_steps = k >= 1: the batch of step t is sampled at step
+    max(0, t - k), with the weights of that step. At step t the trainer samples, with the current
+    weights, every batch up to step t + k not sampled yet (`due`, `put`), then `take`s step t's.
+    With `background`, step t + k's is sampled in a thread while step t trains (`submit`); `wait()`
     (before the weights it samples from change) adds it to the queue."""
 
     def __init__(self, steps_ahead: int, background: bool = False):
@@ -91,24 +91,31 @@ class OffPolicyQueue:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gppo-rollout") if background else None
         self._in_flight: tuple[int, int, Future] | None = None
 
-    def next(self, step: int, sample: Callable[[int], tuple[Rollout | None, dict]]) -> tuple[Rollout | None, dict]:
+    def due(self, step: int) -> list[tuple[int, bool]]:
+        """(target step, in the background?) of each batch to sample at `step`, in order: every
+        step up to step + k not sampled yet; the last one in the background when the queue has a
+        thread and the batch is for a later step."""
         self.wait()
         first = self.pending[-1][0] + 1 if self.pending else step
         last = step + self.steps_ahead
-        for target in range(first, last + 1):
-            if self._executor is not None and target == last > step:
-                self._in_flight = (target, step, self._executor.submit(sample, target))
-            else:
-                self.pending.append((target, step, *sample(target)))
+        return [(target, self._executor is not None and target == last > step) for target in range(first, last + 1)]
+
+    def put(self, target: int, sampled_at: int, rollout: Rollout | None, stats: dict) -> None:
+        self.pending.append((target, sampled_at, rollout, stats))
+
+    def submit(self, target: int, sampled_at: int, sample: Callable[[int], tuple[Rollout | None, dict]]) -> None:
+        """Sample step `target`'s batch in the background thread (sample(target) -> rollout, stats)."""
+        self._in_flight = (target, sampled_at, self._executor.submit(sample, target))
+
+    def take(self, step: int) -> tuple[Rollout | None, dict]:
+        """Step `step`'s batch and its stats, with the policy lag (steps between sampling and use)."""
         target, sampled_at, rollout, stats = self.pending.pop(0)
         if target != step:
             raise RuntimeError(
                 f"the rollout queue holds step {target}'s batch at step {step}: "
                 "the checkpoint's pending rollouts do not belong to this run"
             )
-        if self.steps_ahead:
-            stats = {**stats, "mismatch/policy_lag": step - sampled_at}
-        return rollout, stats
+        return rollout, {**stats, "mismatch/policy_lag": step - sampled_at}
 
     def wait(self) -> None:
         """Queue the rollout sampling in the background, if any (its errors are raised here)."""

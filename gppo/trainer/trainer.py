@@ -437,7 +437,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         start = time.time()
-        rollout, metrics = self.pending.next(self.step, self.generator)
+        rollout, metrics = self._next_rollout()
         if rollout is None:
             self.console.print(f"step {self.step + 1}: every group had equal rewards; no update")
         else:
@@ -453,6 +453,19 @@ class Trainer:
         self.step += 1
         metrics["perf/step_seconds"] = time.time() - start
         return metrics
+
+    def _next_rollout(self) -> tuple[Rollout | None, dict]:
+        """The current step's batch: sampled now (on-policy), or taken from the queue of batches
+        sampled ahead, after sampling those now due (the last one in the background when
+        rollouts overlap the update)."""
+        if not self.config.off_policy_steps:
+            return self.rollout()
+        for target, background in self.pending.due(self.step):
+            if background:
+                self.pending.submit(target, self.step, self.generator)
+            else:
+                self.pending.put(target, self.step, *self.rollout(target))
+        return self.pending.take(self.step)
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
