@@ -84,6 +84,29 @@ def test_core_imports_nothing_outside_core():
             assert not outside, f"{module} imports {outside}: gppo.core is pure tensor math"
 
 
+def test_core_imports_only_torch_and_the_standard_library():
+    import sys
+
+    for path in (ROOT / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in ("torch", "gppo") or top in sys.stdlib_module_names, f"{path.name} imports {name}"
+
+
+def test_integrations_import_no_trainer_module():
+    for module, targets in _imports().items():
+        if module.startswith("gppo.integrations"):
+            trainer = [t for t in targets if t.startswith("gppo.trainer")]
+            assert not trainer, f"{module} imports {trainer}: integrations use the public API and gppo.models"
+
+
 def test_outside_core_uses_core_public_names_only():
     for module, targets in _imports().items():
         if not module.startswith("gppo.core") and module != "gppo":
