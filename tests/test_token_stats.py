@@ -448,3 +448,57 @@ def test_bfloat16_head_weight_gradient_is_summed_in_float32():
     chunked = weight_gradient(weight, hidden, 1) - exact
     assert chunked.abs().max() <= 1.05 * one_chunk.abs().max()
     assert chunked.norm() <= 1.05 * one_chunk.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk_size", [3, None])
+def test_logits_stats_matches_the_plain_computation_on_given_logits(dtype, chunk_size):
+    """logits_stats on logits z [B, T, V] with a mask (-inf columns included, padding rows holding
+    NaN): outputs equal the plain float64-reference computation at the masked-in positions and are 0
+    elsewhere; gradients wrt the logits equal autograd's, and padding gets none."""
+    case = make_case(n=12, vocab=60, dtype=dtype, seed=17)
+    z = reference(case, 1.0)["logits"].detach().clone()
+    z[:, :3] = -math.inf  # masked vocabulary columns
+    mask = torch.ones(12, dtype=torch.bool)
+    mask[[4, 9]] = False
+    z[~mask] = math.nan  # padding may hold anything
+    logits = z.view(3, 4, 60).requires_grad_()
+    got = gppo.logits_stats(
+        logits, case.token_ids.view(3, 4), mask=mask.view(3, 4), topk_ids=case.topk_ids.view(3, 4, -1),
+        entropy=True, ref_log_probs=case.ref.view(3, 4, 60), anchor_log_probs=case.anchor.view(3, 4, 60),
+        divergence=gppo.divergence("kl"), chunk_size=chunk_size,
+    )  # fmt: skip
+    log_pi = torch.log_softmax(z[mask].double(), -1)
+    pi = log_pi.exp()
+    cells = torch.where(pi > 0, log_pi, 0.0)
+    want = dict(
+        logp=log_pi.gather(1, case.token_ids[mask, None])[:, 0],
+        topk_logp=log_pi.gather(1, case.topk_ids[mask]),
+        entropy=-(pi * cells).sum(-1),
+        kl_ref_full=(pi * torch.where(pi > 0, log_pi - case.ref[mask].double(), 0.0)).sum(-1),
+        full_estimate=gppo.divergence("kl").between_log(log_pi, case.anchor[mask].double()),
+    )
+    tol = TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-5, atol=2e-6)
+    for name, value in want.items():
+        out = getattr(got, name)
+        assert out.shape[:2] == (3, 4) and bool((out.view(12, -1)[~mask] == 0).all()), name
+        torch.testing.assert_close(out.view(12, *out.shape[2:])[mask].double(), value, **tol, msg=name)
+    weights = [torch.randn(getattr(got, name).shape, dtype=torch.float64) for name in DIFFERENTIABLE]
+    (mine,) = torch.autograd.grad(
+        sum((getattr(got, n).double() * w).sum() for n, w in zip(DIFFERENTIABLE, weights)), logits
+    )
+    plain = z[mask].double().requires_grad_()
+    log_pi = torch.log_softmax(plain, -1)
+    pi = log_pi.exp()
+    values = dict(
+        logp=log_pi.gather(1, case.token_ids[mask, None])[:, 0],
+        topk_logp=log_pi.gather(1, case.topk_ids[mask]),
+        entropy=-(pi * torch.where(pi > 0, log_pi, 0.0)).sum(-1),
+        kl_ref_full=(pi * torch.where(pi > 0, log_pi - case.ref[mask].double(), 0.0)).sum(-1),
+    )
+    (theirs,) = torch.autograd.grad(
+        sum((values[n] * w.view(12, *w.shape[2:])[mask]).sum() for n, w in zip(DIFFERENTIABLE, weights)), plain
+    )
+    mine = mine.view(12, 60)
+    assert bool((mine[~mask] == 0).all())
+    torch.testing.assert_close(mine[mask].double(), theirs, **tol)

@@ -34,7 +34,7 @@ from gppo.core.numerics import log1mexp, upcast
 from gppo.core.params import check_params
 from gppo.core.regions import bisect_interval, cell_interval, sample_interval
 from gppo.core.registry import Registry
-from gppo.core.token_stats import masked_logits_stats
+from gppo.core.token_stats import logits_stats
 
 LOG_RATIO_CLAMP = 20.0  # r = exp(clamp(log p - log q, -20, 20)) (docs/design.md section 1)
 
@@ -145,7 +145,7 @@ def full_estimate(div: Divergence, logits, full_logq, mask, chunk_size: int | No
     """Exact D_f over the vocabulary (`Divergence.full_divergence`: a closed form for the
     built-ins) at the masked-in tokens [B,T], both distributions normalised, by the vocabulary
     kernel (`gppo.core.token_stats`), `chunk_size` tokens at a time (default: about 2**24 logits)."""
-    stats = masked_logits_stats(logits, mask, anchor_log_probs=full_logq, divergence=div, chunk_size=chunk_size)
+    stats = logits_stats(logits, mask=mask, anchor_log_probs=full_logq, divergence=div, chunk_size=chunk_size)
     return stats.full_estimate
 
 

@@ -15,7 +15,7 @@ from gppo.core.config import GPPOConfig
 from gppo.core.estimators import LOG_RATIO_CLAMP, anchor_of, run_estimator
 from gppo.core.numerics import upcast
 from gppo.core.rules import RULES, RuleContext
-from gppo.core.token_stats import masked_logits_stats
+from gppo.core.token_stats import logits_stats
 
 # mu-probability buckets of the sampled token: the low-probability over-penalisation that
 # motivates GPPO shows up as a high masked fraction in the first buckets.
@@ -73,7 +73,7 @@ def reference_kl(batch: TokenBatch, estimator: str) -> torch.Tensor:
         return torch.where(valid, upcast(batch.kl_ref_full), 0.0)
     if estimator == "full":
         require(batch, ["logits", "logp_ref_full"], "kl_estimator='full' (or TokenBatch.kl_ref_full)")
-        return masked_logits_stats(batch.logits, valid, ref_log_probs=batch.logp_ref_full).kl_ref_full
+        return logits_stats(batch.logits, mask=valid, ref_log_probs=batch.logp_ref_full).kl_ref_full
     require(batch, ["logp_ref"], f"the KL penalty (kl_estimator={estimator!r})")
     x = torch.where(valid, upcast(batch.logp) - upcast(batch.logp_ref), 0.0)
     x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -209,7 +209,7 @@ def _metrics(ctx: RuleContext, out, pg_loss: torch.Tensor, kl: torch.Tensor | No
         if ctx.batch.entropy is not None:
             values["entropy"] = torch.where(valid, ctx.batch.entropy.detach().float(), 0.0).sum() / n
         elif ctx.batch.logits is not None:
-            entropy = masked_logits_stats(ctx.batch.logits.detach(), valid, entropy=True).entropy
+            entropy = logits_stats(ctx.batch.logits.detach(), mask=valid, entropy=True).entropy
             values["entropy"] = entropy.sum() / n
         names = list(values)
         numbers = torch.stack(

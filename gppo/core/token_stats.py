@@ -28,7 +28,7 @@ when asked for, is [n, V].
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -135,7 +135,7 @@ def logits_stats(
     logits: torch.Tensor,
     token_ids: torch.Tensor | None = None,
     *,
-    rows: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     topk_ids: torch.Tensor | None = None,
     entropy: bool = False,
@@ -146,48 +146,40 @@ def logits_stats(
     top_k: int = 0,
     chunk_size: int | None = None,
 ) -> TokenStats:
-    """`token_stats` of given logits [m, V] (z; differentiable): the same outputs, from the same
-    row formulas, for callers that hold the logits already (verl's engine, a TokenBatch with
-    `logits`). rows [n] long: the rows of `logits` (and of every per-row input) to compute, in
-    that order (default: all); the outputs are [n]. token_ids is optional here (`logp` None
-    without it). No nucleus: pass logits that are -inf outside it."""
+    """`token_stats` of given logits [n, V] (z; differentiable): the same outputs from the same row
+    formulas, for callers that hold the logits already (verl's engine, a TokenBatch with `logits`).
+    token_ids is optional here (`logp` None without it). No nucleus: pass -inf outside it.
+
+    mask [B, T] with logits [B, T, V] (and per-row inputs [B, T, ...]): only the positions where
+    it is set are computed, without copying any [B, T, V] tensor; each output is [B, T, ...], 0
+    elsewhere."""
+    kwargs = dict(
+        token_ids=token_ids, topk_ids=topk_ids, ref_log_probs=ref_log_probs, anchor_log_probs=anchor_log_probs
+    )
+    rows = None
+    if mask is not None:
+        rows = mask.reshape(-1).bool().nonzero().squeeze(-1)
+        kwargs = {name: None if x is None else x.reshape(-1, *x.shape[2:]) for name, x in kwargs.items()}
+        logits = logits.reshape(-1, logits.shape[-1])
     _check_tensor("logits", logits, 2, float_=True)
-    m, vocab_size = logits.shape
-    if rows is not None:
-        _check_tensor("rows", rows, 1, float_=False)
-        if rows.numel() and not bool(((rows >= 0) & (rows < m)).all()):
-            raise GPPOInputError(f"token_stats: rows must lie in [0, logits.shape[0] = {m})")
-    inputs = RowInputs(token_ids, topk_ids, None, None, ref_log_probs, anchor_log_probs, rows)
-    options = _options(inputs, m, vocab_size, logits.device, None, temperature, entropy, return_log_probs, top_k,
+    inputs = RowInputs(**kwargs, rows=rows)
+    options = _options(inputs, *logits.shape, logits.device, None, temperature, entropy, return_log_probs, top_k,
                        divergence, chunk_size, where="(n = logits.shape[0], V = logits.shape[1])")  # fmt: skip
-    return TokenStats(*_VocabularyPass.apply(logits, None, None, inputs, options))
+    stats = TokenStats(*_VocabularyPass.apply(logits, None, None, inputs, options))
+    if mask is None:
+        return stats
 
-
-def masked_logits_stats(logits: torch.Tensor, mask: torch.Tensor, **kwargs) -> TokenStats:
-    """`logits_stats` of [B, T, V] logits (and [B, T, ...] per-row inputs in `kwargs`) at the
-    positions where `mask` [B, T] is set, without copying any [B, T, V] tensor; each output is
-    spread back to [B, T, ...] with 0 elsewhere (differentiable where its output is)."""
-    rows = mask.reshape(-1).bool().nonzero().squeeze(-1)
-
-    def flat(x):
-        return x.reshape(-1, *x.shape[2:]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else x
-
-    stats = logits_stats(flat(logits), rows=rows, **{name: flat(value) for name, value in kwargs.items()})
-
-    def spread(values):
-        if values is None:
-            return None
+    def spread(values):  # [rows, ...] -> [B, T, ...], 0 outside the mask
         out = values.new_zeros((mask.numel(), *values.shape[1:]))
         return out.index_copy(0, rows, values).view(*mask.shape, *values.shape[1:])
 
-    return TokenStats(*(spread(getattr(stats, f.name)) for f in fields(TokenStats)))
+    return TokenStats(*(None if x is None else spread(x) for x in vars(stats).values()))
 
 
 def _options(inputs: RowInputs, n, vocab_size, device, bias, temperature, entropy, return_log_probs, top_k,
              divergence, chunk_size, where="(n = hidden.shape[0], V = weight.shape[0])") -> TokenStatsOptions:  # fmt: skip
     """The validated options of a pass (every argument checked, named in the error)."""
-    _check_inputs(n, vocab_size, device, inputs.token_ids, bias, inputs.topk_ids, inputs.kept_sizes, inputs.kept_ids,
-                  inputs.ref_log_probs, inputs.anchor_log_probs, divergence, where)  # fmt: skip
+    _check_inputs(n, vocab_size, device, inputs, bias, divergence, where)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= vocab_size:
         raise GPPOInputError(f"token_stats: top_k must be an integer in [0, V = {vocab_size}], got {top_k!r}")
     return TokenStatsOptions(
@@ -407,20 +399,7 @@ def _check_hidden(hidden, weight) -> tuple[int, int]:
     return hidden.shape[0], vocab
 
 
-def _check_inputs(
-    n,
-    vocab,
-    device,
-    token_ids,
-    bias,
-    topk_ids,
-    kept_sizes,
-    kept_ids,
-    ref_log_probs,
-    anchor_log_probs,
-    divergence,
-    where,
-) -> None:
+def _check_inputs(n, vocab, device, inputs: RowInputs, bias, divergence, where) -> None:
     """Raise a GPPOInputError naming the first bad per-row argument, the shape got and the one
     expected (n rows, V columns, all on `device`)."""
     expected = {
@@ -432,15 +411,8 @@ def _check_inputs(
         "ref_log_probs": ([n, vocab], True),
         "anchor_log_probs": ([n, vocab], True),
     }
-    given = {
-        "bias": bias,
-        "token_ids": token_ids,
-        "topk_ids": topk_ids,
-        "kept_sizes": kept_sizes,
-        "kept_ids": kept_ids,
-        "ref_log_probs": ref_log_probs,
-        "anchor_log_probs": anchor_log_probs,
-    }
+    given = {"bias": bias, **{name: getattr(inputs, name) for name in expected if name != "bias"}}
+    kept_sizes, kept_ids, anchor_log_probs = inputs.kept_sizes, inputs.kept_ids, inputs.anchor_log_probs
     for name, x in given.items():
         if x is None:
             continue
