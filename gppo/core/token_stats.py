@@ -150,17 +150,19 @@ def logits_stats(
     formulas, for callers that hold the logits already (verl's engine, a TokenBatch with `logits`).
     token_ids is optional here (`logp` None without it). No nucleus: pass -inf outside it.
 
-    mask [B, T] with logits [B, T, V] (and per-row inputs [B, T, ...]): only the positions where
-    it is set are computed, without copying any [B, T, V] tensor; each output is [B, T, ...], 0
-    elsewhere."""
+    mask [B, T] (any leading shape) with logits [B, T, V] (and per-row inputs [B, T, ...]): only the
+    positions where it is set are computed, without copying any [B, T, V] tensor; each output is
+    [B, T, ...], 0 elsewhere."""
     kwargs = dict(
         token_ids=token_ids, topk_ids=topk_ids, ref_log_probs=ref_log_probs, anchor_log_probs=anchor_log_probs
     )
     rows = None
     if mask is not None:
         rows = mask.reshape(-1).bool().nonzero().squeeze(-1)
-        kwargs = {name: None if x is None else x.reshape(-1, *x.shape[2:]) for name, x in kwargs.items()}
-        logits = logits.reshape(-1, logits.shape[-1])
+        kwargs = {
+            name: None if x is None else x.reshape(mask.numel(), *x.shape[mask.dim() :]) for name, x in kwargs.items()
+        }
+        logits = logits.reshape(mask.numel(), *logits.shape[mask.dim() :])
     _check_tensor("logits", logits, 2, float_=True)
     inputs = RowInputs(**kwargs, rows=rows)
     options = _options(inputs, *logits.shape, logits.device, None, temperature, entropy, return_log_probs, top_k,
