@@ -30,12 +30,16 @@ kernels, so the probe also reports how far its recomputed log mu(a) is from the 
 recorded for the sampled token ("engine gap").
 
 Memory: the exact divergences need mu's and pi's full-vocabulary distributions in float64; they
-are computed a few sequences at a time (`chunk_rows`: about `CHUNK_BYTES` per pass), mu's weights
-wait in a temporary file during the update, and the optimizer state is freed after it. The peak is
-the update (weights, gradients, AdamW's two moments, one micro-batch's activations and logits),
-hence the small default micro-batch and rollout batch. The probe evaluates nothing: with --data
-and no --eval_data, --data itself stands in for the held-out split (one record, never used), so a
-small file works.
+are computed a few sequences at a time (`chunk_rows`: about `CHUNK_BYTES` per pass; the forward
+scores the completion positions only, so a pass holds [T, V] tensors per sequence, never the
+prompt's logits), mu's weights wait in a temporary file during the update, and after it the
+optimizer state and the gradients are freed and their pages handed back to the OS
+(`gppo.allocator.release_free_memory`) before mu's copy is made. The peak is the update (weights,
+gradients, AdamW's two moments, one micro-batch's activations; the training forward never holds
+[N, T, V] logits), hence the small default micro-batch and rollout batch; on SmolLM2-135M at the
+defaults it is about 3.5 GiB of RSS, and the comparison after it about 2 GiB. The probe evaluates
+nothing: with --data and no --eval_data, --data itself stands in for the held-out split (one
+record, never used), so a small file works.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from rich.console import Console
 
 import gppo
 from gppo import ESTIMATORS
+from gppo.allocator import release_free_memory
 from gppo.commands.common import DEFAULT_DELTA, DEFAULT_DIVERGENCES, DELTA_HELP, make_divergence
 from gppo.core import PARAM_DEFAULTS, Q_BUCKETS, drop_unused, q_buckets
 from gppo.models.forward import ForwardOptions, policy_outputs
@@ -99,10 +104,12 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def chunk_rows(rollout: Rollout, vocab: int, budget: int = CHUNK_BYTES) -> int:
     """Sequences per pass of `token_values` so that its full-vocabulary tensors stay near `budget`
-    bytes: the two float32 logits over prompt and response, and about 8 float64 [T, V] tensors
-    (log mu, log pi, sorted mu, its cumulative sum, the estimators' temporaries) per sequence."""
-    width = rollout.input_ids.shape[1]
-    per_row = 2 * width * vocab * 4 + 8 * rollout.token_ids.shape[1] * vocab * 8
+    bytes. The forward (`policy_outputs`) scores the T completion positions only, from the last
+    hidden states, so per sequence a pass holds [T, V] tensors: the float32 log-distribution the
+    forward returns (its rows, then padded to [T, V]) before the float64 cast, and about 8 float64
+    ones (log mu, log pi, mu, its sort and cumulative sum, |pi - mu|, the estimators' temporaries).
+    The forward's own [rows, V] chunk (`gppo.token_stats`) does not grow with the pass."""
+    per_row = (2 * 4 + 8 * 8) * rollout.token_ids.shape[1] * vocab
     return max(1, budget // per_row)
 
 
@@ -153,8 +160,10 @@ def token_values(
         parts["up"].append((batch.logp > batch.logp_behavior)[valid])
         parts["logratio"].append((batch.logp - batch.logp_behavior)[valid])
         parts["engine_gap"].append((batch.logp_behavior - sub.logp_behavior.double())[valid].abs())
-        parts["tv_exact"].append(0.5 * (log_pi.exp() - log_mu.exp()).abs().sum(-1)[valid])
-        covered = log_mu.exp().sort(-1, descending=True).values.cumsum(-1)
+        mu = log_mu.exp()
+        parts["tv_exact"].append(0.5 * (log_pi.exp() - mu).abs().sum(-1)[valid])
+        covered = mu.sort(-1, descending=True).values.cumsum(-1)
+        del mu
         for k in mass_ks:
             parts[f"mass@{k}"].append(covered[..., min(k, vocab) - 1][valid])
         for div in divergences:
@@ -264,6 +273,7 @@ def run_probe(
         update = trainer.update(rollout)
         trainer.optimizer.state.clear()  # AdamW's two moments (twice the weights) are not needed any more
         trainer.model.zero_grad(set_to_none=True)
+        release_free_memory()  # their pages (and the update's activations') back to the OS before mu's copy
         mu_weights = copy.deepcopy(trainer.model)
         mu_weights.load_state_dict(torch.load(Path(scratch) / "mu.pt", mmap=True))
     rollout_dtype = config.sampling_dtype()
