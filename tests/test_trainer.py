@@ -466,3 +466,33 @@ def test_mini_batches_hold_whole_groups():
     groups = order.view(6, 4)
     assert (groups // 4 == groups[:, :1] // 4).all() and (groups % 4 == torch.arange(4)).all()
     assert groups[:, 0].tolist() != sorted(groups[:, 0].tolist())  # the groups are shuffled
+
+
+def test_precision_defaults_follow_the_device(monkeypatch):
+    """--mixed_precision auto and unset --tf32 / --rollout_dtype: float32 throughout on a CPU (the
+    README's numbers reproduce to the digit), bfloat16 autocast and TF32 on a CUDA GPU of compute
+    capability 8.0+ (float32 weights and AdamW), no autocast on an older one; vLLM samples in
+    bfloat16 on a GPU. Explicit choices win; TF32 asked for on a CPU is refused."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    config = from_dict({})
+    assert (config.mixed_precision, config.tf32, config.rollout_dtype) == ("auto", None, None)
+    assert config.resolved_mixed_precision(cpu) == "no" and config.forward_options(cpu).autocast is None
+    assert not config.uses_tf32(cpu) and config.sampling_dtype(cpu) == "float32"
+    assert config.resolved_mixed_precision(gpu) == "bf16" and config.forward_options(gpu).autocast == torch.bfloat16
+    assert config.uses_tf32(gpu) and config.sampling_dtype(gpu) == "float32"  # hf samples from the weights
+    capability["value"] = (7, 5)
+    assert config.resolved_mixed_precision(gpu) == "no"
+    capability["value"] = (9, 0)
+    vllm = from_dict({})
+    vllm.engine = "vllm"  # (vLLM is not installed here: only the choice of dtype is tested)
+    assert vllm.sampling_dtype(gpu) == "bfloat16" and vllm.sampling_dtype(cpu) == "float32"
+    vllm.rollout_dtype = "float32"
+    assert vllm.sampling_dtype(gpu) == "float32"
+    explicit = from_dict({"mixed_precision": "no", "tf32": False})
+    assert explicit.resolved_mixed_precision(gpu) == "no" and not explicit.uses_tf32(gpu)
+    assert from_dict({"mixed_precision": "bf16"}).resolved_mixed_precision(cpu) == "bf16"
+    assert from_dict({"dtype": "bfloat16"}).resolved_mixed_precision(gpu) == "no"  # pure bf16 training
+    with pytest.raises(ConfigError, match="tf32 true selects TF32 matmuls on a CUDA GPU, but this run is on cpu"):
+        from_dict({"tf32": True, "device": "cpu"})

@@ -276,7 +276,7 @@ def run_probe(
         release_free_memory()  # their pages (and the update's activations') back to the OS before mu's copy
         mu_weights = copy.deepcopy(trainer.model)
         mu_weights.load_state_dict(torch.load(Path(scratch) / "mu.pt", mmap=True))
-    rollout_dtype = config.sampling_dtype()
+    rollout_dtype = config.sampling_dtype(trainer.device)
     mu_model = RolloutPolicy(mu_weights, DTYPES[rollout_dtype], config.rollout_quantization).model
     del mu_weights  # the rollout copy (when the dtype differs) is all that is needed
     loss_config = config.gppo_config()

@@ -40,6 +40,7 @@ from gppo.rollout.options import (
     device_option,
     engine_option,
     refuse_vllm_options_without_vllm,
+    resolve_device,
     vllm_compile_option,
     vllm_kv_cache_option,
 )
@@ -162,8 +163,9 @@ class TrainConfig:
     )
     rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(
         None,
-        "dtype of the weights the engine samples from (default: --dtype): for hf a copy refreshed after "
-        "every update, for vllm the dtype vLLM loads and runs the model in",
+        "dtype of the weights the engine samples from (default: --dtype, and bfloat16 for vllm on a CUDA GPU, as "
+        "verl's and TRL's rollouts): for hf a copy refreshed after every update, for vllm the dtype vLLM loads "
+        "and runs the model in",
         "rollout",
     )
     rollout_quantization: Literal["none", "int8"] = _opt(
@@ -286,10 +288,18 @@ class TrainConfig:
         ge=1,
         example=128,
     )
-    mixed_precision: Literal["no", "bf16"] = _opt(
-        "no",
+    mixed_precision: Literal["auto", "no", "bf16"] = _opt(
+        "auto",
         "bf16: the update's and the old/reference passes' forward run under bfloat16 autocast, while weights, "
-        "gradients and AdamW stay float32 (needs --dtype float32)",
+        "gradients and AdamW stay float32 (needs --dtype float32); no: float32 throughout; auto: bf16 on CUDA "
+        "GPUs that compute bfloat16 natively (compute capability 8.0+) with --dtype float32, no elsewhere (on "
+        "CPUs float32, so that results reproduce to the digit on any CPU: docs/guide.md)",
+        "update",
+    )
+    tf32: bool | None = _opt(
+        None,
+        "TF32 tensor cores for float32 matmuls on CUDA (TRL's --tf32): unset means on with a CUDA device; "
+        "false keeps full float32 matmuls; a CPU has no TF32, so true there is refused",
         "update",
     )
     skip_zero_gradient_updates: bool = _opt(
@@ -393,26 +403,48 @@ class TrainConfig:
                 "gradient_checkpointing drops (transformers recomputes each layer without it): set "
                 "--share_prompt false, or leave it unset (it then turns off with checkpointing)"
             )
-        if self.mixed_precision != "no" and self.dtype != "float32":
+        if self.tf32 and resolve_device(self.device).type != "cuda":
+            raise ConfigError(
+                f"tf32 true selects TF32 matmuls on a CUDA GPU, but this run is on {resolve_device(self.device)}: "
+                "unset --tf32 (or run on a GPU)"
+            )
+        if self.mixed_precision == "bf16" and self.dtype != "float32":
             raise ConfigError(
                 f"mixed_precision {self.mixed_precision} keeps float32 weights and runs the forward in "
                 f"bfloat16, but --dtype is {self.dtype}: use --dtype float32 with it, or "
                 f"--mixed_precision no to train in {self.dtype} throughout"
             )
 
-    def forward_options(self) -> ForwardOptions:
-        """How the trainer's policy forwards run: prompt sharing (unset: on unless checkpointing),
-        logits chunk size, bfloat16 autocast."""
+    def resolved_mixed_precision(self, device: torch.device) -> str:
+        """'bf16' or 'no' on `device`: `mixed_precision`, 'auto' resolved (bf16 on a CUDA GPU of
+        compute capability 8.0+ when the weights are float32, as verl's and TRL's defaults; float32
+        on CPUs and older GPUs)."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        native_bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+        return "bf16" if native_bf16 and self.dtype == "float32" else "no"
+
+    def uses_tf32(self, device: torch.device) -> bool:
+        """Whether float32 matmuls use TF32 on `device`: `tf32`, unset meaning on for CUDA."""
+        return device.type == "cuda" and self.tf32 is not False
+
+    def forward_options(self, device: torch.device) -> ForwardOptions:
+        """How the trainer's policy forwards run on `device`: prompt sharing (unset: on unless
+        checkpointing), logits chunk size, bfloat16 autocast (`resolved_mixed_precision`)."""
         share = not self.gradient_checkpointing if self.share_prompt is None else self.share_prompt
         return ForwardOptions(
             share_prompt=share,
             chunk_size=self.logits_chunk_size,
-            autocast=torch.bfloat16 if self.mixed_precision == "bf16" else None,
+            autocast=torch.bfloat16 if self.resolved_mixed_precision(device) == "bf16" else None,
         )
 
-    def sampling_dtype(self) -> str:
-        """The dtype the engine samples in: `rollout_dtype`, unset meaning the training `dtype`."""
-        return self.rollout_dtype or self.dtype
+    def sampling_dtype(self, device: torch.device) -> str:
+        """The dtype the engine samples in: `rollout_dtype`; unset, bfloat16 for vLLM on a CUDA GPU
+        (what verl's rollout and TRL's vLLM load by default), else the training `dtype` (the hf
+        engine then samples from the trained weights themselves, without a copy)."""
+        if self.rollout_dtype is not None:
+            return self.rollout_dtype
+        return "bfloat16" if device.type == "cuda" and self.engine == "vllm" else self.dtype
 
     def compiles_vllm(self) -> bool:
         """`vllm_compile`, its unset default resolved from the run's sampling budget (docs/vllm.md:

@@ -110,6 +110,8 @@ class Trainer:
         torch.set_num_threads(config.threads or default_threads())
         transformers.utils.logging.disable_progress_bar()
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":  # process-wide, as TRL's --tf32
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.uses_tf32(self.device)
         remove_stale_temps(self.run_dir)
         checkpoint, state = load_checkpoint(self.run_dir) or (None, None)
         if checkpoint is not None and not resume:
@@ -154,12 +156,12 @@ class Trainer:
         self.model.to(self.device)
         if config.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
-        self.forward_options = config.forward_options()
+        self.forward_options = config.forward_options(self.device)
         self.ref_model = None
         if self.loss_config.kl_coef > 0:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
-        rollout_dtype = config.sampling_dtype()
+        rollout_dtype = config.sampling_dtype(self.device)
         copy_dtype = rollout_dtype if config.engine == "hf" else config.dtype  # vLLM loads its own copy
         self.rollout_policy = RolloutPolicy(
             self.model,
