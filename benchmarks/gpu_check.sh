@@ -13,6 +13,8 @@
 #
 # Rows:
 #   float32-cuda    pytest tests/test_float32.py -k cuda (float32 closed forms on CUDA vs float64)
+#   defaults        what gppo train's defaults resolve to on this device: bfloat16 autocast and TF32
+#                   on a CUDA GPU of compute capability 8.0+ (float32 and no TF32 with --cpu)
 #   loss-speed      benchmarks/loss_speed.py on CUDA (N=16384, V=32768 and 152064; table in the log)
 #   vllm-top-p      tests/test_vllm_engine.py's GPU test: vLLM's return_sampling_mask (top-p training)
 #   vllm-bf16       gppo train --model smollm2 --engine vllm, 2 steps, bfloat16 rollouts of a
@@ -121,12 +123,25 @@ print(f"{len(steps)} steps; last: pg_loss {get('actor/pg_loss'):.3g}, score {get
 EOF
 }
 
+defaults_check() {  # --mixed_precision auto and unset --tf32 / --rollout_dtype, resolved on $DEVICE
+  "$PY" - "$DEVICE" <<'EOF'
+import sys, torch
+from gppo.trainer.config import from_dict
+device, config = torch.device(sys.argv[1]), from_dict({})
+precision, tf32 = config.resolved_mixed_precision(device), config.uses_tf32(device)
+print(f"{device}: mixed precision {precision}, tf32 {tf32}, hf rollout dtype {config.sampling_dtype(device)}")
+assert (precision, tf32) == (("bf16", True) if device.type == "cuda" else ("no", False)), (precision, tf32)
+EOF
+}
+
 # ---- 1. float32 numerics on CUDA
 if [[ $MODE == cpu ]]; then
   skip float32-cuda "needs CUDA"
 else
   row float32-cuda 180 pytest_summary "$PY" -m pytest -q tests/test_float32.py -k cuda
 fi
+
+row defaults 60 "tail -1" defaults_check
 
 # ---- 2. the loss benchmark
 # shellcheck disable=SC2086
