@@ -42,17 +42,10 @@ CHUNK_ELEMENTS = 1 << 24  # default rows per chunk: [rows, V] float32 logits of 
 
 @dataclass
 class TokenStats:
-    """Per-token outputs of `token_stats` / `logits_stats` ([n] unless noted), float32 (float64 for
-    float64 inputs); None where not asked for.
-
-    logp: log pi(a) of token_ids (differentiable).
-    topk_logp [n, K]: log pi at topk_ids (differentiable).
-    entropy: -sum_v pi_v log pi_v (differentiable).
-    kl_ref_full: KL(pi || ref) = sum_v pi_v (log pi_v - log ref_v) (differentiable).
-    full_estimate: D_f(pi || anchor) over the vocabulary (no gradient).
-    log_probs [n, V]: log pi (no gradient): an [n, V] output, the caller's memory cost.
-    pi_topk_logp, pi_topk_ids [n, K]: pi's own K most probable tokens, descending (no gradient).
-    """
+    """Per-token outputs of `token_stats` / `logits_stats` (the module doc's table: the first four
+    are differentiable), [n] unless noted, float32 (float64 for float64 inputs), None where not
+    asked for: topk_logp [n, K] at topk_ids; log_probs [n, V] (the caller's memory cost);
+    pi_topk_logp and pi_topk_ids [n, K], pi's own K most probable tokens, descending."""
 
     logp: torch.Tensor | None
     topk_logp: torch.Tensor | None = None
