@@ -108,6 +108,27 @@ def test_gppo_ppo_ends_at_trl_dapo_weights(runs):
         assert torch.allclose(p, trl_p, rtol=0, atol=1e-6), (p - trl_p).abs().max()
 
 
+def test_lora_adapters_match_trl_and_topk_trains_across_processes(runs):
+    """With a LoRA adapter (TRL's peft_config) on two processes: GPPOTrainer(ppo)'s adapter equals
+    GRPOTrainer(loss_type="dapo")'s, and dppo-topk-kl's top-K passes through the peft-wrapped,
+    DDP-wrapped model move the adapter; the base weights stay as they were in every run."""
+    initial, results = runs
+    if "gppo-ppo-lora" not in results:
+        pytest.skip("peft is not installed (pip install peft)")
+    trl, ours, topk = results["trl-dapo-lora"], results["gppo-ppo-lora"], results["gppo-dppo-topk-kl-lora"]
+    assert ours["tokens"] == trl["tokens"] and losses(ours) == pytest.approx(losses(trl), abs=1e-6)
+    assert ours["adapter"] and ours["adapter"].keys() == trl["adapter"].keys()
+    assert any(p.abs().max() > 0 for n, p in ours["adapter"].items() if "lora_B" in n)  # B starts at 0
+    for name, p in ours["adapter"].items():
+        assert torch.allclose(p, trl["adapter"][name], rtol=0, atol=1e-6), name
+    assert any(p.abs().max() > 0 for n, p in topk["adapter"].items() if "lora_B" in n)
+    assert len([h for h in topk["logs"] if "loss" in h]) == 2
+    for run in (trl, ours, topk):
+        assert run["digests"][0] == pytest.approx(run["digests"][1], rel=1e-6)  # both ranks agree
+        for p, q in zip(run["params"], initial, strict=True):
+            assert torch.equal(p, q)
+
+
 def test_topk_preset_trains_across_processes(runs):
     initial, results = runs
     run = results["gppo-dppo-topk-tv"]

@@ -93,7 +93,7 @@ def tiny(tmp_path_factory):
     return str(path / "model"), tokenizer, path
 
 
-def make_trainer(tiny, trainer_cls, config_cls, **fields):
+def make_trainer(tiny, trainer_cls, config_cls, peft_config=None, **fields):
     model, tokenizer, path = tiny
     settings = dict(
         output_dir=str(path / "out"),
@@ -116,6 +116,7 @@ def make_trainer(tiny, trainer_cls, config_cls, **fields):
         args=args,
         processing_class=tokenizer,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=peft_config,
     )
 
 
@@ -190,6 +191,41 @@ def test_two_step_run_matches_grpo_trainer(tiny):
     assert ours.state.log_history[1]["gppo/ratio/max"] > 1
     for p, trl_p in zip(final_parameters(ours), final_parameters(trl), strict=True):
         assert torch.allclose(p, trl_p, rtol=0, atol=1e-6)
+
+
+def test_lora_adapter_run_matches_grpo_trainer_and_topk_trains(tiny):
+    """With a LoRA adapter (TRL's peft_config, all linear layers of the decoder): GPPOTrainer(ppo)
+    ends at GRPOTrainer(loss_type="dapo")'s adapter weights, and dppo-topk-kl, whose top-K passes
+    run the peft-wrapped model's forward with gppo.token_stats as its output layer, moves the
+    adapter and leaves the base weights as they were."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+
+    def adapter(trainer):
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+    trl = make_trainer(tiny, GRPOTrainer, GRPOConfig, peft_config=lora())
+    trl.train()
+    ours = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, peft_config=lora(), gppo_preset="ppo")
+    ours.train()
+    theirs, mine = adapter(trl), adapter(ours)
+    assert mine and mine.keys() == theirs.keys()
+    assert any(p.abs().max() > 0 for n, p in mine.items() if "lora_B" in n)  # B starts at 0: it moved
+    for name, p in mine.items():
+        assert torch.allclose(p, theirs[name], rtol=0, atol=1e-6), name
+
+    topk = make_trainer(tiny, GPPOTrainer, GPPOTrainerConfig, peft_config=lora(), gppo_preset="dppo-topk-kl")
+    base = {n: p.detach().clone() for n, p in topk.model.named_parameters() if "lora_" not in n}
+    before = adapter(topk)
+    topk.train()
+    logs = [h for h in topk.state.log_history if "loss" in h]
+    assert len(logs) == 2 and "gppo/masked_frac" in logs[1] and logs[1]["gppo/ratio/max"] > 1
+    assert any(not torch.equal(p, before[n]) for n, p in adapter(topk).items())
+    for n, p in topk.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n]), n
 
 
 @pytest.mark.parametrize("preset", ["dppo-binary-tv", "dppo-topk-tv", "cispo", "gppo", "icepop", "cppo", "drpo"])

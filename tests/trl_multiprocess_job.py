@@ -2,10 +2,13 @@
 tests/trl_multiprocess_job.py MODEL_DIR RESULT_FILE` (torchrun's launcher; use_cpu=True makes the
 process group gloo): the same 2-step training run of TRL's GRPOTrainer (loss_type "dapo"),
 GPPOTrainer (gppo_preset "ppo") and GPPOTrainer (a top-K preset) in two CPU processes, two
-micro-batches per optimizer step, one generation batch for both steps. Rank 0 saves to RESULT_FILE,
-for each run: its final weights and log history, and every rank's completion-token count per
-micro-batch and weight digest (sum, sum of squares)."""
+micro-batches per optimizer step, one generation batch for both steps; then the first two and
+dppo-topk-kl again with a LoRA adapter (TRL's peft_config; skipped without peft). Rank 0 saves to
+RESULT_FILE, for each run: its final weights (with an adapter: the adapter's and the base's apart)
+and log history, and every rank's completion-token count per micro-batch and weight digest (sum,
+sum of squares)."""
 
+import importlib.util
 import sys
 import tempfile
 
@@ -18,14 +21,18 @@ from gppo.integrations.trl import GPPOTrainer, GPPOTrainerConfig
 from gppo.models.embedded import build_tokenizer
 
 PROMPTS = ["12+3=", "4*5=", "7-2=", "9+9=", "1+1=", "30/3=", "8-8=", "2*7="]
-RUNS = {
-    "trl-dapo": (GRPOTrainer, GRPOConfig, {}),
-    "gppo-ppo": (GPPOTrainer, GPPOTrainerConfig, dict(gppo_preset="ppo")),
+RUNS = {  # name: (trainer, its config, config fields, with a LoRA adapter)
+    "trl-dapo": (GRPOTrainer, GRPOConfig, {}, False),
+    "gppo-ppo": (GPPOTrainer, GPPOTrainerConfig, dict(gppo_preset="ppo"), False),
     "gppo-dppo-topk-tv": (
         GPPOTrainer,
         GPPOTrainerConfig,
         dict(gppo_preset="dppo-topk-tv", gppo_overrides={"top_k": 5}),
+        False,
     ),
+    "trl-dapo-lora": (GRPOTrainer, GRPOConfig, {}, True),
+    "gppo-ppo-lora": (GPPOTrainer, GPPOTrainerConfig, dict(gppo_preset="ppo"), True),
+    "gppo-dppo-topk-kl-lora": (GPPOTrainer, GPPOTrainerConfig, dict(gppo_preset="dppo-topk-kl"), True),
 }
 
 
@@ -33,7 +40,13 @@ def reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
-def run(model_dir: str, trainer_cls, config_cls, fields: dict, output_dir: str) -> dict:
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+
+
+def run(model_dir: str, trainer_cls, config_cls, fields: dict, lora: bool, output_dir: str) -> dict:
     # 2 processes x 2 micro-batches of 4 completions = 16 completions (4 prompts) per optimizer
     # step; one generation batch of 4 micro-batches per process (all 8 prompts) serves both
     # steps, so the second step's ratios are not 1 and TRL rescales its token count to a window.
@@ -59,13 +72,16 @@ def run(model_dir: str, trainer_cls, config_cls, fields: dict, output_dir: str) 
         args=args,
         processing_class=build_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=lora_config() if lora else None,
     )
     trainer.train()
     tokens = [int(batch["completion_mask"].sum()) for batch in trainer._buffered_inputs]
     model = trainer.accelerator.unwrap_model(trainer.model)
     flat = torch.cat([p.detach().flatten().double() for p in model.parameters()])
+    named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
     return dict(
-        params=[p.detach().clone() for p in model.parameters()],
+        params=[p for n, p in named if "lora_" not in n],  # with an adapter: the base's
+        adapter={n: p for n, p in named if "lora_" in n},
         digests=gather_object([(flat.sum().item(), flat.square().sum().item())]),
         logs=trainer.state.log_history,
         tokens=gather_object([tokens]),
@@ -77,8 +93,10 @@ def run(model_dir: str, trainer_cls, config_cls, fields: dict, output_dir: str) 
 def main(model_dir: str, result_file: str) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as output_dir:
-        for name, (trainer_cls, config_cls, fields) in RUNS.items():
-            results[name] = run(model_dir, trainer_cls, config_cls, fields, output_dir)
+        for name, (trainer_cls, config_cls, fields, lora) in RUNS.items():
+            if lora and importlib.util.find_spec("peft") is None:
+                continue
+            results[name] = run(model_dir, trainer_cls, config_cls, fields, lora, output_dir)
     if torch.distributed.get_rank() == 0:
         torch.save(results, result_file)
 
