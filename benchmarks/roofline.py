@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -50,7 +50,6 @@ class Work:
     padding: float = 0.0
     bytes: float = 0.0
     seconds: float = 0.0
-    calls: list = field(default_factory=list)
 
 
 def timed(fn, repeats: int = 3) -> float:
@@ -141,8 +140,8 @@ def forward_work(shapes: Shapes, rollout, share_prompt: bool = True) -> tuple[fl
     return real, padding
 
 
-def decoding_work(shapes: Shapes, generations, n: int) -> Work:
-    """Prefill (each prompt once per group of n) and decoding of `generations`: FLOPs, and bytes
+def decoding_work(shapes: Shapes, generations) -> Work:
+    """Prefill (each distinct prompt once) and decoding of `generations`: FLOPs, and bytes
     read per step (every weight once, each active row's key/value cache)."""
     work = Work()
     prompts = {tuple(g.prompt_ids) for g in generations}
@@ -177,7 +176,7 @@ class Recorder:
         out = self._generate(prompts, params)
         phase = self.phases[self.phase]
         phase.seconds += time.perf_counter() - start
-        work = decoding_work(self.shapes, out, params.n)
+        work = decoding_work(self.shapes, out)
         phase.flops, phase.padding, phase.bytes = (phase.flops + work.flops, phase.padding + work.padding,
                                                    phase.bytes + work.bytes)  # fmt: skip
         return out

@@ -13,6 +13,7 @@ from gppo.core.registered_divergences import register_divergence
 from gppo.core.registry import closest
 from gppo.core.rules import RULES, Rule, RuleContext, RuleOutput, register_rule
 from gppo.core.token_stats import CHUNK_ELEMENTS, TokenStats, logits_stats, token_stats
+from gppo.core.vocab import log_normalize_
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -39,6 +40,7 @@ __all__ = [
     "drop_unused",
     "estimate",
     "gather_logp",
+    "log_normalize_",
     "logits_stats",
     "policy_loss",
     "preset",

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-import gppo
+from gppo.core import log_normalize_
 from gppo.rollout.base import Generation, SamplingParams
 
 
@@ -197,8 +197,9 @@ class HFEngine:
         """Pick one token per row; return it with its log-prob, mu's top-K and (record_kept) the
         nucleus as (sizes [rows], ids concatenated by row), all of the distribution that was sampled."""
         kept = None
-        # log_softmax(logits / T) by the training pass's own normalisation (temperature 0: T = 1)
-        logp = gppo.logits_stats(logits, temperature=params.temperature, return_log_probs=True).log_probs
+        # log_softmax(logits / T) by the training pass's own row formula (temperature 0: T = 1), without
+        # the kernel's checks and chunking: one call per decoding step
+        logp = log_normalize_(logits / (params.temperature if params.temperature > 0 else 1.0))
         if params.temperature == 0:
             token = logp.argmax(dim=-1)
         else:
