@@ -9,7 +9,7 @@ import torch
 
 from gppo.models.embedded import build_model, build_tokenizer
 from gppo.rollout.base import SamplingParams
-from gppo.rollout.hf import HFEngine
+from gppo.rollout.hf import HFEngine, inverse_cdf_sample, top_p_truncate
 
 torch.set_num_threads(1)
 
@@ -20,6 +20,24 @@ PROMPTS = ["1+2=", "123+456=", "2 3 7 -> 27:", "9"]
 def micro():
     tok = build_tokenizer()
     return build_model(tok, seed=0, hidden=32, layers=1).eval(), tok
+
+
+def test_inverse_cdf_sampler_draws_each_token_with_its_probability():
+    """200k draws from 4 rows of a 1000-token distribution (one row a top-p nucleus, most of its
+    vocabulary at probability 0): every token's count within 5 binomial standard deviations of
+    draws x p, and no zero-probability token ever drawn."""
+    gen = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(3 * torch.randn(4, 1000, generator=gen), -1)
+    logp[3], _ = top_p_truncate(logp[3:], 0.5)
+    probs = logp.exp()
+    draws = 200_000
+    counts = torch.zeros_like(probs, dtype=torch.float64)
+    for _ in range(draws // 10_000):
+        tokens = inverse_cdf_sample(probs.repeat_interleave(10_000, 0), gen).view(4, 10_000)
+        counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float64))
+    expected = draws * probs.double()
+    assert (counts[probs == 0] == 0).all()
+    assert ((counts - expected).abs() <= 5 * (expected * (1 - probs.double())).sqrt() + 1).all()
 
 
 def full_pass_logprobs(model, gen, temperature):

@@ -210,12 +210,25 @@ class HFEngine:
                     width = int(sizes.max())
                     columns = torch.arange(width, device=logp.device)
                     kept = sizes, order[:, :width][columns < sizes[:, None]]
-            token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            token = inverse_cdf_sample(logp.exp(), gen)
         lp_token = logp.gather(-1, token[:, None]).squeeze(-1)
         if params.top_k_logprobs:
             tk_lps, tk_ids = logp.topk(params.top_k_logprobs, dim=-1)
             return token, lp_token, tk_ids, tk_lps, kept
         return token, lp_token, None, None, kept
+
+
+def inverse_cdf_sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` [rows, V]: the first index whose cumulative probability exceeds
+    u * total, for u uniform on [0, 1), so P(token = i) = probs_i / total. The sums run in float64,
+    so that a 150k-token vocabulary's rounding cannot shift mass between tokens. One uniform per row
+    where `torch.multinomial` draws an exponential per vocabulary entry (15% of a decoding step of
+    SmolLM2, docs/results.md §16); zero-probability tokens (cut by top-p) are never drawn."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    u = torch.rand(total.shape, generator=gen, dtype=torch.float64, device=probs.device) * total
+    last_positive = torch.searchsorted(cdf, total)  # where the cumulative sum first reaches the total
+    return torch.searchsorted(cdf, u, right=True).minimum(last_positive).squeeze(-1)
 
 
 def top_p_truncate(logp: torch.Tensor, top_p: float):
