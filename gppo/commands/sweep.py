@@ -162,7 +162,9 @@ def _check_rerun(job: Job) -> None:
     saved_file = job.config.run_dir() / "config.yaml"
     if not saved_file.is_file():
         return
-    saved, planned = yaml.safe_load(saved_file.read_text()), job.config.to_dict()
+    planned = job.config.to_dict()
+    # a key the saved config lacks (a setting added to gppo since) held its default
+    saved = {**TrainConfig().to_dict(), **yaml.safe_load(saved_file.read_text())}
     changed = sorted(
         k for k in set(saved) | set(planned) if k not in IGNORED_ON_RERUN and saved.get(k) != planned.get(k)
     )

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from gppo.models import adapters
+
 MARKER = "gppo_char_tokenizer"  # key in tokenizer_config.json that marks gppo's character tokenizers
 WEIGHT_FILES = (
     "model.safetensors",
@@ -268,11 +270,16 @@ def load_tokenizer(path: str | Path | ModelSource):
     return tokenizer
 
 
-def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype | str | None = None):
-    """(model in eval mode, tokenizer) from an HF directory, a .gguf file or a folder holding one.
+def load_model_and_tokenizer(path: str | Path, dtype: torch.dtype | str | None = None, trainable_adapter: bool = False):
+    """(model in eval mode, tokenizer) from an HF directory, a .gguf file, a folder holding one, or
+    a LoRA adapter directory (its base, named in adapter_config.json, loaded in `dtype`, with the
+    adapter on it: `gppo.models.adapters`; `trainable_adapter` lets the adapter train).
 
     `dtype=None` keeps an HF directory's saved dtype and dequantizes GGUF weights to float32.
     """
+    if adapters.is_adapter_dir(path):
+        base, tokenizer = load_model_and_tokenizer(adapters.adapter_base(path), dtype)
+        return adapters.load_adapter(base, path, trainable_adapter).eval(), tokenizer
     source = resolve_model_path(path)
     if source.gguf_file is None:
         _check_hf_directory(source.directory)

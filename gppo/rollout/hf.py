@@ -55,7 +55,8 @@ class HFEngine:
         self.eos_ids = torch.tensor(eos_token_ids(model, tokenizer), device=self.device)
         self.max_top_k_logprobs = model.get_output_embeddings().weight.shape[0]
         self.separate_weights = False  # mu is `model` itself, or the trainer's copy (RolloutPolicy)
-        params = inspect.signature(model.forward).parameters
+        unwrapped = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
+        params = inspect.signature(unwrapped.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 

@@ -282,14 +282,14 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, kee
     return final
 
 
-def save_final(run_dir: Path, model, tokenizer) -> Path:
-    """Write RUN_DIR/final/ (model and tokenizer) whole, replacing an earlier one."""
+def save_final(run_dir: Path, model, tokenizer, name: str = "final") -> Path:
+    """Write RUN_DIR/<name>/ (model, or a LoRA adapter, and tokenizer) whole, replacing an earlier one."""
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
-    return write_dir(run_dir / "final", write, "; the checkpoints are intact, resume to write final/ again")
+    return write_dir(run_dir / name, write, "; the checkpoints are intact, resume to write final/ again")
 
 
 def checkpoint_candidates(run_dir: Path) -> list[Path]:

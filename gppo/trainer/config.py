@@ -19,6 +19,7 @@ import torch
 from gppo.advantages import ADVANTAGE_ESTIMATORS
 from gppo.core import GPPOConfig, GPPOConfigError, closest
 from gppo.core import preset as build_preset
+from gppo.models.adapters import LoraOptions, require_peft
 from gppo.models.forward import ForwardOptions
 from gppo.models.loading import NAMED_MODELS
 from gppo.options import (
@@ -309,6 +310,38 @@ class TrainConfig:
         "update",
     )
 
+    # LoRA adapters (gppo.models.adapters)
+    use_peft: bool = _opt(
+        False,
+        "train a LoRA adapter on the frozen base model instead of every weight (peft, pip install "
+        "'gppo[peft]'): the optimizer holds the adapter alone, checkpoints and final/ hold it in peft's "
+        "format, the KL reference is the base with the adapter disabled; --dtype bfloat16 keeps the base "
+        "in bfloat16 and the adapter in float32",
+        "LoRA adapters",
+    )
+    lora_r: int = _opt(16, "LoRA rank r", "LoRA adapters", ge=1)
+    lora_alpha: float = _opt(32.0, "LoRA alpha: the adapter's update is scaled by alpha / r", "LoRA adapters", gt=0)
+    lora_dropout: float = _opt(
+        0.0,
+        "dropout on the adapter's input in the update; 0 by default (TRL's is 0.05) so that the first "
+        "update's ratio pi/mu is exactly 1 on-policy, as without LoRA",
+        "LoRA adapters",
+        ge=0,
+        lt=1,
+    )
+    lora_target_modules: list[str] = _opt(
+        ["all-linear"],
+        "the Linear layers that get an adapter: all-linear (every one but the output layer) or names, "
+        "e.g. q_proj v_proj",
+        "LoRA adapters",
+    )
+    merge_lora: bool = _opt(
+        False,
+        "at the end, also write the base with the adapter merged into it (W + alpha/r B A) to "
+        "RUN_DIR/merged/, a plain model directory",
+        "LoRA adapters",
+    )
+
     # evaluation
     eval_every: int = _opt(
         20, "evaluate every N steps (and before and after training; 0: only then)", "evaluation", ge=0
@@ -374,6 +407,24 @@ class TrainConfig:
         self._objective = self._build_objective()  # validated here, used by the trainer: built once
         self._check_forward_knobs()
         self._check_rollout_knobs()
+        self._check_adapter_knobs()
+
+    def _check_adapter_knobs(self) -> None:
+        if not self.use_peft:
+            refuse_ignored(
+                self, ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora"], "with --use_peft"
+            )
+            return
+        for name, reason in (
+            ("engine", "vLLM serving the adapter (LoRARequest or merged weights) is not built yet: use --engine hf"),
+            ("rollout_quantization", "int8 rollouts quantize full weights, not an adapter: unset it"),
+        ):
+            if getattr(self, name) != TRAIN_FIELDS[name].default:
+                raise ConfigError(f"--{name} {getattr(self, name)} with --use_peft: {reason}")
+        require_peft()
+
+    def lora_options(self) -> LoraOptions:
+        return LoraOptions(self.lora_r, self.lora_alpha, self.lora_dropout, tuple(self.lora_target_modules))
 
     def _check_rollout_knobs(self) -> None:
         """The mismatch knobs must fit together and with the engine (each field's own type and

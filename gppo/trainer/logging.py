@@ -180,9 +180,10 @@ def directory_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def storage_note(run_dir: Path) -> str:
-    """The size of a run directory and what takes it: checkpoints hold the AdamW moments (twice the
-    weights) besides the weights, so that a run can resume; final/ holds the weights alone."""
+def storage_note(run_dir: Path, trained: str = "the weights") -> str:
+    """The size of a run directory and what takes it: checkpoints hold the AdamW moments (twice
+    what trains: `trained`, the weights or a LoRA adapter) besides it, so that a run can resume;
+    final/ holds it alone."""
     total = directory_size(run_dir)
     checkpoints = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
     if not checkpoints:
@@ -190,7 +191,7 @@ def storage_note(run_dir: Path) -> str:
     held = directory_size(run_dir / "checkpoints")
     return (
         f"{total / 1e9:.2f} GB, of which {held / 1e9:.2f} GB in {len(checkpoints)} checkpoint(s) under checkpoints/: "
-        "each holds the weights and the optimizer state (AdamW's two moments, twice the weights) to resume from; "
-        "final/ holds the weights alone, so checkpoints/ can be deleted once the run is done "
+        f"each holds {trained} and the optimizer state (AdamW's two moments, twice {trained}) to resume from; "
+        f"final/ holds {trained} alone, so checkpoints/ can be deleted once the run is done "
         "(--keep_checkpoints 0 deletes them then)"
     )

@@ -66,16 +66,18 @@ class RolloutPolicy:
                 for name, module in model.named_modules()
                 if isinstance(module, torch.nn.Linear) and module is not head
             }
-        self.refresh(model)
+        self.refresh(model, frozen_too=True)
 
     @torch.no_grad()
-    def refresh(self, model: torch.nn.Module) -> None:
-        """Copy `model`'s parameters into the rollout copy's own tensors (no allocation of the
-        copy; int8 weights go through `fake_quantize_int8`). A no-op without a copy."""
+    def refresh(self, model: torch.nn.Module, frozen_too: bool = False) -> None:
+        """Copy `model`'s trainable parameters into the rollout copy's own tensors (no allocation of
+        the copy; int8 weights go through `fake_quantize_int8`); frozen ones (a LoRA adapter's base)
+        never change, so after the first copy only the adapter moves. A no-op without a copy."""
         if not self.is_copy:
             return
         for (name, source), target in zip(model.named_parameters(), self.model.parameters()):
-            target.copy_(fake_quantize_int8(source) if name in self._quantized else source)
+            if frozen_too or source.requires_grad:
+                target.copy_(fake_quantize_int8(source) if name in self._quantized else source)
 
 
 class OffPolicyQueue:

@@ -7,6 +7,7 @@ order), so a run resumed from step k reaches the same parameters as an uninterru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,6 +26,7 @@ from transformers import get_scheduler
 import gppo
 from gppo.allocator import release_free_memory
 from gppo.evaluation import evaluate_problems
+from gppo.models.adapters import adapter_base, adapter_parameters, add_adapter, is_adapter_dir, set_adapter_base
 from gppo.models.assets import embedded_checkpoint
 from gppo.models.forward import enable_activation_checkpointing, policy_outputs
 from gppo.models.loading import check_positions, load_model_and_tokenizer
@@ -50,7 +52,7 @@ from gppo.trainer.checkpoint import (
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set, derived_seed
 from gppo.trainer.generation import RolloutGenerator
-from gppo.trainer.logging import MetricsLog, accuracy_summary, plot_curves, storage_note
+from gppo.trainer.logging import MetricsLog, accuracy_summary, directory_size, plot_curves, storage_note
 from gppo.trainer.rollout_policy import DTYPES, OffPolicyQueue, RolloutPolicy, mismatch_metrics
 
 
@@ -150,15 +152,14 @@ class Trainer:
             max_failures=config.reward_fn_max_failures,
             timeout_s=config.reward_fn_timeout,
         )
-        self.model, self.tokenizer = load_model_and_tokenizer(
-            checkpoint or self.base_model_path, dtype=_dtype(config.dtype)
-        )
+        self.model, self.tokenizer = self._load_policy(checkpoint)
         self.model.to(self.device)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapter alone with LoRA
         if config.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self.forward_options = config.forward_options(self.device)
-        self.ref_model = None
-        if self.loss_config.kl_coef > 0:
+        self.ref_model = None  # with LoRA the reference is the model with its adapter disabled
+        if self.loss_config.kl_coef > 0 and not config.use_peft:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
         rollout_dtype = config.sampling_dtype(self.device)
@@ -206,7 +207,7 @@ class Trainer:
             self.device,
         )
 
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, weight_decay=config.weight_decay)
         sequences = config.prompts_per_step * config.group_size
         updates = config.steps * config.epochs * math.ceil(sequences / config.mini_batch_size)
         self.scheduler = get_scheduler(
@@ -214,7 +215,7 @@ class Trainer:
         )
         self.step = 0
         self.diverged: str | None = None  # what went wrong, set by the update that saw it
-        self.weight_norm = _total_norm(self.model.parameters())
+        self.weight_norm = _total_norm(self.trainable)
         self.zero_gradient_steps = 0
         if checkpoint is None:
             aside = set_aside(self.run_dir)
@@ -248,6 +249,33 @@ class Trainer:
         if self.config.data is not None:
             raise ConfigError("--data needs --model: the embedded tiny model only knows the built-in tasks")
         return embedded_checkpoint(self.config.task)
+
+    def _load_policy(self, checkpoint: Path | None):
+        """(model, tokenizer): the checkpoint's or the base's weights; with --use_peft the base
+        (in --dtype) with the checkpoint's adapter, or a fresh one (B = 0: the base's policy)."""
+        c, dtype = self.config, _dtype(self.config.dtype)
+        if checkpoint is not None and is_adapter_dir(checkpoint) != c.use_peft:
+            held = "a LoRA adapter" if is_adapter_dir(checkpoint) else "full weights"
+            raise ConfigError(
+                f"--use_peft {str(c.use_peft).lower()}: checkpoint {checkpoint} holds {held}; resume with the "
+                f"run's own setting (--use_peft {str(not c.use_peft).lower()})"
+            )
+        if checkpoint is not None or not c.use_peft:
+            return load_model_and_tokenizer(checkpoint or self.base_model_path, dtype, trainable_adapter=True)
+        model, tokenizer = load_model_and_tokenizer(self.base_model_path, dtype)
+        model = add_adapter(model, c.lora_options(), derived_seed(c.seed, 5_555_555))
+        set_adapter_base(model, c.model or self.base_model_path)
+        return model, tokenizer
+
+    @contextlib.contextmanager
+    def _reference_model(self):
+        """The KL term's reference policy: the frozen copy of the base, or with LoRA the model itself
+        with its adapter disabled (peft's disable_adapter, as TRL does: no second copy)."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with self.model.disable_adapter():
+                yield self.model
 
     def _restore(self, checkpoint: Path, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -314,7 +342,7 @@ class Trainer:
             or self.config.off_policy_steps > 0
             or self.engine.separate_weights
         )
-        need_ref = self.ref_model is not None
+        need_ref = cfg.kl_coef > 0
         if not (need_old or need_ref):
             return rollout
         width = rollout.token_ids.shape[1]
@@ -332,13 +360,14 @@ class Trainer:
                 if old_full:
                     parts["logp_old_full"].append(pad_to(out.log_probs, width))
             if need_ref:
-                ref = policy_outputs(
-                    self.ref_model,
-                    sub,
-                    temperature,
-                    return_log_probs=cfg.reference_distribution is not None,
-                    options=self.forward_options,
-                )
+                with self._reference_model() as reference:
+                    ref = policy_outputs(
+                        reference,
+                        sub,
+                        temperature,
+                        return_log_probs=cfg.reference_distribution is not None,
+                        options=self.forward_options,
+                    )
                 parts["logp_ref"].append(pad_to(ref.logp, width))
                 if cfg.reference_distribution is not None:
                     parts["logp_ref_full"].append(pad_to(ref.log_probs, width))
@@ -403,7 +432,7 @@ class Trainer:
             metrics.pop("loss/policy", None)
             averages.add(metrics, weight=sub.response_mask.sum().item())
         max_norm = c.max_grad_norm if c.max_grad_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm).item()
         for name, value in (("optim/loss", total), ("optim/grad_norm", grad_norm)):
             if not math.isfinite(value):
                 self.diverged = f"{name} is {value}, so training stopped before applying that update"
@@ -411,7 +440,7 @@ class Trainer:
         if grad_norm != 0 or not c.skip_zero_gradient_updates:  # skipped: nothing learned, no move by momentum
             self.optimizer.step()
             self.scheduler.step()
-            before, self.weight_norm = self.weight_norm, _total_norm(self.model.parameters())
+            before, self.weight_norm = self.weight_norm, _total_norm(self.trainable)
             if not self.weight_norm <= WEIGHT_GROWTH_LIMIT * before:  # also catches nan and inf
                 self.diverged = (
                     f"optim/weight_norm went from {before:.4g} to {self.weight_norm:.4g} in one "
@@ -574,6 +603,12 @@ class Trainer:
     def finish(self) -> dict:
         """Final model, curves and summary (accuracy before and after RL)."""
         save_final(self.run_dir, self.model, self.tokenizer)
+        adapter = None
+        if self.config.use_peft:
+            adapter = {"parameters": adapter_parameters(self.model), "base_model": adapter_base(self.run_dir / "final")}
+            if self.config.merge_lora:  # in place: the run is over
+                self.model = self.model.merge_and_unload()
+                save_final(self.run_dir, self.model, self.tokenizer, name="merged")
         records = self.log.read()
         plot = plot_curves(records, self.run_dir / "curves.png", f"{self.problems.name} | {self.config.preset}")
         evals = [r for r in records if "eval/greedy" in r]
@@ -584,6 +619,7 @@ class Trainer:
             "before": {k: v for k, v in evals[0].items() if k.startswith("eval/")} if evals else {},
             "after": {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {},
             "curves": str(plot) if plot else None,
+            "adapter": adapter,
         }
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.config.keep_checkpoints == 0:  # the run is complete: its resume state is not needed
@@ -593,8 +629,17 @@ class Trainer:
                 accuracy_summary(summary["before"], summary["after"], self.step, self.config.eval_samples),
                 soft_wrap=True,
             )
+        if adapter:
+            self.console.print(
+                f"final/ holds a LoRA adapter of {adapter['parameters']:,} parameters "
+                f"({directory_size(self.run_dir / 'final') / 1e6:.1f} MB with the tokenizer) for the base "
+                f"{adapter['base_model']}, which loading it needs (gppo eval --model {self.run_dir / 'final'}, or "
+                f"peft's PeftModel.from_pretrained)"
+                + ("; merged/ holds base and adapter merged, a plain model" if self.config.merge_lora else ""),
+                soft_wrap=True,
+            )
         self.console.print(
-            f"run directory: {self.run_dir} (metrics.jsonl, curves.png, final/): {storage_note(self.run_dir)}",
+            f"run directory: {self.run_dir} (metrics.jsonl, curves.png, final/): {storage_note(self.run_dir, 'the adapter' if adapter else 'the weights')}",
             soft_wrap=True,
         )
         return summary

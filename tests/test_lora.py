@@ -1,0 +1,184 @@
+"""LoRA adapters in gppo's own trainer (`--use_peft`, gppo/models/adapters.py).
+
+Independent references: the base model itself (a fresh adapter has B = 0), the full weight's
+gradient (the adapter's gradient is its chain rule: W' = W + s B A gives dL/dB = s dL/dW' A^T and
+dL/dA = s B^T dL/dW'), the merged model (W + s B A written into a plain model), and an
+uninterrupted run (resume is bit-identical).
+"""
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+
+import gppo
+from gppo.models.adapters import AdapterError, LoraOptions, add_adapter, linear_layer_names
+from gppo.models.embedded import build_model, build_tokenizer
+from gppo.models.forward import policy_outputs
+from gppo.models.loading import load_model_and_tokenizer
+from gppo.rollout import SamplingParams
+from gppo.rollout.hf import HFEngine
+from gppo.trainer import ConfigError, Trainer
+from gppo.trainer.batch import rollout_from_generations, token_batch
+from tests.test_trainer import micro_config
+
+pytest.importorskip("peft", reason='the LoRA tests need peft: pip install "gppo[peft]"')
+
+
+PPO = gppo.preset("ppo")
+
+
+def loss_of(model, rollout, config=PPO):
+    outputs = policy_outputs(model, rollout, 1.0, config)
+    return gppo.policy_loss(token_batch(rollout, outputs), config)[0], outputs
+
+
+def test_a_fresh_adapter_samples_and_scores_as_the_base(micro_model, tmp_path):
+    """B = 0: the first rollout, pi's log-probs and the loss equal the full model's, to float32
+    rounding (frozen weights, requires_grad off, take CPU kernels that may round the last bit
+    differently); with a KL term the reference is the model with its adapter disabled, which stays
+    the base."""
+    changes = dict(kl_coef=0.1, reward_funcs=["tests.reward_fns:length_bonus"])  # rewards that vary: weights move
+    adapted = Trainer(micro_config(micro_model, tmp_path / "lora", use_peft=True, lora_r=4, **changes))
+    full = Trainer(micro_config(micro_model, tmp_path / "full", **changes))
+    assert adapted.ref_model is None and full.ref_model is not None
+    rollout_a, _ = adapted.rollout(0)
+    rollout_f, _ = full.rollout(0)
+    assert torch.equal(rollout_a.token_ids, rollout_f.token_ids)
+    exact = dict(rtol=0, atol=2e-6)
+    torch.testing.assert_close(rollout_a.logp_behavior, rollout_f.logp_behavior, **exact)
+    loss_a, out_a = loss_of(adapted.model, rollout_a)
+    loss_f, out_f = loss_of(full.model, rollout_f)
+    torch.testing.assert_close(out_a.logp, out_f.logp, **exact)
+    torch.testing.assert_close(loss_a, loss_f, **exact)
+
+    adapted.train(stop_after=1)
+    assert any(p.abs().sum() > 0 for n, p in adapted.model.named_parameters() if "lora_B" in n)  # it trained
+    prepared = adapted.prepare(rollout_a)
+    base = policy_outputs(full.ref_model, rollout_f, 1.0).logp
+    torch.testing.assert_close(prepared.logp_ref, base, rtol=0, atol=1e-6)
+    adapted.close()
+    full.close()
+
+
+@pytest.fixture
+def adapted_micro():
+    """A 2-layer embedded model with an adapter on every linear layer (r 4, alpha 8: s = 2) whose B
+    is random, and a rollout sampled from it."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden=32, layers=2, heads=2).float()
+    model = add_adapter(model, LoraOptions(r=4, alpha=8.0, dropout=0.0, target_modules=("all-linear",)), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=3, seed=1)
+    gens = HFEngine(model.eval(), tokenizer).generate(["1+2=", "345+678=", "9+99="], params)
+    rollout = rollout_from_generations(gens, torch.linspace(-1, 1, len(gens)), tokenizer.pad_token_id, 0)
+    return model, rollout
+
+
+def lora_layers(model):
+    """name -> the peft LoRA layer (its base_layer, lora_A, lora_B and scaling)."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+
+
+def test_the_adapter_gradient_is_the_chain_rule_of_the_full_weight_gradient(adapted_micro):
+    model, rollout = adapted_micro
+    layers = lora_layers(model)
+    assert len(layers) == 2 * 7  # q k v o gate up down per layer
+    loss, _ = loss_of(model.train(), rollout)
+    loss.backward()
+
+    merged = copy.deepcopy(model).merge_and_unload().train()
+    for p in merged.parameters():
+        p.requires_grad_(True)
+    loss_merged, _ = loss_of(merged, rollout)
+    torch.testing.assert_close(loss_merged, loss, rtol=1e-5, atol=1e-7)
+    loss_merged.backward()
+    merged_weights = dict(merged.named_modules())
+    for name, layer in layers.items():
+        dW = merged_weights[name.removeprefix("base_model.model.")].weight.grad
+        A, B, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+        assert s == 2.0
+        scale = (dW.abs().max() * s * max(A.abs().max(), B.abs().max())).item()
+        torch.testing.assert_close(B.grad, s * dW @ A.detach().T, rtol=1e-4, atol=1e-5 * scale)
+        torch.testing.assert_close(A.grad, s * B.detach().T @ dW, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_merged_weights_give_the_adapted_log_probs(adapted_micro):
+    model, rollout = adapted_micro
+    with torch.no_grad():
+        adapted = policy_outputs(model.eval(), rollout, 1.0).logp
+        merged = policy_outputs(copy.deepcopy(model).merge_and_unload().eval(), rollout, 1.0).logp
+    mask = rollout.response_mask.bool()
+    torch.testing.assert_close(merged[mask], adapted[mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(off_policy_steps=1, rollout_dtype="bfloat16", kl_coef=0.05)])
+def test_lora_checkpoints_hold_the_adapter_and_resume_bit_identically(micro_model, tmp_path, changes):
+    """Also off-policy from a bfloat16 rollout copy (refreshed by the adapter alone) with a KL term."""
+    changes = dict(changes, use_peft=True, lora_r=4, reward_funcs=["tests.reward_fns:length_bonus"])
+    full = Trainer(micro_config(micro_model, tmp_path / "full", merge_lora=True, **changes))
+    full.train()
+    interrupted = Trainer(micro_config(micro_model, tmp_path / "resumed", **changes))
+    assert interrupted.train(stop_after=1) is None
+    checkpoint = tmp_path / "resumed" / "checkpoints" / "step_000001"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    adapter = [p for p in interrupted.model.parameters() if p.requires_grad]
+    assert len(state) == len(adapter) == 2 * 7  # AdamW's moments for A and B of each adapted layer
+    assert sum(s["exp_avg"].numel() for s in state.values()) == sum(p.numel() for p in adapter)
+    resumed = Trainer.resume(tmp_path / "resumed", {"progress": False})
+    resumed.train()
+    # the uninterrupted run's model was merged in place at its end (merge_lora): compare with its final/
+    for (name, a), b in zip(resumed.model.named_parameters(), final_parameters(tmp_path / "full")):
+        assert torch.equal(a, b), name
+    if resumed.rollout_policy.is_copy:  # the bfloat16 copy holds the trained adapter
+        for p, q in zip(resumed.model.parameters(), resumed.rollout_policy.model.parameters()):
+            assert torch.equal(p.to(q.dtype), q)
+
+    # final/ loads as base + adapter (the base recorded in adapter_config.json), and merged/ equals it
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["adapter"]["parameters"] == sum(p.numel() for p in adapter)
+    assert summary["adapter"]["base_model"] == str(micro_model.resolve())
+    final, _ = load_model_and_tokenizer(tmp_path / "full" / "final")
+    merged, _ = load_model_and_tokenizer(tmp_path / "full" / "merged")
+    rollout, _ = resumed.rollout(1)
+    with torch.no_grad():
+        a = policy_outputs(final, rollout, 1.0).logp[rollout.response_mask.bool()]
+        b = policy_outputs(merged, rollout, 1.0).logp[rollout.response_mask.bool()]
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def final_parameters(run_dir):
+    """The parameters of RUN_DIR/final (base + adapter), in named_parameters order."""
+    model, _ = load_model_and_tokenizer(run_dir / "final", trainable_adapter=True)
+    return [p for _, p in model.named_parameters()]
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_target_names_that_match_no_layer_list_the_models_linear_layers(micro_model, tmp_path):
+    model, _ = load_model_and_tokenizer(micro_model)
+    names = linear_layer_names(model)
+    assert names == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    config = micro_config(micro_model, tmp_path / "a", use_peft=True, lora_target_modules=["q_proj", "qkv"])
+    with pytest.raises(AdapterError, match=r"qkv is not among this model's linear layers \(down_proj .* v_proj\)"):
+        Trainer(config)
+    assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+def test_use_peft_without_peft_names_the_install_line(micro_model, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
+    with pytest.raises(AdapterError, match=r'--use_peft needs the peft library.*pip install "gppo\[peft\]"'):
+        micro_config(micro_model, tmp_path / "a", use_peft=True)
+
+
+def test_resuming_with_the_other_use_peft_setting_is_refused(micro_model, tmp_path):
+    run = Trainer(micro_config(micro_model, tmp_path / "run", use_peft=True, steps=1))
+    run.train()
+    with pytest.raises(ConfigError, match="holds a LoRA adapter; resume with the run's own setting"):
+        Trainer.resume(tmp_path / "run", {"use_peft": False, "steps": 2})
