@@ -22,6 +22,7 @@ both see the same load. "step s" is the wall time of one RL step (sampling, scor
 gppo's perf/step_seconds, and TRL's train() wall time divided by the RL steps it ran. Runs by hand:
 
     python benchmarks/trl_comparison.py --steps 2 --pairs 1 --threads 2 --mode equal
+    python benchmarks/trl_comparison.py --steps 1 --once --threads 2 --mode defaults
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="RL steps per run")
     parser.add_argument("--pairs", type=int, default=1, help="ABBA blocks (each runs both frameworks twice)")
+    parser.add_argument("--once", action="store_true", help="one run each, gppo then TRL, instead of ABBA blocks")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mode", choices=MODES, default="equal", help="precision and checkpointing of both tools")
     parser.add_argument("--child", choices=("gppo", "trl"), help=argparse.SUPPRESS)
@@ -170,8 +172,8 @@ def main() -> None:
     if args.child:
         return child(args.child, args.steps, args.threads, args.mode)
     results = {"gppo": [], "trl": []}
-    for _ in range(args.pairs):
-        for framework in ("gppo", "trl", "trl", "gppo"):
+    for _ in range(1 if args.once else args.pairs):
+        for framework in ("gppo", "trl") if args.once else ("gppo", "trl", "trl", "gppo"):
             done = subprocess.run(
                 [
                     sys.executable,

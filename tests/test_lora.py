@@ -182,3 +182,31 @@ def test_resuming_with_the_other_use_peft_setting_is_refused(micro_model, tmp_pa
     run.train()
     with pytest.raises(ConfigError, match="holds a LoRA adapter; resume with the run's own setting"):
         Trainer.resume(tmp_path / "run", {"use_peft": False, "steps": 2})
+
+
+def test_use_peft_with_vllm_is_refused_until_vllm_serves_adapters(micro_model, tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
+    micro_config(micro_model, tmp_path / "a", engine="vllm")  # accepted without LoRA
+    with pytest.raises(ConfigError, match="--engine vllm with --use_peft: vLLM serving the adapter .* use --engine hf"):
+        micro_config(micro_model, tmp_path / "b", engine="vllm", use_peft=True)
+
+
+def test_an_adapter_given_as_model_trains_on_with_use_peft_only(micro_model, tmp_path):
+    first = Trainer(micro_config(micro_model, tmp_path / "first", use_peft=True, lora_r=4, steps=1))
+    first.train()
+    adapter = tmp_path / "first" / "final"
+    with pytest.raises(ConfigError, match="is a LoRA adapter: train it further with --use_peft"):
+        Trainer(micro_config(adapter, tmp_path / "full"))
+    with pytest.raises(ConfigError, match="--lora_r 8 would be ignored: it applies to a new adapter"):
+        Trainer(micro_config(adapter, tmp_path / "r8", use_peft=True, lora_r=8))
+    again = Trainer(micro_config(adapter, tmp_path / "again", use_peft=True, steps=1))
+    trained = {n: p for n, p in again.model.named_parameters() if p.requires_grad}
+    assert len(trained) == 2 * 7 and all(p.shape[0] == 4 or p.shape[1] == 4 for p in trained.values())
+    for (name, p), q in zip(again.model.named_parameters(), final_parameters(tmp_path / "first")):
+        assert torch.equal(p, q), name  # it starts from the given adapter
+    again.close()

@@ -30,7 +30,7 @@ from gppo.models.adapters import adapter_base, adapter_parameters, add_adapter, 
 from gppo.models.assets import embedded_checkpoint
 from gppo.models.forward import enable_activation_checkpointing, policy_outputs
 from gppo.models.loading import check_positions, load_model_and_tokenizer
-from gppo.options import load_yaml
+from gppo.options import load_yaml, refuse_ignored
 from gppo.prompts import PromptBuilder
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import make_engine
@@ -260,7 +260,16 @@ class Trainer:
                 f"--use_peft {str(c.use_peft).lower()}: checkpoint {checkpoint} holds {held}; resume with the "
                 f"run's own setting (--use_peft {str(not c.use_peft).lower()})"
             )
-        if checkpoint is not None or not c.use_peft:
+        if checkpoint is None and is_adapter_dir(self.base_model_path):  # --model is an adapter: train it on
+            if not c.use_peft:
+                raise ConfigError(
+                    f"--model {self.base_model_path} is a LoRA adapter: train it further with --use_peft, or "
+                    "give its merged weights (a run with --merge_lora writes them to RUN_DIR/merged/)"
+                )
+            refuse_ignored(
+                c, ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"], "to a new adapter, not to --model's"
+            )
+        if checkpoint is not None or not c.use_peft or is_adapter_dir(self.base_model_path):
             return load_model_and_tokenizer(checkpoint or self.base_model_path, dtype, trainable_adapter=True)
         model, tokenizer = load_model_and_tokenizer(self.base_model_path, dtype)
         model = add_adapter(model, c.lora_options(), derived_seed(c.seed, 5_555_555))
