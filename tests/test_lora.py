@@ -184,16 +184,22 @@ def test_resuming_with_the_other_use_peft_setting_is_refused(micro_model, tmp_pa
         Trainer.resume(tmp_path / "run", {"use_peft": False, "steps": 2})
 
 
-def test_use_peft_with_vllm_is_refused_until_vllm_serves_adapters(micro_model, tmp_path, monkeypatch):
+def test_lora_sync_defaults_to_served_adapters_and_needs_vllm(micro_model, tmp_path, monkeypatch):
     import importlib.util
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
     )
-    micro_config(micro_model, tmp_path / "a", engine="vllm")  # accepted without LoRA
-    with pytest.raises(ConfigError, match="--engine vllm with --use_peft: vLLM serving the adapter .* use --engine hf"):
-        micro_config(micro_model, tmp_path / "b", engine="vllm", use_peft=True)
+    vllm = micro_config(micro_model, tmp_path / "a", engine="vllm", use_peft=True)
+    assert vllm.resolved_lora_sync() == "adapter"
+    assert (
+        micro_config(micro_model, tmp_path / "b", engine="vllm", use_peft=True, lora_sync="merged").resolved_lora_sync()
+        == "merged"
+    )
+    assert micro_config(micro_model, tmp_path / "c", use_peft=True).resolved_lora_sync() is None
+    with pytest.raises(ConfigError, match="--lora_sync merged would be ignored: it applies with --engine vllm"):
+        micro_config(micro_model, tmp_path / "d", use_peft=True, lora_sync="merged")
 
 
 def test_an_adapter_given_as_model_trains_on_with_use_peft_only(micro_model, tmp_path):

@@ -379,3 +379,76 @@ def test_vllm_background_rollouts_give_the_same_run_as_sequential_ones(tmp_path)
 )
 def test_vllm_compiles_by_default_only_where_the_run_repays_the_compile(changes, compiles):
     assert from_dict(dict(task="addition", engine="vllm", **changes)).compiles_vllm() is compiles
+
+
+# ------------------------------------------------------------------------------ LoRA adapters
+def _adapted_embedded(seed: int):
+    """The embedded addition model with a rank-8 adapter on every linear layer whose B is random."""
+    from gppo.models.adapters import LoraOptions, add_adapter
+    from gppo.models.assets import embedded_checkpoint
+
+    base = embedded_checkpoint("addition")
+    model, tokenizer = load_model_and_tokenizer(base, dtype=torch.float32)
+    model = add_adapter(model, LoraOptions(r=8, alpha=16.0, dropout=0.0, target_modules=("all-linear",)), seed=0)
+    _randomise_adapter(model, seed)
+    return base, model.eval(), tokenizer
+
+
+@torch.no_grad()
+def _randomise_adapter(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_lora_adapters_reach_vllm_served_or_merged(sync):
+    """mu after update_weights equals a fresh float32 HF forward of base + adapter (peft), twice
+    (the second time with a new adapter: a new LoRARequest, or a new merged reload); before the
+    push vLLM samples the base, measurably apart."""
+    base, model, tokenizer = _adapted_embedded(seed=1)
+    engine = make_engine(
+        "vllm",
+        model,
+        tokenizer,
+        model_path=base,
+        kv_cache_gb=KV_GB,
+        max_logprobs=K,
+        lora_rank=8 if sync == "adapter" else 0,
+    )
+    prompts = ["123+456=", "77+8=", "905+96="]
+    stale, _ = max_gaps(model, sample(engine, prompts, max_new_tokens=8))
+    assert stale > 1e-2, stale
+    for seed in (1, 2):
+        _randomise_adapter(model, seed)
+        engine.update_weights(model)
+        sampled, topk = max_gaps(model, sample(engine, prompts, seed=seed, max_new_tokens=8))
+        assert sampled <= FP32_TOL and topk <= TOPK_TOL, (sync, seed, sampled, topk)
+    assert engine.serves_adapters == (sync == "adapter")
+    engine.close()
+
+
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_gppo_train_with_lora_on_vllm_starts_each_update_at_mu(tmp_path, sync):
+    """`gppo train --use_peft --engine vllm`, on-policy: after each update vLLM samples from the
+    trained adapter, so pi_old = mu on the sampled tokens (|p_old - p_mu| < 1e-3, float32); the
+    adapter moves. The adapter-serving run stopped after step 1 and resumed (vLLM rebuilt from the
+    base, the checkpoint's adapter pushed) ends at the same adapter."""
+    changes = dict(
+        use_peft=True, lora_r=8, lora_sync=sync, off_policy_steps=0, reward_funcs=["tests.reward_fns:length_bonus"]
+    )
+    whole = _embedded_run(tmp_path, "whole", **changes)
+    whole.train()
+    updates = [r for r in _metrics(tmp_path / "whole") if "loss/masked_frac" in r]
+    assert len(updates) == 2
+    for record in updates:
+        assert record["mismatch/prob_diff/max"] < 1e-3, record
+    assert any(p.abs().sum() > 0 for n, p in whole.model.named_parameters() if "lora_B" in n)
+    if sync == "adapter":
+        parts = _embedded_run(tmp_path, "parts", **changes)
+        parts.train(stop_after=1)
+        resumed = Trainer.resume(tmp_path / "parts")
+        resumed.train()
+        for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+            assert torch.equal(a, b), name

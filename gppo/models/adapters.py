@@ -124,6 +124,11 @@ def set_adapter_base(model, base: str | Path) -> None:
         config.base_model_name_or_path = base
 
 
+def adapter_base_of(model) -> str:
+    """The base an adapted model's adapter was recorded against (`set_adapter_base`)."""
+    return next(iter(model.peft_config.values())).base_model_name_or_path
+
+
 def load_adapter(base_model, path: str | Path, trainable: bool = False):
     """`base_model` with the adapter saved in `path` (trainable: its A and B require gradients)."""
     peft = require_peft()
@@ -141,3 +146,30 @@ def is_adapted(model) -> bool:
 def adapter_parameters(model) -> int:
     """Number of trainable (adapter) parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def adapter_rank(model) -> int:
+    """The rank r of the model's (active) adapter."""
+    return max(config.r for config in model.peft_config.values())
+
+
+@torch.no_grad()
+def merged_parameters(model):
+    """(name, tensor) of every parameter of the base, under the base's own names, with each LoRA
+    layer's weight merged: W + s B A (peft's `get_delta_weight`), summed in float32 (so that a
+    bfloat16 base is not rounded twice); the model itself is left as it is. What a weight reload
+    into an engine that holds the base alone needs."""
+    base = model.get_base_model()
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if not owner:
+            yield name, p.detach()
+            continue
+        layer = base.get_submodule(owner)
+        merged = p.detach().float()
+        if leaf == "weight":
+            for adapter in layer.active_adapters:
+                merged = merged + layer.get_delta_weight(adapter).float()
+        yield f"{owner}.{leaf}", merged

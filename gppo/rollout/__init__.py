@@ -18,6 +18,7 @@ def make_engine(
     compile: bool = False,
     max_logprobs: int = 20,
     top_p_masks: bool = False,
+    lora_rank: int = 0,
 ) -> RolloutEngine:
     """The engine called `name`. HF samples from `model` itself; vLLM loads `model_path` (the same
     weights) in `dtype` (default: `model`'s) and is synced from `model` by `update_weights`. The
@@ -41,6 +42,7 @@ def make_engine(
             max_logprobs=max_logprobs,
             top_p_masks=top_p_masks,
             seed=seed,
+            lora_rank=lora_rank,
         )
     raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
 

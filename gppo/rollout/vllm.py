@@ -19,6 +19,12 @@ tied head). The CPU worker replaces `torch.set_num_threads` with a no-op for the
 the engine puts it back, so the trainer's `--threads` keeps working (vLLM samples with the
 thread count set when it was built).
 
+A LoRA policy (a peft-wrapped model, `gppo.models.adapters`) reaches vLLM in one of two ways.
+Built with `lora_rank > 0`, vLLM serves adapters (`enable_lora`): `update_weights` saves the
+adapter and every later request names it (`LoRARequest`, a new id per update, so that vLLM loads
+the new one). Built without, `update_weights` reloads the base's weights with the adapter merged
+into them (W + s B A, computed apart: the trained model is left as it is).
+
 One engine per process: vLLM keeps its parallel state in module globals, and an engine that is
 garbage-collected tears that state down under whichever engine is alive then. So building a
 VLLMEngine first shuts down the one built before it (a sweep running its runs one after another
@@ -95,7 +101,8 @@ class VLLMEngine:
     minutes at start on a small CPU, faster sampling) instead of eager; `max_logprobs`: the largest
     top-K recorded; `top_p_masks`: record the top-p nucleus of every token (`record_kept_ids`);
     `eos_ids`: the ids that end a completion; `max_model_len`: prompt + completion tokens at most
-    (-1: the model's context, shortened to what the KV cache holds)."""
+    (-1: the model's context, shortened to what the KV cache holds); `lora_rank`: serve LoRA
+    adapters of rank up to this (0: none; the module docstring)."""
 
     separate_weights = True  # mu comes from vLLM's copy of the weights and its own kernels
     _live: weakref.ref[VLLMEngine] | None = None  # the engine of this process (module docstring)
@@ -112,6 +119,7 @@ class VLLMEngine:
         top_p_masks: bool = False,
         seed: int = 0,
         max_model_len: int = -1,
+        lora_rank: int = 0,
     ):
         try:
             import vllm  # noqa: F401
@@ -150,12 +158,17 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=True,
                 **({"return_sampling_mask": True} if top_p_masks else {}),
+                **(
+                    {"enable_lora": True, "max_lora_rank": _served_rank(lora_rank), "max_loras": 1} if lora_rank else {}
+                ),
                 **(_whole_prefills(model_dir, max_model_len) if self.on_cpu else {}),
             )
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker made it a no-op for the whole process
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self.closed = False
+        self.serves_adapters = lora_rank > 0
+        self._adapter: tuple | None = None  # (LoRARequest, its directory) of the adapter now served
         VLLMEngine._live = weakref.ref(self)
 
     def close(self) -> None:
@@ -163,6 +176,8 @@ class VLLMEngine:
         if not self.closed:
             self.closed = True
             self.llm.llm_engine.engine_core.shutdown()
+            if self._adapter is not None:
+                shutil.rmtree(self._adapter[1], ignore_errors=True)
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         """Return `params.n` generations per prompt, grouped by prompt in prompt order."""
@@ -204,7 +219,12 @@ class VLLMEngine:
             for i in range(len(encoded))
         ]
         progress = False if params.on_step is None else _FinishedPrompts.reporting_to(params.on_step)
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=progress)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in encoded],
+            sampling,
+            use_tqdm=progress,
+            lora_request=None if self._adapter is None else self._adapter[0],
+        )
         return [
             _generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
             for i, (ids, out) in enumerate(zip(encoded, outputs))
@@ -213,13 +233,42 @@ class VLLMEngine:
 
     @torch.no_grad()
     def update_weights(self, model: torch.nn.Module) -> None:
-        """Load `model`'s parameters into vLLM (cast to vLLM's dtype) and drop the prefix cache."""
+        """Load `model`'s parameters into vLLM (cast to vLLM's dtype) and drop the prefix cache. A
+        LoRA policy: its adapter, served per request (`serves_adapters`), or its merged weights."""
+        from gppo.models.adapters import is_adapted, merged_parameters
+
+        if self.serves_adapters:
+            return self._serve_adapter(model)
+        weights = merged_parameters(model) if is_adapted(model) else model.named_parameters()
         self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": [(name, p.detach()) for name, p in model.named_parameters()]}
+            "reload_weights", kwargs={"weights_iterator": [(name, p.detach()) for name, p in weights]}
         )
         if self.tied_head:
             self.llm.apply_model(_retie_head if not self.on_cpu else _retie_and_repack_head)
         self.llm.reset_prefix_cache()
+
+    def _serve_adapter(self, model) -> None:
+        """Save `model`'s adapter and name it in every later request (a new LoRARequest id, which
+        vLLM loads at its first use); the previous adapter's files are deleted."""
+        from vllm.lora.request import LoRARequest
+
+        directory = Path(tempfile.mkdtemp(prefix="gppo-vllm-adapter-"))
+        model.save_pretrained(directory)
+        previous, number = self._adapter, 1 if self._adapter is None else self._adapter[0].lora_int_id + 1
+        self._adapter = LoRARequest(f"gppo-{number}", number, str(directory)), directory
+        if previous is not None:
+            shutil.rmtree(previous[1], ignore_errors=True)
+
+
+SERVED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def _served_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of rank `rank`."""
+    fitting = [r for r in SERVED_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"vLLM serves LoRA adapters of rank at most {SERVED_RANKS[-1]}, not {rank}")
+    return fitting[0]
 
 
 def _whole_prefills(model_dir: Path, max_model_len: int) -> dict:

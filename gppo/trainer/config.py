@@ -335,6 +335,13 @@ class TrainConfig:
         "e.g. q_proj v_proj",
         "LoRA adapters",
     )
+    lora_sync: Literal["adapter", "merged"] | None = _opt(
+        None,
+        "how vLLM (--engine vllm) gets the adapter after each update: adapter (saved and served per request, "
+        "vLLM's LoRARequest; vLLM built with enable_lora) or merged (W + alpha/r B A pushed through the weight "
+        "reload); unset: adapter (docs/results.md §17)",
+        "LoRA adapters",
+    )
     merge_lora: bool = _opt(
         False,
         "at the end, also write the base with the adapter merged into it (W + alpha/r B A) to "
@@ -412,16 +419,25 @@ class TrainConfig:
     def _check_adapter_knobs(self) -> None:
         if not self.use_peft:
             refuse_ignored(
-                self, ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora"], "with --use_peft"
+                self,
+                ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync", "merge_lora"],
+                "with --use_peft",
             )
             return
-        for name, reason in (
-            ("engine", "vLLM serving the adapter (LoRARequest or merged weights) is not built yet: use --engine hf"),
-            ("rollout_quantization", "int8 rollouts quantize full weights, not an adapter: unset it"),
-        ):
-            if getattr(self, name) != TRAIN_FIELDS[name].default:
-                raise ConfigError(f"--{name} {getattr(self, name)} with --use_peft: {reason}")
+        if self.engine != "vllm":
+            refuse_ignored(self, ["lora_sync"], "with --engine vllm")
+        if self.rollout_quantization != "none":
+            raise ConfigError(
+                f"--rollout_quantization {self.rollout_quantization} with --use_peft: int8 rollouts quantize full "
+                "weights, not an adapter: unset it"
+            )
         require_peft()
+
+    def resolved_lora_sync(self) -> str | None:
+        """How vLLM gets the adapter (`lora_sync`, unset: adapter), or None without LoRA or vLLM."""
+        if not self.use_peft or self.engine != "vllm":
+            return None
+        return self.lora_sync or "adapter"
 
     def lora_options(self) -> LoraOptions:
         return LoraOptions(self.lora_r, self.lora_alpha, self.lora_dropout, tuple(self.lora_target_modules))

@@ -26,7 +26,15 @@ from transformers import get_scheduler
 import gppo
 from gppo.allocator import release_free_memory
 from gppo.evaluation import evaluate_problems
-from gppo.models.adapters import adapter_base, adapter_parameters, add_adapter, is_adapter_dir, set_adapter_base
+from gppo.models.adapters import (
+    adapter_base,
+    adapter_base_of,
+    adapter_parameters,
+    adapter_rank,
+    add_adapter,
+    is_adapter_dir,
+    set_adapter_base,
+)
 from gppo.models.assets import embedded_checkpoint
 from gppo.models.forward import enable_activation_checkpointing, policy_outputs
 from gppo.models.loading import check_positions, load_model_and_tokenizer
@@ -171,12 +179,14 @@ class Trainer:
             separate=config.overlaps_rollouts() and config.engine == "hf",
         )
         self.pending = OffPolicyQueue(config.off_policy_steps, background=config.overlaps_rollouts())
-        # a resumed run rebuilds vLLM from the checkpoint's weights, which are the model's
+        # a resumed run rebuilds vLLM from the checkpoint's weights, which are the model's; with LoRA
+        # vLLM loads the base and gets the adapter from update_weights
+        adapted = config.use_peft
         self.engine = make_engine(
             config.engine,
             self.rollout_policy.model,
             self.tokenizer,
-            model_path=checkpoint or self.base_model_path,
+            model_path=adapter_base_of(self.model) if adapted else checkpoint or self.base_model_path,
             device=self.device,
             batch_size=config.rollout_batch_size,
             seed=config.seed,
@@ -185,7 +195,10 @@ class Trainer:
             compile=config.compiles_vllm(),
             max_logprobs=max(top_k, 1),
             top_p_masks=config.rollout_top_p < 1,
+            lora_rank=adapter_rank(self.model) if config.resolved_lora_sync() == "adapter" else 0,
         )
+        if adapted:
+            self.engine.update_weights(self.model)  # a resumed or given adapter (a no-op for the hf engine)
         if top_k > self.engine.max_top_k_logprobs:
             raise ConfigError(
                 f"preset {config.preset!r} (estimator {self.loss_config.estimator!r}) needs mu's top-{top_k} "
