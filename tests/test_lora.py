@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gppo
-from gppo.models.adapters import AdapterError, LoraOptions, add_adapter, linear_layer_names
+from gppo.models.adapters import AdapterError, LoraOptions, add_adapter, linear_layer_names, merged_parameters
 from gppo.models.embedded import build_model, build_tokenizer
 from gppo.models.forward import policy_outputs
 from gppo.models.loading import load_model_and_tokenizer
@@ -110,12 +110,24 @@ def test_the_adapter_gradient_is_the_chain_rule_of_the_full_weight_gradient(adap
 
 
 def test_merged_weights_give_the_adapted_log_probs(adapted_micro):
+    """peft's merge_and_unload (what --merge_lora writes) and gppo's merged_parameters (what vLLM's
+    merged sync loads) give base + adapter's log-probs to 1e-5; merged_parameters is W + s B A by hand."""
     model, rollout = adapted_micro
+    weights = dict(merged_parameters(model))
+    plain = copy.deepcopy(model).merge_and_unload()
+    assert weights.keys() == dict(plain.named_parameters()).keys()
+    missing, unexpected = plain.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # a tied head is the embeddings
+    for name, layer in lora_layers(model).items():
+        A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        by_hand = layer.base_layer.weight + layer.scaling["default"] * B @ A
+        torch.testing.assert_close(weights[name.removeprefix("base_model.model.") + ".weight"], by_hand)
+    mask = rollout.response_mask.bool()
     with torch.no_grad():
         adapted = policy_outputs(model.eval(), rollout, 1.0).logp
-        merged = policy_outputs(copy.deepcopy(model).merge_and_unload().eval(), rollout, 1.0).logp
-    mask = rollout.response_mask.bool()
-    torch.testing.assert_close(merged[mask], adapted[mask], rtol=0, atol=1e-5)
+        for merged_model in (copy.deepcopy(model).merge_and_unload().eval(), plain.eval()):
+            merged = policy_outputs(merged_model, rollout, 1.0).logp
+            torch.testing.assert_close(merged[mask], adapted[mask], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("changes", [{}, dict(off_policy_steps=1, rollout_dtype="bfloat16", kl_coef=0.05)])
