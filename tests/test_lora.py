@@ -228,3 +228,27 @@ def test_an_adapter_given_as_model_trains_on_with_use_peft_only(micro_model, tmp
     for (name, p), q in zip(again.model.named_parameters(), final_parameters(tmp_path / "first")):
         assert torch.equal(p, q), name  # it starts from the given adapter
     again.close()
+
+
+def adapter_gradient(model, rollout, options):
+    model.zero_grad(set_to_none=True)
+    outputs = policy_outputs(model.train(), rollout, 1.0, PPO, options=options)
+    gppo.policy_loss(token_batch(rollout, outputs), PPO)[0].backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+
+def test_checkpointing_and_bf16_autocast_run_through_the_adapter(adapted_micro):
+    """The forward's options through a peft-wrapped model: activation checkpointing (without prompt
+    sharing) gives the shared-prompt adapter gradient to float32 rounding; bfloat16 autocast gives
+    it to bf16 precision (cosine > 0.99), while the adapter and its gradient stay float32."""
+    from gppo.models.forward import ForwardOptions, drops_cache_in_backward, enable_activation_checkpointing
+
+    model, rollout = adapted_micro
+    reference = adapter_gradient(model, rollout, ForwardOptions())
+    bf16 = adapter_gradient(model, rollout, ForwardOptions(autocast=torch.bfloat16))
+    assert bf16.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(bf16, reference, dim=0) > 0.99
+    enable_activation_checkpointing(model)
+    assert drops_cache_in_backward(model.train())  # checkpointing reached the decoder layers inside peft
+    checkpointed = adapter_gradient(model, rollout, ForwardOptions(share_prompt=False))
+    torch.testing.assert_close(checkpointed, reference, rtol=1e-4, atol=1e-6 * reference.abs().max().item())
