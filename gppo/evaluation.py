@@ -46,6 +46,7 @@ from gppo.prompts import PromptBuilder
 from gppo.report import markdown_table, print_table
 from gppo.rewards.code import Limits
 from gppo.rollout.base import Generation, RolloutEngine, SamplingParams
+from gppo.rollout.tools import tool_stats
 from gppo.stats import avg_at_k, pass_at_k, standard_error
 
 # lm-evaluation-harness's GSM8K flexible-extract pattern; its last match is the answer.
@@ -454,6 +455,7 @@ def evaluate_problems(
         f"eval/pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(problems),
         "eval/length_mean": sum(len(g.completion_ids) for g in sampled) / len(sampled),
         "eval/problems": len(problems),
+        **tool_stats(sampled, "eval/"),
     }
 
 

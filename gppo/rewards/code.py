@@ -235,6 +235,41 @@ def _runtime() -> dict:
 
 def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult:
     """Run `code` on one test case in a fresh sandboxed process and judge the outcome."""
+    return _sandboxed(code, test, limits, _judge)
+
+
+@dataclass(frozen=True)
+class ProgramRun:
+    """A program run as a script: `status` PASSED when it exited normally (whatever it printed),
+    else why not (timeout, memory, output limit, runtime error, with `detail`); its stdout (at
+    most `Limits.max_output_bytes`) and the tail of its stderr."""
+
+    status: CaseStatus
+    stdout: str
+    stderr: str
+    detail: str = ""
+
+
+def run_program(code: str, limits: Limits = Limits()) -> ProgramRun:
+    """Run `code` as a script with an empty stdin, in the sandbox of `run_test`, and return what
+    it printed (a code interpreter's output: `gppo.rollout.tools`)."""
+    return _sandboxed(code, StdioTest("", ""), limits, _program_output)
+
+
+def _program_output(test: StdioTest, files: dict, limits: Limits, killed: bool, elapsed: float) -> ProgramRun:
+    """`_judge` against an empty expected output (any output counts as a normal exit), and the output."""
+    verdict = _judge(test, files, limits, killed, elapsed)
+    ran = verdict.status in (CaseStatus.PASSED, CaseStatus.WRONG_ANSWER)
+    files["stdout"].seek(0)
+    files["stderr"].seek(0)
+    stdout = files["stdout"].read(limits.max_output_bytes).decode(errors="replace")
+    stderr = files["stderr"].read()[-2000:].decode(errors="replace")
+    return ProgramRun(CaseStatus.PASSED if ran else verdict.status, stdout, stderr, "" if ran else verdict.detail)
+
+
+def _sandboxed(code: str, test: CodeTest, limits: Limits, judge):
+    """Run `code` for `test` in a fresh sandboxed process; `judge(test, files, limits, killed,
+    elapsed)` reads the outcome from the process's files before they are closed."""
     workdir = tempfile.mkdtemp(prefix="gppo-sandbox-")
     try:
         if os.geteuid() == 0:
@@ -289,7 +324,7 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
                 proc.wait()
                 killed = True
             elapsed = time.monotonic() - start
-            return _judge(test, files, limits, killed, elapsed)
+            return judge(test, files, limits, killed, elapsed)
         finally:
             for f in files.values():
                 f.close()

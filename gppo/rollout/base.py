@@ -31,6 +31,8 @@ class SamplingParams:
     top_k_logprobs: int = 0  # record mu's top-K ids and log-probs per generated token (0: none)
     seed: int | None = None
     record_kept_ids: bool = False  # with top_p < 1: return the nucleus S of every generated token
+    # stop a completion when it closes a ```python block (finish_reason "tool"; gppo.rollout.tools)
+    stop_at_code_block: bool = False
     # Progress: called with (tokens generated since the last call, completions that ended since):
     # after each decoding step (HF engine) or each time a prompt's n completions end (vLLM).
     on_step: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
@@ -51,8 +53,11 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[list[int]] | None = None
     topk_logprobs: list[list[float]] | None = None
-    finish_reason: str = "stop"  # "stop" (EOS) or "length" (hit max_new_tokens)
+    finish_reason: str = "stop"  # "stop" (EOS), "length" (hit max_new_tokens), "tool" (closed a code block)
     kept_ids: list[list[int]] | None = None  # top-p nucleus S at step t, by descending mu (record_kept_ids)
+    tool_mask: list[int] | None = None  # 1 at the model's tokens, 0 at a tool's (gppo.rollout.tools)
+    tool_calls: int = 0
+    tool_failures: int = 0
 
 
 class RolloutEngine(Protocol):
@@ -63,8 +68,9 @@ class RolloutEngine(Protocol):
     # then recomputes pi_old on every batch, for the mismatch metrics.
     separate_weights: bool
 
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        """Return `params.n` generations per prompt, grouped by prompt in prompt order."""
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """Return `params.n` generations per prompt (text, or token ids taken as they are), grouped
+        by prompt in prompt order."""
         ...
 
     def update_weights(self, model) -> None:

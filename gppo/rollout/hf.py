@@ -59,6 +59,7 @@ class HFEngine:
         params = inspect.signature(unwrapped.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._fence_ids: torch.Tensor | None = None  # tokens whose text holds a backtick or a newline
 
     def update_weights(self, model) -> None:
         """Nothing to load: the engine samples from the model it holds (the trainer refreshes its
@@ -80,7 +81,7 @@ class HFEngine:
             gen.seed()
         else:
             gen.manual_seed(params.seed)
-        encoded = self.tokenizer(list(prompts))["input_ids"]
+        encoded = encode(self.tokenizer, prompts)
         if any(len(ids) == 0 for ids in encoded):
             raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
         jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(params.n)]
@@ -134,6 +135,8 @@ class HFEngine:
         logits, mask, step_pos = logits[expand], mask[expand], positions[expand][:, -1:]
 
         active = torch.arange(B, device=self.device)  # rows still generating
+        history = [[] for _ in range(B)] if params.stop_at_code_block else None  # tokens so far, per row
+        at_block = torch.zeros(B, dtype=torch.bool, device=self.device)
         steps = []  # per step: (active rows, token, its log-prob, top-K ids, top-K log-probs, kept sets)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         token = None  # the previous step's sampled tokens
@@ -143,6 +146,9 @@ class HFEngine:
             token, lp_token, tk_ids, tk_lps, kept = self._sample(logits, params, gen, record_kept)
             steps.append((active, token, lp_token, tk_ids, tk_lps, kept))
             done = torch.isin(token, self.eos_ids)
+            if history is not None:
+                done |= self._closes_code_block(active, token, history)
+                at_block[active[done & ~torch.isin(token, self.eos_ids)]] = True
             finished[active[done]] = True
             if params.on_step is not None:
                 last = step == params.max_new_tokens - 1
@@ -187,11 +193,29 @@ class HFEngine:
                 logprobs=logprobs[row][:n],
                 topk_ids=topk_ids[row][:n] if K else None,
                 topk_logprobs=topk_lps[row][:n] if K else None,
-                finish_reason="stop" if finished[row] else "length",
+                finish_reason=("tool" if at_block[row] else "stop") if finished[row] else "length",
                 kept_ids=kept_ids[row] if record_kept else None,
             )
             for row, ((i, ids), n) in enumerate(zip(jobs, lengths))
         ]
+
+    def _closes_code_block(self, active: torch.Tensor, token: torch.Tensor, history: list[list[int]]) -> torch.Tensor:
+        """Which active rows' completions now end by closing a ```python block (`history` gets this
+        step's tokens). A block closes with a ``` line's newline, so only rows whose new token holds
+        a backtick or a newline are decoded."""
+        from gppo.rollout.tools import closed_code_block
+
+        if self._fence_ids is None:
+            texts = self.tokenizer.batch_decode([[i] for i in range(self.max_top_k_logprobs)])
+            fence = [i for i, t in enumerate(texts) if "`" in t or "\n" in t]
+            self._fence_ids = torch.tensor(fence, dtype=torch.long, device=self.device)
+        for row, t in zip(active.tolist(), token.tolist()):
+            history[row].append(t)
+        closes = torch.zeros(len(active), dtype=torch.bool, device=self.device)
+        for i in torch.isin(token, self._fence_ids).nonzero().flatten().tolist():
+            text = self.tokenizer.decode(history[int(active[i])], skip_special_tokens=True)
+            closes[i] = closed_code_block(text) is not None
+        return closes
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, record_kept: bool):
@@ -230,6 +254,14 @@ def inverse_cdf_sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tenso
     u = torch.rand(total.shape, generator=gen, dtype=torch.float64, device=probs.device) * total
     last_positive = torch.searchsorted(cdf, total)  # where the cumulative sum first reaches the total
     return torch.searchsorted(cdf, u, right=True).minimum(last_positive).squeeze(-1)
+
+
+def encode(tokenizer, prompts) -> list[list[int]]:
+    """Token ids of each prompt: text is tokenized, token ids are taken as they are."""
+    prompts = list(prompts)
+    if prompts and not isinstance(prompts[0], str):
+        return [list(ids) for ids in prompts]
+    return tokenizer(prompts)["input_ids"]
 
 
 def top_p_truncate(logp: torch.Tensor, top_p: float):

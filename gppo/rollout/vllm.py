@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from gppo.rollout.base import Generation, SamplingParams
+from gppo.rollout.hf import encode
 
 DEFAULT_KV_CACHE_GB = 1.0
 CPU_TOKEN_BUDGET = 4096  # vLLM's default max_num_batched_tokens for the LLM class on CPU
@@ -188,6 +189,11 @@ class VLLMEngine:
                 "this VLLMEngine was shut down when a newer one was built in this process (vLLM "
                 "keeps one engine per process): sample with the newer engine"
             )
+        if params.stop_at_code_block:
+            raise ValueError(
+                "tool calls (--tools) need the engine to stop at a closed code block, which gppo's vLLM "
+                "engine does not do yet: use --engine hf"
+            )
         record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
         if record_kept and not self.top_p_masks:
             raise ValueError(
@@ -201,7 +207,7 @@ class VLLMEngine:
                 f"top_k_logprobs={params.top_k_logprobs} exceeds vLLM's max_logprobs="
                 f"{self.max_top_k_logprobs}; lower the preset's top_k"
             )
-        encoded = self.tokenizer(list(prompts))["input_ids"]
+        encoded = encode(self.tokenizer, prompts)
         if any(len(ids) == 0 for ids in encoded):
             raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
         # one seed per prompt (vLLM seeds each request's sampler: one shared seed would give every

@@ -93,7 +93,8 @@ def rollout_from_generations(
         if t:
             input_ids[i, P : P + t] = torch.tensor(g.completion_ids)
             token_ids[i, :t] = torch.tensor(g.completion_ids)
-            response_mask[i, :t] = 1
+            # the model's tokens count; a tool's (gppo.rollout.tools) are context, never a term of the loss
+            response_mask[i, :t] = 1 if g.tool_mask is None else torch.tensor(g.tool_mask, dtype=torch.float)
             logp[i, :t] = torch.tensor(g.logprobs)
             if top_k:
                 topk_ids[i, :t] = torch.tensor(g.topk_ids)[:, :top_k]

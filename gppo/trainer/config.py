@@ -349,6 +349,18 @@ class TrainConfig:
         "LoRA adapters",
     )
 
+    # tools (gppo.rollout.tools)
+    tools: list[Literal["python"]] = _opt(
+        [],
+        "tools the model may call mid-answer: python runs each ```python block it closes in the code "
+        "sandbox and appends the output as an ```output block of tool tokens, which count against "
+        "--max_new_tokens and are never a term of the loss (docs/guide.md, 'Tools')",
+        "tools",
+    )
+    max_tool_calls: int = _opt(4, "tool calls per completion at most; later blocks are not run", "tools", ge=1)
+    tool_output_tokens: int = _opt(128, "tokens of a tool's output kept (the rest is cut)", "tools", ge=1)
+    tool_timeout_s: float = _opt(5.0, "wall-clock limit of one tool call, in seconds", "tools", gt=0)
+
     # evaluation
     eval_every: int = _opt(
         20, "evaluate every N steps (and before and after training; 0: only then)", "evaluation", ge=0
@@ -415,6 +427,22 @@ class TrainConfig:
         self._check_forward_knobs()
         self._check_rollout_knobs()
         self._check_adapter_knobs()
+        self._check_tool_knobs()
+
+    def _check_tool_knobs(self) -> None:
+        if not self.tools:
+            refuse_ignored(self, ["max_tool_calls", "tool_output_tokens", "tool_timeout_s"], "with --tools python")
+            return
+        if self.engine != "hf":
+            raise ConfigError(
+                f"--tools with --engine {self.engine}: gppo's vLLM engine does not stop at a closed code block "
+                "yet; use --engine hf"
+            )
+        if self.rollout_top_p < 1:
+            raise ConfigError(
+                f"--tools with --rollout_top_p {self.rollout_top_p}: tool-call rollouts sample from the whole "
+                "distribution for now; unset --rollout_top_p"
+            )
 
     def _check_adapter_knobs(self) -> None:
         if not self.use_peft:

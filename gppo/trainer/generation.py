@@ -25,6 +25,7 @@ from gppo.models.forward import policy_outputs
 from gppo.prompts import PromptBuilder
 from gppo.rewards.pipeline import RewardPipeline
 from gppo.rollout import Generation, RolloutEngine, SamplingParams
+from gppo.rollout.tools import tool_stats
 from gppo.trainer.batch import Rollout, on_device, pad_to, rollout_from_generations
 from gppo.trainer.config import TrainConfig
 from gppo.trainer.data import DatasetSource, TaskSource, derived_seed
@@ -62,6 +63,7 @@ def rollout_stats(sampled: SampledGroups, seconds: float) -> dict:
         "rollout/rounds": sampled.rounds,
         "rollout/groups_kept": len(sampled.kept_rewards),
         "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
+        **tool_stats(gens, "rollout/"),
     }
 
 

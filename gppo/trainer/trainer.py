@@ -43,6 +43,7 @@ from gppo.prompts import PromptBuilder
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import make_engine
 from gppo.rollout.options import resolve_device
+from gppo.rollout.tools import TOOLS, ToolEngine
 from gppo.threads import default_threads
 from gppo.trainer.batch import Rollout, on_device, pad_to, token_batch
 from gppo.trainer.checkpoint import (
@@ -199,6 +200,11 @@ class Trainer:
         )
         if adapted:
             self.engine.update_weights(self.model)  # a resumed or given adapter (a no-op for the hf engine)
+        if config.tools:  # training rollouts and evaluation call the tools alike
+            tool = TOOLS[config.tools[0]](timeout_s=config.tool_timeout_s)
+            self.engine = ToolEngine(
+                self.engine, self.tokenizer, tool, config.max_tool_calls, config.tool_output_tokens
+            )
         if top_k > self.engine.max_top_k_logprobs:
             raise ConfigError(
                 f"preset {config.preset!r} (estimator {self.loss_config.estimator!r}) needs mu's top-{top_k} "

@@ -1,0 +1,171 @@
+"""Tool-integrated rollouts (`gppo.rollout.tools`): the HF engine stops where a ```python block
+closes, the code sandbox runs it, its output joins the completion as tool tokens (mask 0, no
+log-prob), sampling resumes from the whole token sequence, and the budget and call limit hold.
+Hostile programs run through the tool path under the code reward's sandbox.
+
+The model's choices are scripted (the sampler is replaced by one that emits a fixed text, the
+same for every row), while the forward, the cache and the stop detection are the engine's own.
+"""
+
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from gppo.models.embedded import build_model
+from gppo.rollout import SamplingParams
+from gppo.rollout.hf import HFEngine
+from gppo.rollout.tools import PythonTool, ToolEngine, closed_code_block, output_block
+from gppo.trainer import ConfigError
+from gppo.trainer.batch import rollout_from_generations
+
+
+def printable_tokenizer():
+    """One token per printable ASCII character, <pad>/<eos>/<unk>."""
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *string.printable])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """(engine factory, tokenizer): an HFEngine over a tiny model whose sampler emits `script`."""
+    tokenizer = printable_tokenizer()
+    model = build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).eval()
+
+    def engine(monkeypatch, script: str):
+        ids = iter(tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * 200)
+
+        def sample(logits, params, gen, record_kept):
+            token = torch.full((logits.shape[0],), next(ids), dtype=torch.long)
+            logp = torch.log_softmax(logits, -1)
+            top = logp.topk(params.top_k_logprobs, -1) if params.top_k_logprobs else (None, None)
+            return token, logp.gather(-1, token[:, None])[:, 0], top[1], top[0], None
+
+        monkeypatch.setattr(HFEngine, "_sample", staticmethod(sample))
+        return HFEngine(model, tokenizer)
+
+    return engine, tokenizer
+
+
+@pytest.mark.parametrize(
+    "text,code",
+    [
+        ("Let me compute.\n```python\nprint(6*7)\n```\n", "print(6*7)"),
+        ("Let me compute.\n```python\nprint(6*7)\n```", None),  # the closing line is not ended yet
+        ("```py\nx = 1\nprint(x)\n``` \n", "x = 1\nprint(x)"),
+        ("```python\n```\n", ""),
+        ("```python\nprint(1)\n```\n```output\n1\n```\n", None),  # answered already
+        ("```python\nprint(1)\n", None),  # still open
+        ("no code here ```", None),
+        ("```python\nprint(1)\n```\n```output\n1\n```\nagain\n```python\nprint(2)\n```\n", "print(2)"),
+        ("```python\nwhile True:\n```python\n", None),  # an opening line does not close
+    ],
+)
+def test_a_pending_block_is_one_the_text_has_just_closed(text, code):
+    assert closed_code_block(text) == code
+
+
+def test_a_tool_call_stops_sampling_runs_in_the_sandbox_and_sampling_resumes(scripted, monkeypatch):
+    make, tokenizer = scripted
+    call = "I will compute.\n```python\nprint(6*7)\n```\n"
+    tail = "so it is 42."
+    engine = ToolEngine(make(monkeypatch, call + tail), tokenizer, PythonTool(timeout_s=10))
+    prompt = "what is 6*7? "
+    (g,) = engine.generate([prompt], SamplingParams(temperature=1.0, max_new_tokens=120, n=1, top_k_logprobs=2, seed=0))
+    tool_text = output_block("42\n")
+    assert g.text == call + tool_text + tail
+    assert (g.tool_calls, g.tool_failures, g.finish_reason) == (1, 0, "stop")
+    model, tool, after = len(call), len(tool_text), len(tail) + 1  # + EOS
+    assert g.tool_mask == [1] * model + [0] * tool + [1] * after
+    assert len(g.completion_ids) == len(g.logprobs) == len(g.topk_ids) == model + tool + after
+    assert all(lp == 0.0 for lp, m in zip(g.logprobs, g.tool_mask) if not m)
+    assert all(lp < 0.0 for lp, m in zip(g.logprobs, g.tool_mask) if m)
+    assert g.prompt_ids == tokenizer(prompt)["input_ids"]
+    rollout = rollout_from_generations([g, g], torch.tensor([1.0, -1.0]), tokenizer.pad_token_id, top_k=2)
+    assert rollout.response_mask[0].tolist() == [float(m) for m in g.tool_mask]  # the loss sees the model's tokens
+    assert rollout.attention_mask[0].sum() == len(g.prompt_ids) + len(g.completion_ids)  # the forward sees all
+
+
+def test_tool_tokens_count_against_the_budget_and_calls_are_capped(scripted, monkeypatch):
+    make, tokenizer = scripted
+    block = "```python\nprint('y' * 50)\n```\n"
+    engine = ToolEngine(make(monkeypatch, block + block + "done"), tokenizer, PythonTool(), max_tool_calls=1)
+    (g,) = engine.generate(["go "], SamplingParams(max_new_tokens=200, seed=0))
+    assert g.tool_calls == 1 and g.text.count("```output") == 1  # the second block is not run
+    assert g.text.endswith(block + "done")
+    engine = ToolEngine(make(monkeypatch, block), tokenizer, PythonTool(), output_tokens=10)
+    (g,) = engine.generate(["go "], SamplingParams(max_new_tokens=len(block) + 30, seed=0))
+    assert len(g.completion_ids) - sum(g.tool_mask) == 10  # the output cut to 10 tokens
+    budget = len(block) + 5
+    engine = ToolEngine(make(monkeypatch, block), tokenizer, PythonTool())
+    (g,) = engine.generate(["go "], SamplingParams(max_new_tokens=budget, seed=0))
+    assert len(g.completion_ids) == budget and g.finish_reason == "length"  # the output cut by the budget
+
+
+def test_a_block_never_closed_is_cut_at_the_budget(scripted, monkeypatch):
+    make, tokenizer = scripted
+    engine = ToolEngine(make(monkeypatch, "```python\nwhile True:\n    pass\n" * 10), tokenizer, PythonTool())
+    (g,) = engine.generate(["go "], SamplingParams(max_new_tokens=40, seed=0))
+    assert (g.finish_reason, g.tool_calls, len(g.completion_ids), sum(g.tool_mask)) == ("length", 0, 40, 40)
+
+
+@pytest.mark.parametrize(
+    "code,says",
+    [
+        ("while True:\n    pass", "timeout: wall-clock limit of 1 s"),
+        ("raise ValueError('bad input')", "ValueError: bad input"),
+        ("import os\nwhile True:\n    os.fork()", ""),  # a fork bomb: stopped by the process limit or the clock
+        ("import socket\nsocket.create_connection(('93.184.216.34', 80), timeout=1)", "Error"),
+        ("open('/etc/gppo-tool-escape', 'w').write('x')", "Error"),
+        ("x = bytearray(4 << 30)", "memory"),
+    ],
+)
+def test_hostile_tool_calls_fail_in_the_sandbox_and_say_why(code, says, tmp_path):
+    out = PythonTool(timeout_s=1.0, memory_mb=256)(code)
+    assert out.failed, out
+    assert says in out.text, out.text
+    import os
+
+    assert not os.path.exists("/etc/gppo-tool-escape")
+
+
+def test_a_flood_of_output_is_cut(scripted, monkeypatch):
+    make, tokenizer = scripted
+    block = "```python\nwhile True:\n    print('flood' * 100)\n```\n"
+    engine = ToolEngine(make(monkeypatch, block), tokenizer, PythonTool(timeout_s=1.0), output_tokens=64)
+    (g,) = engine.generate(["go "], SamplingParams(max_new_tokens=400, seed=0))
+    assert g.tool_calls == 1 and len(g.completion_ids) - sum(g.tool_mask) == 64
+
+
+def test_tool_settings_are_checked(micro_model, tmp_path):
+    from tests.test_trainer import micro_config
+
+    with pytest.raises(ConfigError, match=r"'bash' is not one of \['python'\]"):
+        micro_config(micro_model, tmp_path / "a", tools=["bash"])
+    with pytest.raises(ConfigError, match="--max_tool_calls 2 would be ignored: it applies with --tools python"):
+        micro_config(micro_model, tmp_path / "b", max_tool_calls=2)
+    with pytest.raises(ConfigError, match="--tools with --rollout_top_p 0.9"):
+        micro_config(micro_model, tmp_path / "c", tools=["python"], rollout_top_p=0.9)
+
+
+def test_a_training_run_with_tools_logs_the_tool_metrics(micro_model, tmp_path):
+    """The embedded micro model never writes a code block: the run trains as without tools, and the
+    tool metrics say so."""
+    import json
+
+    from gppo.trainer import Trainer
+    from tests.test_trainer import micro_config
+
+    run = Trainer(micro_config(micro_model, tmp_path / "run", tools=["python"], steps=1))
+    run.train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "rollout/tool_calls_mean" in r)
+    assert step["rollout/tool_calls_mean"] == 0 and step["rollout/tool_token_frac"] == 0
+    assert all("eval/tool_call_frac" in r for r in rows if "eval/greedy" in r)
