@@ -125,7 +125,7 @@ def test_get_task_typo_names_the_closest():
     assert isinstance(get_task("addition", digits=2), AdditionTask)
     with pytest.raises(ValueError, match="did you mean 'countdown'"):
         get_task("countdwn")
-    with pytest.raises(ValueError, match="valid tasks: addition, countdown, word-problems"):
+    with pytest.raises(ValueError, match="valid tasks: addition, countdown, multiplication, word-problems"):
         get_task("zzz")
 
 
@@ -178,3 +178,22 @@ def test_word_problems_answers_and_scoring():
 
     with pytest.raises(ValueError, match="give --model"):
         embedded_checkpoint("word-problems")
+
+
+def test_multiplication_scores_the_models_own_answer_after_the_tool_output():
+    """The answer is the text after the last fence: the product written after the output block
+    scores, the output block alone does not; the teacher calls the tool about p_tool of the time
+    and is right exactly then (its answers in its head have one wrong digit)."""
+    task, rng = get_task("multiplication"), random.Random(0)
+    p = task.sample(rng)
+    a, b = p.metadata["a"], p.metadata["b"]
+    assert p.prompt == f"{a}*{b}=" and p.answer == str(a * b) and 100 <= min(a, b) and max(a, b) <= 999
+    block = f"```python\nprint({a}*{b})\n```\n```output\n{a * b}\n```\n"
+    assert task.score(p, block + str(a * b)) == 1.0
+    assert task.score(p, block) == 0.0
+    assert task.score(p, str(a * b)) == 1.0
+    demos = [(q, task.demonstration(q, rng)) for q in (task.sample(rng) for _ in range(400))]
+    used_tool = [d.startswith("```python") for _, d in demos]
+    right = [task.score(q, d) == 1.0 for q, d in demos]
+    assert used_tool == right
+    assert 0.4 < sum(used_tool) / len(demos) < 0.6

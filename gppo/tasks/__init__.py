@@ -9,9 +9,15 @@ from gppo.problem import Problem
 from gppo.tasks.arithmetic import AdditionTask
 from gppo.tasks.base import Task
 from gppo.tasks.countdown import CountdownTask
+from gppo.tasks.multiplication import MultiplicationTask
 from gppo.tasks.word_problems import WordProblemTask
 
-TASKS = {"addition": AdditionTask, "countdown": CountdownTask, "word-problems": WordProblemTask}
+TASKS = {
+    "addition": AdditionTask,
+    "countdown": CountdownTask,
+    "multiplication": MultiplicationTask,
+    "word-problems": WordProblemTask,
+}
 
 HELDOUT_SEED = 20_250_001  # default seed of the fixed evaluation set (training draws use small seeds)
 
@@ -33,6 +39,7 @@ __all__ = [
     "TASKS",
     "AdditionTask",
     "CountdownTask",
+    "MultiplicationTask",
     "Problem",
     "Task",
     "WordProblemTask",
