@@ -452,3 +452,38 @@ def test_gppo_train_with_lora_on_vllm_starts_each_update_at_mu(tmp_path, sync):
         resumed.train()
         for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
             assert torch.equal(a, b), name
+
+
+# ------------------------------------------------------------------------------ tools
+def test_vllm_tool_rollouts_stop_at_code_blocks_and_record_mu_at_the_models_tokens():
+    """The multiplication warm start sampled by vLLM with the python tool: a completion stops where
+    its ```python block closes (vLLM's stop string), the sandbox's output joins it as tool tokens,
+    and sampling resumes; mu at the model's tokens equals a float32 HF forward of the whole
+    sequence, tool tokens carry 0. The warm start calls the tool on about half of its answers."""
+    from gppo.models.assets import embedded_checkpoint
+    from gppo.rollout.tools import PythonTool, ToolEngine, closed_code_block
+    from gppo.tasks import get_task, heldout_problems
+
+    base = embedded_checkpoint("multiplication")
+    model, tokenizer = load_model_and_tokenizer(base, dtype=torch.float32)
+    vllm = make_engine("vllm", model, tokenizer, model_path=base, kv_cache_gb=KV_GB, code_block_stops=True)
+    engine = ToolEngine(vllm, tokenizer, PythonTool())
+    task = get_task("multiplication")
+    problems = heldout_problems(task, 16)
+    gens = engine.generate([p.prompt for p in problems], SamplingParams(temperature=T, max_new_tokens=64, n=4, seed=0))
+    called = [g for g in gens if g.tool_calls]
+    assert 0.2 < len(called) / len(gens) < 0.9, len(called)
+    for g in called:
+        text = tokenizer.decode(g.completion_ids)
+        model_part = [t for t, m in zip(g.completion_ids, g.tool_mask) if m]
+        assert "```output\n" in text and closed_code_block(text.split("```output")[0]) is not None
+        assert len(model_part) < len(g.completion_ids)
+    for g in gens:
+        ref = hf_log_probs(model, g)
+        ids = torch.tensor(g.completion_ids)
+        mine = torch.tensor(g.tool_mask, dtype=torch.bool)
+        gap = (torch.tensor(g.logprobs) - ref[torch.arange(len(ids)), ids]).abs()
+        assert gap[mine].max() <= FP32_TOL and (torch.tensor(g.logprobs)[~mine] == 0).all()
+    right = sum(task.score(problems[g.prompt_index], g.text) for g in called) / len(called)
+    assert right > 0.5  # reading the tool's output, the warm start answers mostly right
+    vllm.close()

@@ -19,6 +19,7 @@ def make_engine(
     max_logprobs: int = 20,
     top_p_masks: bool = False,
     lora_rank: int = 0,
+    code_block_stops: bool = False,
 ) -> RolloutEngine:
     """The engine called `name`. HF samples from `model` itself; vLLM loads `model_path` (the same
     weights) in `dtype` (default: `model`'s) and is synced from `model` by `update_weights`. The
@@ -43,6 +44,7 @@ def make_engine(
             top_p_masks=top_p_masks,
             seed=seed,
             lora_rank=lora_rank,
+            code_block_stops=code_block_stops,
         )
     raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from gppo.rollout.base import Generation, SamplingParams
 
 _OPEN = re.compile(r"```(?:python|py)[ \t]*\n")
-_CLOSE = re.compile(r"((?:(?!```).)*?)\n?```[ \t]*\n", re.S)  # the code, then the closing line
+_CLOSE = re.compile(r"((?:(?!```).)*?)\n?```[ \t]*\n\s*", re.S)  # the code, then the closing line
 FENCE = "```"
 
 
@@ -156,11 +156,12 @@ class ToolEngine:
         with ThreadPoolExecutor(max_workers=4) as pool:
             while pending := [c for c in done if c.finish == "tool"]:
                 round_ += 1
-                codes = [
-                    closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True)) or "" for c in pending
-                ]
-                outputs = list(pool.map(self.tool, codes))
-                resume = []
+                codes = [closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True)) for c in pending]
+                # an engine that stops at any closing ``` line (vLLM's stop string) resumes at once
+                # when the line closed no ```python block
+                resume = [c for c, code in zip(pending, codes) if code is None]
+                pending = [c for c, code in zip(pending, codes) if code is not None]
+                outputs = list(pool.map(self.tool, [code for code in codes if code is not None]))
                 for c, out in zip(pending, outputs):
                     c.calls += 1
                     c.failures += out.failed
@@ -171,6 +172,10 @@ class ToolEngine:
                         c.finish = "length"
                     else:
                         resume.append(c)
+                for c in resume:
+                    if len(c.ids) >= params.max_new_tokens:  # a closing line at the very end of the budget
+                        c.finish = "length"
+                resume = [c for c in resume if c.finish != "length"]
                 for stop in (True, False):
                     batch = [c for c in resume if (c.calls < self.max_tool_calls) == stop]
                     if not batch:

@@ -103,7 +103,9 @@ class VLLMEngine:
     top-K recorded; `top_p_masks`: record the top-p nucleus of every token (`record_kept_ids`);
     `eos_ids`: the ids that end a completion; `max_model_len`: prompt + completion tokens at most
     (-1: the model's context, shortened to what the KV cache holds); `lora_rank`: serve LoRA
-    adapters of rank up to this (0: none; the module docstring)."""
+    adapters of rank up to this (0: none; the module docstring); `code_block_stops`: load vLLM's
+    tokenizer so that sampling can stop where a ```python block closes (a stop string; tool
+    calls, `gppo.rollout.tools`)."""
 
     separate_weights = True  # mu comes from vLLM's copy of the weights and its own kernels
     _live: weakref.ref[VLLMEngine] | None = None  # the engine of this process (module docstring)
@@ -121,6 +123,7 @@ class VLLMEngine:
         seed: int = 0,
         max_model_len: int = -1,
         lora_rank: int = 0,
+        code_block_stops: bool = False,
     ):
         try:
             import vllm  # noqa: F401
@@ -149,7 +152,7 @@ class VLLMEngine:
         try:
             self.llm = LLM(
                 model=str(model_dir),
-                skip_tokenizer_init=True,
+                skip_tokenizer_init=not code_block_stops,
                 dtype=dtype,
                 seed=seed,
                 kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
@@ -169,6 +172,7 @@ class VLLMEngine:
         self.tied_head = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self.closed = False
         self.serves_adapters = lora_rank > 0
+        self.code_block_stops = code_block_stops
         self._adapter: tuple | None = None  # (LoRARequest, its directory) of the adapter now served
         VLLMEngine._live = weakref.ref(self)
 
@@ -189,11 +193,8 @@ class VLLMEngine:
                 "this VLLMEngine was shut down when a newer one was built in this process (vLLM "
                 "keeps one engine per process): sample with the newer engine"
             )
-        if params.stop_at_code_block:
-            raise ValueError(
-                "tool calls (--tools) need the engine to stop at a closed code block, which gppo's vLLM "
-                "engine does not do yet: use --engine hf"
-            )
+        if params.stop_at_code_block and not self.code_block_stops:
+            raise ValueError("this VLLMEngine was built without code_block_stops=True: it cannot stop at a code block")
         record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
         if record_kept and not self.top_p_masks:
             raise ValueError(
@@ -221,6 +222,8 @@ class VLLMEngine:
                 logprobs=params.top_k_logprobs,
                 seed=None if params.seed is None else (params.seed * len(encoded) + i) % 2**63,
                 stop_token_ids=self.eos_ids,
+                # a closing ``` line: ToolEngine checks that it closes a ```python block
+                **({"stop": [CLOSING_FENCE], "include_stop_str_in_output": True} if params.stop_at_code_block else {}),
             )
             for i in range(len(encoded))
         ]
@@ -344,6 +347,16 @@ def _retie_and_repack_head(model: torch.nn.Module) -> None:
     dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
 
 
+CLOSING_FENCE = "```\n"
+
+
+def _finish_reason(completion) -> str:
+    """gppo's finish reason: "length", "tool" (stopped by the closing-fence string) or "stop" (EOS)."""
+    if completion.finish_reason == "length":
+        return "length"
+    return "tool" if isinstance(completion.stop_reason, str) else "stop"
+
+
 def ranked_topk(entries: dict, top_k: int) -> tuple[list[int], list[float]]:
     """mu's top `top_k` token ids and log-probs at one generated position, most probable first, from
     vLLM's logprobs dict for that position ({token id: Logprob(logprob, rank)}: ranks 1..K and the
@@ -376,6 +389,6 @@ def _generation(index: int, prompt_ids: list[int], completion, top_k: int, token
         logprobs,
         topk_ids if top_k else None,
         topk_logprobs if top_k else None,
-        "length" if completion.finish_reason == "length" else "stop",
+        _finish_reason(completion),
         kept,
     )

@@ -433,11 +433,6 @@ class TrainConfig:
         if not self.tools:
             refuse_ignored(self, ["max_tool_calls", "tool_output_tokens", "tool_timeout_s"], "with --tools python")
             return
-        if self.engine != "hf":
-            raise ConfigError(
-                f"--tools with --engine {self.engine}: gppo's vLLM engine does not stop at a closed code block "
-                "yet; use --engine hf"
-            )
         if self.rollout_top_p < 1:
             raise ConfigError(
                 f"--tools with --rollout_top_p {self.rollout_top_p}: tool-call rollouts sample from the whole "

@@ -197,6 +197,7 @@ class Trainer:
             max_logprobs=max(top_k, 1),
             top_p_masks=config.rollout_top_p < 1,
             lora_rank=adapter_rank(self.model) if config.resolved_lora_sync() == "adapter" else 0,
+            code_block_stops=bool(config.tools),
         )
         if adapted:
             self.engine.update_weights(self.model)  # a resumed or given adapter (a no-op for the hf engine)

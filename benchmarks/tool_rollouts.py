@@ -1,0 +1,111 @@
+"""Tool-integrated rollouts, measured in one run (`gppo.rollout.tools`).
+
+speed      The multiplication warm start (embedded model, the shipped asset or `--model DIR`):
+           sampling `--prompts` problems x 8 completions of at most 64 tokens at T = 1 with the
+           python tool against without it (the same model, which then writes its blocks and
+           guesses their output itself), alternating over `--repeats`. Reported as completion
+           tokens per second, the model's tokens per second, tool calls, and accuracy.
+smollm2    SmolLM2-135M-Instruct, asked to multiply with a one-shot example of the block format in
+           the system prompt, greedy, with the tool: does it call it, and how often is it right.
+
+    python benchmarks/tool_rollouts.py speed --repeats 2
+    python benchmarks/tool_rollouts.py smollm2 --prompts 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+ONE_SHOT = (
+    "You can run Python. To compute something, write a block\n```python\nprint(12*34)\n```\nand you will see its "
+    "output\n```output\n408\n```\nThen write the final answer on its own line, after the output."
+)
+
+
+def sample(engine, prompts, params):
+    start = time.perf_counter()
+    gens = engine.generate(prompts, params)
+    return gens, time.perf_counter() - start
+
+
+def speed(args) -> None:
+    from gppo.models.assets import embedded_checkpoint
+    from gppo.models.loading import load_model_and_tokenizer
+    from gppo.rollout import SamplingParams
+    from gppo.rollout.hf import HFEngine
+    from gppo.rollout.tools import PythonTool, ToolEngine
+    from gppo.tasks import get_task, heldout_problems
+
+    task = get_task("multiplication")
+    model, tokenizer = load_model_and_tokenizer(args.model or embedded_checkpoint("multiplication"))
+    problems = heldout_problems(task, args.prompts)
+    plain = HFEngine(model, tokenizer)
+    engines = {"without tools": plain, "with the python tool": ToolEngine(plain, tokenizer, PythonTool())}
+    params = SamplingParams(temperature=1.0, max_new_tokens=64, n=8, seed=0)
+    rows = {name: [] for name in engines}
+    for repeat in range(args.repeats):
+        for name, engine in engines.items():
+            gens, seconds = sample(engine, [p.prompt for p in problems], params)
+            model_tokens = sum(sum(g.tool_mask) if g.tool_mask else len(g.completion_ids) for g in gens)
+            right = sum(task.score(problems[g.prompt_index], g.text) for g in gens) / len(gens)
+            rows[name].append((sum(len(g.completion_ids) for g in gens) / seconds, model_tokens / seconds,
+                               sum(g.tool_calls for g in gens) / len(gens), right, seconds))  # fmt: skip
+            print(name, repeat, rows[name][-1], flush=True)
+    print(f"\nmultiplication warm start, {args.prompts} problems x 8, {torch.get_num_threads()} threads, "
+          f"medians of {args.repeats}")  # fmt: skip
+    print(
+        "| sampling | s | tokens/s | model tokens/s | tool calls per completion | accuracy |\n|---|---|---|---|---|---|"
+    )
+    for name, values in rows.items():
+        med = [statistics.median(v[i] for v in values) for i in range(5)]
+        print(f"| {name} | {med[4]:.1f} | {med[0]:.0f} | {med[1]:.0f} | {med[2]:.2f} | {med[3]:.3f} |")
+
+
+def smollm2(args) -> None:
+    from gppo.models.loading import load_model_and_tokenizer
+    from gppo.rollout import SamplingParams
+    from gppo.rollout.hf import HFEngine
+    from gppo.rollout.tools import PythonTool, ToolEngine
+    from gppo.tasks import get_task
+
+    task, rng = get_task("multiplication"), random.Random(0)
+    problems = [task.sample(rng) for _ in range(args.prompts)]
+    model, tokenizer = load_model_and_tokenizer("smollm2", dtype=torch.float32)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "system", "content": ONE_SHOT}, {"role": "user", "content": f"What is {p.prompt[:-1]}?"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for p in problems
+    ]
+    engine = ToolEngine(HFEngine(model, tokenizer), tokenizer, PythonTool())
+    gens, seconds = sample(engine, prompts, SamplingParams(temperature=0.0, max_new_tokens=96, seed=0))
+    called = sum(g.tool_calls > 0 for g in gens)
+    failed = sum(g.tool_failures for g in gens)
+    right = sum(task.score(p, g.text) for p, g in zip(problems, gens))
+    print(f"SmolLM2-135M-Instruct, one-shot format in the system prompt, {len(problems)} problems, greedy, "
+          f"{seconds:.0f} s: called the tool in {called}, {failed} calls failed, right in {right}")  # fmt: skip
+    for p, g in list(zip(problems, gens))[:3]:
+        print(f"--- {p.prompt}\n{g.text}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("part", choices=["speed", "smollm2"])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", help="speed: a multiplication warm start (default: the shipped one)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    (speed if args.part == "speed" else smollm2)(args)
+
+
+if __name__ == "__main__":
+    main()
