@@ -4,7 +4,8 @@ tests/trl_multiprocess_job.py, which trains TRL's GRPOTrainer (loss_type "dapo")
 optimizer steps of 2 micro-batches each, both from one generation batch. The completions end at
 different lengths, so the two processes and the micro-batches hold different token counts:
 GPPOTrainer ends at TRL's weights only if it normalises across processes and accumulation steps
-as TRL does."""
+as TRL does. The dapo / ppo pair runs again with a LoRA adapter and with TRL's `tools` (tool
+results inside the completions, which neither loss counts)."""
 
 import os
 import socket
@@ -19,6 +20,7 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from gppo.models.embedded import build_model, build_tokenizer  # noqa: E402
+from tests import trl_tools  # noqa: E402
 
 JOB = Path(__file__).with_name("trl_multiprocess_job.py")
 PROMPTS = ["12+3=", "4*5=", "7-2=", "9+9=", "1+1=", "30/3=", "8-8=", "2*7="]
@@ -48,7 +50,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("trl_multiprocess")
-    initial = model_that_stops(path / "model")
+    initial = {"": model_that_stops(path / "model"), "-tools": trl_tools.save_chat_model(path / "chat")}
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -74,6 +76,7 @@ def runs(tmp_path_factory):
         str(free_port()),
         str(JOB),
         str(path / "model"),
+        str(path / "chat"),
         str(path / "result.pt"),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
@@ -95,15 +98,18 @@ def test_runs_on_two_gloo_processes_with_unequal_token_counts(runs):
         assert run["digests"][0] == pytest.approx(run["digests"][1], rel=1e-6), run["digests"]
 
 
-def test_gppo_ppo_ends_at_trl_dapo_weights(runs):
-    """Same seed, same generations: GPPOTrainer(ppo) logs TRL's (dapo) losses and ends at its weights."""
+@pytest.mark.parametrize("runs_with", ["", "-tools"])
+def test_gppo_ppo_ends_at_trl_dapo_weights(runs, runs_with):
+    """Same seed, same generations: GPPOTrainer(ppo) logs TRL's (dapo) losses and ends at its weights;
+    with tools, tool results lie inside the completions of both processes."""
     initial, results = runs
-    trl, ours = results["trl-dapo"], results["gppo-ppo"]
-    assert ours["tokens"] == trl["tokens"]
+    trl, ours = results["trl-dapo" + runs_with], results["gppo-ppo" + runs_with]
+    assert ours["tokens"] == trl["tokens"] and ours["tool_tokens"] == trl["tool_tokens"]
+    assert all(sum(rank) > 0 for rank in ours["tool_tokens"]) == (runs_with == "-tools")
     assert len(losses(ours)) == 2 and losses(ours)[1] != 0
     assert losses(ours) == pytest.approx(losses(trl), abs=1e-6)
     assert [h for h in ours["logs"] if "loss" in h][1]["gppo/ratio/max"] > 1
-    assert max((p - q).abs().max() for p, q in zip(trl["params"], initial, strict=True)) > 1e-3
+    assert max((p - q).abs().max() for p, q in zip(trl["params"], initial[runs_with], strict=True)) > 1e-3
     for p, trl_p in zip(ours["params"], trl["params"], strict=True):
         assert torch.allclose(p, trl_p, rtol=0, atol=1e-6), (p - trl_p).abs().max()
 
@@ -125,7 +131,7 @@ def test_lora_adapters_match_trl_and_topk_trains_across_processes(runs):
     assert len([h for h in topk["logs"] if "loss" in h]) == 2
     for run in (trl, ours, topk):
         assert run["digests"][0] == pytest.approx(run["digests"][1], rel=1e-6)  # both ranks agree
-        for p, q in zip(run["params"], initial, strict=True):
+        for p, q in zip(run["params"], initial[""], strict=True):
             assert torch.equal(p, q)
 
 
@@ -140,4 +146,4 @@ def test_topk_preset_trains_across_processes(runs):
         assert all(torch.isfinite(torch.tensor(float(v))) for v in values.values()), values
     assert logs[1]["gppo/ratio/max"] > 1
     assert all(torch.isfinite(p).all() for p in run["params"])
-    assert max((p - q).abs().max() for p, q in zip(run["params"], initial, strict=True)) > 1e-3
+    assert max((p - q).abs().max() for p, q in zip(run["params"], initial[""], strict=True)) > 1e-3

@@ -18,6 +18,7 @@ TRL loss type -> equivalent GPPOTrainerConfig (also in docs/trl.md):
 | beta=0.04, use_bias_correction_kl=False (k3 KL)         | beta=0.04, use_bias_correction_kl=False             |
 """
 
+import re
 import sys
 
 import pytest
@@ -31,6 +32,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 import gppo  # noqa: E402
 from gppo.integrations.trl import GPPOTrainer, GPPOTrainerConfig  # noqa: E402
 from gppo.models.embedded import build_model, build_tokenizer  # noqa: E402
+from tests import trl_tools  # noqa: E402
 
 PROMPTS = ["12+3=", "4*5=", "7-2=", "9+9=", "1+1=", "30/3=", "8-8=", "2*7="]
 
@@ -93,22 +95,25 @@ def tiny(tmp_path_factory):
     return str(path / "model"), tokenizer, path
 
 
+# One generation batch of 4 completions of one prompt per optimizer step; with num_iterations=2 the
+# second step reuses it, so that its ratios are not 1.
+SETTINGS = dict(
+    use_cpu=True,
+    report_to="none",
+    seed=0,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_steps=2,
+    logging_steps=1,
+    learning_rate=5e-2,
+    save_strategy="no",
+    num_iterations=2,
+)
+
+
 def make_trainer(tiny, trainer_cls, config_cls, peft_config=None, **fields):
     model, tokenizer, path = tiny
-    settings = dict(
-        output_dir=str(path / "out"),
-        use_cpu=True,
-        report_to="none",
-        seed=0,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=5e-2,
-        save_strategy="no",
-        num_iterations=2,
-    )
+    settings = dict(output_dir=str(path / "out"), max_completion_length=8, **SETTINGS)
     args = config_cls(**{**settings, **fields})
     return trainer_cls(
         model=model,
@@ -298,21 +303,24 @@ def test_config_refuses_what_it_would_ignore(tiny):
         GPPOTrainer(model=tiny[0], reward_funcs=reward, args=GRPOConfig(output_dir=path, use_cpu=True))
 
 
+def completion_logits(model, inputs, rows=slice(None)) -> torch.Tensor:
+    """The model's full logits [B,T,V] at the completion tokens of `rows` (prompt and whole
+    completion as context)."""
+    completion_ids = inputs["completion_ids"][rows]
+    input_ids = torch.cat([inputs["prompt_ids"][rows], completion_ids], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
+    return model(
+        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_ids.size(1) + 1, use_cache=False
+    ).logits[:, :-1]
+
+
 class FullLogitsReference(GPPOTrainer):
     """The top-K passes computed from full [B,T,V] float32 logits (log_softmax of the model's own
     logits): the reference for GPPOTrainer's token_stats passes, which never make them."""
 
     def _completion_log_probs(self, model, inputs, rows=slice(None)):
-        completion_ids = inputs["completion_ids"][rows]
-        input_ids = torch.cat([inputs["prompt_ids"][rows], completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
         with self.accelerator.autocast():
-            logits = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                logits_to_keep=completion_ids.size(1) + 1,
-                use_cache=False,
-            ).logits[:, :-1]
+            logits = completion_logits(model, inputs, rows)
         return torch.log_softmax(logits.float() / self.temperature, dim=-1)
 
     def _policy_topk(self, model, inputs):
@@ -367,3 +375,172 @@ def test_topk_passes_equal_full_logits(tiny, monkeypatch, bf16):
     for g, ref_g in zip(grads, ref_grads, strict=True):
         assert torch.allclose(g, ref_g, rtol=1e-5, atol=atol), (g - ref_g).abs().max()
     assert ours._metrics["train"]["entropy"][-1] == pytest.approx(reference._metrics["train"]["entropy"][-1], abs=1e-5)
+
+
+# Tools: TRL's `tools` and `environment_factory` with the chat tokenizer of tests/trl_tools.py. The
+# tool's results inside a completion have tool_mask 0: context for every forward, never a term.
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat")
+    trl_tools.save_chat_model(path / "model")
+    return path
+
+
+def make_tool_trainer(chat, trainer_cls, config_cls, source="tools", **fields):
+    """A trainer whose model calls `multiply` (TRL's `tools`) or `Calculator().multiply` (TRL's
+    `environment_factory`); a fresh tokenizer each time (TRL sets its response parser on it)."""
+    args = config_cls(output_dir=str(chat / "out"), max_completion_length=96, **{**SETTINGS, **fields})
+    tools = dict(tools=[trl_tools.multiply]) if source == "tools" else dict(environment_factory=trl_tools.Calculator)
+    return trainer_cls(
+        model=str(chat / "model"),
+        reward_funcs=trl_tools.digits,
+        args=args,
+        processing_class=trl_tools.chat_tokenizer(),
+        train_dataset=Dataset.from_dict({"prompt": trl_tools.prompts(4)}),
+        **tools,
+    )
+
+
+def train_with_tools(trainer):
+    with trl_tools.scripted_tool_calls(trainer):
+        trainer.train()
+    return trainer
+
+
+def tool_positions(batch) -> torch.Tensor:
+    """The completion tokens a tool wrote (completion_mask 1, tool_mask 0)."""
+    return batch["completion_mask"].bool() & ~batch["tool_mask"].bool()
+
+
+@pytest.mark.parametrize("source", ["tools", "environment_factory"])
+def test_tool_run_matches_grpo_trainer(chat, source):
+    """With tool results inside the completions, GPPOTrainer(ppo) logs GRPOTrainer(loss_type="dapo")'s
+    losses and ends at its weights: the tool tokens are out of its ratios and of its token count."""
+    trl = train_with_tools(make_tool_trainer(chat, GRPOTrainer, GRPOConfig, source))
+    ours = train_with_tools(make_tool_trainer(chat, GPPOTrainer, GPPOTrainerConfig, source, gppo_preset="ppo"))
+    batch = ours._buffered_inputs[0]
+    tool, keep = tool_positions(batch), (batch["completion_mask"] * batch["tool_mask"]).bool()
+    assert tool.any()
+    # each tool span is the product, as the tool returned it, and model tokens follow it
+    tokenizer = ours.processing_class
+    for row in tool.any(1).nonzero().flatten():
+        text = tokenizer.decode(batch["completion_ids"][row][tool[row]])
+        call = tokenizer.decode(batch["completion_ids"][row][: int(tool[row].int().argmax())])
+        a, b = map(int, re.findall(r'"a": (\d+), "b": (\d+)', call)[0])
+        assert f"<tool_response>\n{a * b}\n</tool_response>" in text
+        assert keep[row, int(tool[row].nonzero().max()) + 1 :].any()
+    if source == "environment_factory":
+        assert sum(environment.calls for environment in ours.environments) == 3
+    logs = [h for h in ours.state.log_history if "loss" in h]
+    assert logs[0]["tools/call_frequency"] == 0.75
+    assert [h["loss"] for h in logs] == pytest.approx([h["loss"] for h in trl.state.log_history if "loss" in h])
+    assert len(logs) == 2 and logs[1]["gppo/ratio/max"] > 1
+    for p, trl_p in zip(final_parameters(ours), final_parameters(trl), strict=True):
+        assert torch.allclose(p, trl_p, rtol=0, atol=1e-6), (p - trl_p).abs().max()
+
+
+@pytest.fixture(scope="module")
+def tool_batch(chat):
+    """One generation batch of a top-K run with tool results in its completions."""
+    trainer = make_tool_trainer(
+        chat, GPPOTrainer, GPPOTrainerConfig, gppo_preset="dppo-topk-tv", gppo_overrides={"top_k": 4}, max_steps=1
+    )
+    return train_with_tools(trainer)._buffered_inputs[0]
+
+
+def test_topk_pass_skips_tool_tokens(tool_batch):
+    """The top-K pass scores the model's tokens as TRL's old-policy pass does and leaves the tool
+    tokens at 0 (mu's top-K is never computed nor read there), which TRL's pass scores."""
+    tool, model_tokens = tool_positions(tool_batch), (tool_batch["completion_mask"] * tool_batch["tool_mask"]).bool()
+    assert tool.any() and model_tokens.any()
+    old = tool_batch["old_per_token_logps"]
+    assert torch.allclose(tool_batch["gppo_logp_old"][model_tokens], old[model_tokens], rtol=0, atol=1e-5)
+    assert (old[tool] != 0).all()
+    for name in ("gppo_logp_old", "gppo_topk_logp_old", "gppo_topk_ids"):
+        assert not tool_batch[name][tool].any(), name
+    assert (tool_batch["gppo_topk_logp_old"][model_tokens] < 0).all()
+
+
+def cut_tool_tokens(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x [B,T,...] with each row's `keep` positions moved, in order, to its front and the rows cut to
+    the longest count: the rollout with its tool spans cut out."""
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, : int(keep.sum(1).max())]
+    return x.gather(1, order.view(*order.shape, *[1] * (x.dim() - 2)).expand(*order.shape, *x.shape[2:]))
+
+
+# preset: (GPPOTrainerConfig fields, the old policy's temperature): the policy is at temperature 1,
+# so that each rule blocks some tokens (trm: sequences) but not all
+TOOL_PRESETS = {
+    "dppo-topk-kl": (dict(gppo_preset="dppo-topk-kl", gppo_overrides={"top_k": 4}), 0.25),
+    "topp": (dict(gppo_preset="dppo-topk-tv", gppo_overrides={"top_k": 4, "estimator": "topp", "top_p": 0.05}), 0.25),
+    "cppo": (dict(gppo_preset="cppo", gppo_overrides={"top_k": 4}), 0.25),
+    "gspo": (dict(gppo_preset="gspo"), 0.25),
+    "trm": (dict(gppo_preset="trm"), 0.4),
+    "ppo+kl": (dict(gppo_preset="ppo", beta=0.04, use_bias_correction_kl=False), 0.25),
+}
+
+
+@pytest.mark.parametrize("name", list(TOOL_PRESETS))
+def test_tool_tokens_are_no_term_of_the_loss(chat, tool_batch, name):
+    """On a TRL batch with tool results in its completions, GPPOTrainer's loss, gradients and metrics
+    equal gppo.policy_loss on the same rollout with the tool spans cut out (the policy's log-probs
+    from full logits with the whole completion as context), while every per-token input at the tool
+    positions is NaN (old and reference log-probs, mu's top-K log-probs; mu's top-K ids random)."""
+    fields, old_temperature = TOOL_PRESETS[name]
+    trainer = make_tool_trainer(chat, GPPOTrainer, GPPOTrainerConfig, bf16=False, **fields)
+    cfg, model = trainer.gppo, trainer.model
+    inputs = dict(tool_batch)
+    keep, tool = (inputs["completion_mask"] * inputs["tool_mask"]).bool(), tool_positions(inputs)
+    with torch.no_grad():
+        old = torch.log_softmax(completion_logits(model, inputs).float() / old_temperature, -1)
+        ref = torch.log_softmax(completion_logits(model, inputs).float() / 1.2, -1)
+    topk_logp_old, topk_ids = old.topk(4, dim=-1)
+    logp_old = old.gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    logp_ref = ref.gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+
+    gen = torch.Generator().manual_seed(0)
+    nan = torch.full_like(logp_old, torch.nan)
+    inputs.update(
+        old_per_token_logps=torch.where(tool, nan, logp_old),
+        ref_per_token_logps=torch.where(tool, nan, logp_ref),
+        gppo_logp_old=torch.where(tool, nan, logp_old),
+        gppo_topk_logp_old=torch.where(tool[..., None], nan[..., None], topk_logp_old),
+        gppo_topk_ids=torch.where(
+            tool[..., None], torch.randint_like(topk_ids, len(trainer.processing_class), generator=gen), topk_ids
+        ),
+    )
+    loss, grads = loss_and_grads(trainer, inputs)
+    metrics = {k[5:]: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("gppo/")}
+
+    model.zero_grad()
+    log_probs = torch.log_softmax(completion_logits(model, inputs).float() / trainer.temperature, -1)
+    logp = log_probs.gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    cut = lambda x: cut_tool_tokens(x, keep)
+    batch = gppo.TokenBatch(
+        logp=cut(logp),
+        logp_behavior=cut(logp_old),
+        logp_old=cut(logp_old),
+        advantages=inputs["advantages"],
+        mask=cut(keep),
+        token_ids=cut(inputs["completion_ids"]),
+        topk_ids=cut(topk_ids) if cfg.rollout_top_k else None,
+        topk_logp=cut(log_probs.gather(-1, topk_ids)) if cfg.rollout_top_k else None,
+        topk_logp_behavior=cut(topk_logp_old) if cfg.rollout_top_k else None,
+        topk_logp_old=cut(topk_logp_old) if cfg.rollout_top_k else None,
+        logp_ref=cut(logp_ref),
+    )
+    ref_loss, ref_metrics = gppo.policy_loss(batch, cfg)
+    ref_loss.backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+
+    assert 0 < metrics["masked_frac"] < 1, metrics
+    assert max(g.abs().max() for g in ref_grads) > 0
+    assert torch.allclose(loss, ref_loss, rtol=0, atol=1e-6), (loss - ref_loss).abs()
+    for g, ref_g in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(g, ref_g, rtol=1e-5, atol=1e-6), (g - ref_g).abs().max()
+    del ref_metrics["loss/policy"]
+    assert metrics == pytest.approx(ref_metrics, rel=1e-5, abs=1e-6)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)[keep].mean()
+    assert trainer._metrics["train"]["entropy"][-1] == pytest.approx(entropy.item(), rel=1e-5)

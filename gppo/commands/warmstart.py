@@ -69,7 +69,7 @@ def warm_start(
     task = get_task(task_name, **cfg["task_kwargs"])
     if threads is not None:
         torch.set_num_threads(threads)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(getattr(task, "extra_chars", ""))
     model = build_model(tokenizer, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg["warmup"], cfg["steps"]))

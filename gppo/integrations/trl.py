@@ -23,6 +23,9 @@ Which log-probs play which role (all at TRL's sampling temperature):
 Aggregation normalisers reproduce TRL's: token-mean divides by the accumulation window's token count
 (TRL's "dapo" normaliser), the sequence modes by its sequence count, and seq-mean-token-sum-norm's
 length defaults to max_completion_length (TRL's "dr_grpo").
+Tool tokens (TRL's `tools` / `environment_factory` results, a rollout_func's `env_mask`: TRL's
+`tool_mask` = 0) are context for every forward and never a term: the loss mask is completion_mask *
+tool_mask, and the top-K passes skip them (0 there).
 """
 
 from __future__ import annotations
@@ -168,6 +171,13 @@ def parse_overrides(overrides: dict | str | None) -> dict:
         raise gppo.GPPOConfigError(str(err)) from None
 
 
+def loss_mask(inputs) -> torch.Tensor:
+    """completion_mask * tool_mask [B,T]: TRL's tool_mask is 0 at the tokens a tool or environment
+    wrote into the completion (context for the forward, no term of the loss), absent without tools."""
+    mask = inputs["completion_mask"]
+    return mask if inputs.get("tool_mask") is None else mask * inputs["tool_mask"]
+
+
 @contextmanager
 def replaced_forward(module: torch.nn.Module, forward):
     """`module(...)` calls `forward` instead of the module's own forward (its hooks still run: FSDP
@@ -238,9 +248,10 @@ class GPPOTrainer(GRPOTrainer):
 
     def _policy_topk(self, model, inputs):
         """(logp [B,T], topk_logp [B,T,K] at inputs["gppo_topk_ids"], entropy [B,T] detached) of the
-        policy at the completion tokens (0 at padding), by gppo.token_stats from the last hidden
-        states, one chunk of tokens at a time (its backward recomputes each chunk's logits)."""
-        valid = inputs["completion_mask"].bool()
+        policy at the completion's model tokens (0 at padding and tool tokens), by gppo.token_stats
+        from the last hidden states, one chunk of tokens at a time (its backward recomputes each
+        chunk's logits)."""
+        valid = loss_mask(inputs).bool()
         topk_ids = inputs["gppo_topk_ids"]
         top_k = topk_ids.size(-1)
 
@@ -262,10 +273,10 @@ class GPPOTrainer(GRPOTrainer):
 
     def _sampling_topk(self, output, rows: slice):
         """(topk_ids [B,T,K], topk_logp [B,T,K], logp [B,T]) of the generating weights at the
-        completion `rows` of a generation batch (0 at padding), without gradient: the top-K of
-        log_softmax(logits / temperature) by gppo.token_stats, one chunk of tokens at a time (the
-        numerics of the training pass, at most a chunk of [tokens, V])."""
-        valid = output["completion_mask"][rows].bool()
+        completion `rows` of a generation batch (0 at padding and tool tokens, whose top-K is never
+        read), without gradient: the top-K of log_softmax(logits / temperature) by gppo.token_stats,
+        one chunk of tokens at a time (the numerics of the training pass, at most a chunk of [tokens, V])."""
+        valid = loss_mask(output)[rows].bool()
         completion_ids = output["completion_ids"][rows][valid]
         top_k = self.gppo.rollout_top_k
         found = {}
@@ -301,9 +312,7 @@ class GPPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         cfg = self.gppo
         completion_ids = inputs["completion_ids"]
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = loss_mask(inputs)
         topk_ids = topk_logp = topk_logp_old = None
         if cfg.rollout_top_k:
             topk_ids = inputs["gppo_topk_ids"]

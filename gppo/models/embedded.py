@@ -16,15 +16,14 @@ from gppo.models.loading import MARKER
 __all__ = ["CHARS", "MARKER", "SPECIAL_TOKENS", "build_model", "build_tokenizer"]
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
-# the backtick last (added for the multiplication task's code blocks), so earlier ids keep their places
-CHARS = list("0123456789+-*/()=<>., :?!\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["`"]
+CHARS = list("0123456789+-*/()=<>., :?!\n") + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     """One token per character (digits, operators, space, lowercase letters, a little
-    punctuation, the backtick); `<pad>`, `<eos>` and `<unk>` specials; no BOS; left padding for
-    generation."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    punctuation, then `extra_chars`, e.g. a task's backtick); `<pad>`, `<eos>` and `<unk>`
+    specials; no BOS; left padding for generation."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + list(extra_chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")  # (?m): "." matches "\n" too
     tok.decoder = decoders.Fuse()

@@ -31,6 +31,7 @@ class MultiplicationTask:
 
     name = "multiplication"
     tools = ("python",)  # the tool the task is built for: its warm start writes the block format
+    extra_chars = "`"  # beyond the embedded tokenizer's characters: the fences
 
     def __init__(self, digits: int = 3, p_tool: float = 0.5):
         if digits < 2:
