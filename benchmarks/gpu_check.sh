@@ -31,6 +31,12 @@
 #                   tests/verl_cpu_main_ppo.py, and each step must also start at pi = mu (|ratio - 1|
 #                   < 1e-3, top-K divergence < 1e-4); without them, the launcher's config set-up and
 #                   verl's validate_config only.
+#   verl-lora       the same launcher run with verl's LoRA settings (actor_rollout_ref.model.lora_rank=8,
+#                   lora_alpha=16, target_modules=all-linear; the adapter synced to vLLM, not merged) and
+#                   lr 1e-3, all float32 on the GPU too: each step must start at pi = mu as above, which
+#                   step 2 does only if the adapter trained in step 1 reached vLLM. --cpu: the same on
+#                   a CPU with vLLM's CPU build and SmolLM2, else SKIP (verl's validate_config then
+#                   imports vLLM to check the LoRA rank).
 #
 # Logs and run folders: $GPU_CHECK_DIR (default /tmp/gppo-gpu-check). Each row has a time limit;
 # a row that fails prints FAIL and the log to read; the script still prints the whole table.
@@ -105,13 +111,13 @@ print(f"steps {len([r for r in rows if 'mismatch/kl_k3' in r])}, kl_k3 {last['mi
 EOF
 }
 
-verl_topk_run() {  # the 2-step run, then checks on each step's gppo metrics (verl's console lines)
-  local log="$DIR/verl-run.log"
+verl_topk_run() {  # verl_topk_run NAME COMMAND...: the 2-step run (log $DIR/NAME.log), then checks on
+  local log="$DIR/$1.log"; shift  # each step's gppo metrics (verl's console lines)
   timeout 420 "$@" >"$log" 2>&1 || { tail -50 "$log"; return 1; }
   VERL_EXACT=${VERL_EXACT:-0} "$PY" - "$log" <<'EOF'
 import math, os, re, sys
 steps = re.findall(r"step:\d+ - .*", open(sys.argv[1]).read())
-assert steps, "no step line in the log"
+assert len(steps) >= 2, f"{len(steps)} step lines in the log: step 2 is the first after a weight sync"
 for line in steps:
     get = lambda key: float(re.search(re.escape(key) + r":([^ ,]+)", line).group(1))  # verl prefixes actor/
     masked, divergence = get("gppo/masked_frac"), get("gppo/divergence/mean")
@@ -265,19 +271,28 @@ verl_reward() {  # CPU: a reward with spread on 16 tokens (the share of digits),
   printf '%s\n' 'def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):' \
     '    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))' >"$DIR/verl-reward.py"
 }
-# CPU: vLLM's CPU build, SmolLM2, all float32 (rollout and actor), so that each step's update starts
-# at pi = mu and the checks can ask for ratio 1 and divergence 0 (a top-K shifted by one position
-# gives a divergence of about 10); tests/verl_cpu_main_ppo.py is what main_ppo needs on a CPU.
+# All float32 (rollout and actor), so that each step's update starts at pi = mu and the checks can ask
+# for ratio 1 and divergence 0 (a top-K shifted by one position gives a divergence of about 10).
 ACTOR=actor_rollout_ref.actor
+VERL_FP32_ARGS=(
+  actor_rollout_ref.rollout.dtype=float32 $ACTOR.fsdp_config.model_dtype=fp32
+  +$ACTOR.fsdp_config.mixed_precision.param_dtype=fp32 +$ACTOR.fsdp_config.mixed_precision.reduce_dtype=fp32
+  +$ACTOR.fsdp_config.mixed_precision.buffer_dtype=fp32
+)
+# verl's LoRA settings; lr 1e-3 moves the adapter enough in one step that step 2 fails the pi = mu check
+# when the adapter does not reach vLLM (docs/verl.md, "LoRA adapters").
+VERL_LORA_ARGS=(
+  actor_rollout_ref.model.lora_rank=8 actor_rollout_ref.model.lora_alpha=16
+  actor_rollout_ref.model.target_modules=all-linear $ACTOR.optim.lr=1e-3
+)
+# CPU: vLLM's CPU build, SmolLM2, float32; tests/verl_cpu_main_ppo.py is what main_ppo needs on a CPU.
 VERL_CPU_ARGS=(
   data.train_batch_size=4 data.max_response_length=16 actor_rollout_ref.rollout.n=2
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.enforce_eager=true
   actor_rollout_ref.rollout.agent.num_workers=1 +actor_rollout_ref.rollout.enable_sleep_mode=false
-  actor_rollout_ref.rollout.free_cache_engine=false actor_rollout_ref.rollout.dtype=float32
+  actor_rollout_ref.rollout.free_cache_engine=false "${VERL_FP32_ARGS[@]}"
   $ACTOR.ppo_mini_batch_size=4 $ACTOR.ppo_micro_batch_size_per_gpu=4 $ACTOR.optim.lr=1e-4
-  $ACTOR.strategy=fsdp2 $ACTOR.use_torch_compile=false $ACTOR.fsdp_config.model_dtype=fp32
-  +$ACTOR.fsdp_config.mixed_precision.param_dtype=fp32 +$ACTOR.fsdp_config.mixed_precision.reduce_dtype=fp32
-  +$ACTOR.fsdp_config.mixed_precision.buffer_dtype=fp32
+  $ACTOR.strategy=fsdp2 $ACTOR.use_torch_compile=false
   "reward.custom_reward_function.path=$DIR/verl-reward.py" reward.num_workers=1
   +ray_kwargs.ray_init.num_gpus=1 +ray_kwargs.ray_init.num_cpus=16
   transfer_queue.backend.SimpleStorage.num_data_storage_units=1
@@ -290,24 +305,32 @@ smol_dir() {
 has flash_attn || VERL_ARGS+=(  # no flash-attn: sdpa on padded batches (packing needs flash-attn)
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false)
 if ! has verl; then
-  skip verl-main-ppo "verl missing: pip install 'gppo[verl]' 'verl[vllm]==0.9.1'"
+  skip verl-main-ppo "verl missing: pip install 'gppo[verl]' 'verl[vllm]==0.9.1'"; skip verl-lora "verl missing"
 elif [[ $MODE == cpu ]] && { ! has vllm || ((SMOL_OK == 0)); }; then
   row verl-data 120 "tail -1" verl_data
   row verl-main-ppo 120 "tail -1" verl_validate "${VERL_ARGS[@]}"  # without vLLM: the set-up only
+  skip verl-lora "needs vLLM's CPU build and SmolLM2 (verl's validate_config imports vLLM for the LoRA rank)"
 elif [[ $MODE == cpu ]]; then
   smol_dir; verl_data >/dev/null; verl_reward
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VERL_USE_EXTERNAL_MODULES=tests.verl_cpu_main_ppo \
     VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 VERL_EXACT=1
-  row verl-main-ppo 430 "tail -1" verl_topk_run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
+  row verl-main-ppo 430 "tail -1" verl_topk_run verl-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
     "${VERL_CPU_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" "hydra.run.dir=$DIR/verl-hydra"
+  row verl-lora 430 "tail -1" verl_topk_run verl-lora-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
+    "${VERL_CPU_ARGS[@]}" "${VERL_LORA_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" \
+    "hydra.run.dir=$DIR/verl-lora-hydra"
 elif ! has vllm || ((SMOL_OK == 0)); then
-  skip verl-main-ppo "needs vllm and SmolLM2 (rows above)"
+  skip verl-main-ppo "needs vllm and SmolLM2 (rows above)"; skip verl-lora "needs vllm and SmolLM2"
 elif [[ $MODE != dry ]] && has trl; then
   skip verl-main-ppo "TRL is installed: verl 0.9.1's FSDP engine then fails to build (docs/verl.md); use a venv without trl"
+  skip verl-lora "TRL is installed (verl-main-ppo)"
 else
   smol_dir; [[ $MODE == dry ]] || verl_data >/dev/null
-  row verl-main-ppo 430 "tail -1" verl_topk_run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
+  row verl-main-ppo 430 "tail -1" verl_topk_run verl-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
     "actor_rollout_ref.model.path=$SMOL_DIR" "hydra.run.dir=$DIR/verl-hydra"
+  VERL_EXACT=1 row verl-lora 430 "tail -1" verl_topk_run verl-lora-run "$PY" -m gppo.integrations.verl_topk \
+    "${VERL_ARGS[@]}" "${VERL_FP32_ARGS[@]}" "${VERL_LORA_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" \
+    "hydra.run.dir=$DIR/verl-lora-hydra"
 fi
 
 [[ $MODE == dry ]] && exit 0

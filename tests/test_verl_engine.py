@@ -15,7 +15,12 @@ loss mode in turn from the same initial weights. Checked:
 - gppo_ppo and gppo_dppo_binary_kl update them by -lr * grad of gppo.policy_loss written on the
   plain Hugging Face model (independent of verl: padded batch, the preset, token-mean);
 - 2 ranks (verl's global token count and FSDP's gradient average) give the 1-process update;
-- gppo_dppo_binary_kl's update differs from vanilla's (the comparison can fail).
+- gppo_dppo_binary_kl's update differs from vanilla's (the comparison can fail);
+- with verl's LoRA settings (actor_rollout_ref.model.lora_rank, lora_alpha, target_modules, and
+  lora_adapter_path for an adapter saved before), only the adapter's weights move, and by -lr *
+  grad of gppo.policy_loss with respect to them, written on a peft-wrapped Hugging Face model that
+  starts from the engine's own initial adapter; with the top-K estimator too (topk_ppo_loss on the
+  logits of verl's peft-wrapped actor).
 """
 
 from __future__ import annotations
@@ -50,6 +55,23 @@ PRESETS = {
     "gppo_dppo_topk_kl": ("dppo-topk-kl", TOPK_FIELDS),
 }
 BATCH, PROMPT_LEN, RESPONSE_LEN, MICRO_BATCH, TOP_K = 8, 6, 10, 2, 20
+# verl's FSDP LoRA settings (actor_rollout_ref.model.*; verl's FSDPEngine._build_lora_module passes
+# them to peft's LoraConfig). lora_alpha is not verl's default 16, so that a dropped alpha (the
+# adapter's scale alpha / r) changes the update.
+LORA = {"lora_rank": 8, "lora_alpha": 32, "target_modules": "all-linear"}
+ADAPTER_DIR = "adapter"  # in the work folder: an adapter with lora_B != 0, for lora_adapter_path
+# run name -> (loss_mode, policy_loss fields, actor_rollout_ref.model fields). "lora" starts from
+# verl's fresh adapter (lora_B = 0: at the first step only lora_B has a gradient); "lora_loaded"
+# from ADAPTER_DIR, where lora_A has one too.
+LORA_RUNS = {
+    "lora/gppo_dppo_binary_kl": ("gppo_dppo_binary_kl", DPPO_FIELDS, LORA),
+    "lora/gppo_dppo_topk_kl": ("gppo_dppo_topk_kl", MODES["gppo_dppo_topk_kl"], LORA),
+    "lora_loaded/gppo_dppo_topk_kl": (
+        "gppo_dppo_topk_kl",
+        MODES["gppo_dppo_topk_kl"],
+        {**LORA, "lora_adapter_path": ADAPTER_DIR},
+    ),
+}
 
 
 def make_batch(model_dir) -> dict[str, torch.Tensor]:
@@ -103,13 +125,50 @@ def response_logits(model, input_ids, attention_mask, position_ids):
     return logits[:, PROMPT_LEN - 1 : -1].float()
 
 
-def reference_update(model_dir, batch, mode):
-    """-grad of gppo.policy_loss (token-mean over the whole batch) on the Hugging Face model."""
+def lora_model(model_dir, adapter=None):
+    """The Hugging Face model wrapped by peft with LORA (peft's own names for verl's settings);
+    `adapter`: the adapter weights to start from, by peft's state-dict names."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=LORA["lora_rank"], lora_alpha=LORA["lora_alpha"], target_modules=LORA["target_modules"])
+    model = get_peft_model(model, config)
+    if adapter is not None:
+        missing, unexpected = model.load_state_dict(adapter, strict=False)
+        assert not unexpected and not [k for k in missing if "lora_" in k], (missing, unexpected)
+    return model
+
+
+def save_adapter(model_dir, path):
+    """Save a LORA adapter as peft saves one, with lora_B ~ N(0, 0.02^2) (peft starts it at 0): both
+    lora_A and lora_B then have a gradient at the first step, and the policy moves little. Returns
+    its weights by peft's state-dict names."""
+    model = lora_model(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return adapter_weights(model.state_dict())
+
+
+def adapter_weights(weights):
+    return {k: v.detach().clone() for k, v in weights.items() if ".lora_" in k}
+
+
+def reference_update(model_dir, batch, mode, adapter=None):
+    """-grad of gppo.policy_loss (token-mean over the whole batch) on the Hugging Face model; with
+    `adapter` (the initial LoRA weights), on the peft-wrapped model, w.r.t. the adapter's weights."""
     from transformers import AutoModelForCausalLM
 
     import gppo
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        model = lora_model(model_dir, adapter)
     preset, fields = PRESETS[mode]
     log_pi = torch.log_softmax(
         response_logits(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"]), -1
@@ -126,14 +185,15 @@ def reference_update(model_dir, batch, mode):
     )
     loss, _ = gppo.policy_loss(tokens, gppo.preset(preset, loss_agg_mode="token-mean", **fields))
     loss.backward()
-    return {name: -p.grad for name, p in model.named_parameters()}
+    return {name: -p.grad for name, p in model.named_parameters() if p.requires_grad}
 
 
 # ---- the engine side, run in fresh processes: python -m tests.test_verl_engine DIR RANK WORLD PORT ----
 
 
-def actor_config(model_dir, mode, fields):
-    """ActorConfig as ActorRolloutRefWorker.init_model builds it, from the shipped gppo_trainer config."""
+def actor_config(model_dir, mode, fields, model_fields=None):
+    """ActorConfig as ActorRolloutRefWorker.init_model builds it, from the shipped gppo_trainer config
+    (`model_fields`: overrides of actor_rollout_ref.model, e.g. verl's LoRA settings)."""
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -159,6 +219,7 @@ def actor_config(model_dir, mode, fields):
         f"{actor}.policy_loss.loss_mode={mode}",
         # ++: topk_source is not among the fields examples/verl/config/gppo_trainer.yaml declares
         *(f"++{actor}.policy_loss.{k}={v}" for k, v in fields.items()),
+        *(f"actor_rollout_ref.model.{k}={v}" for k, v in (model_fields or {}).items()),
     ]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name="gppo_trainer", overrides=overrides)
@@ -174,7 +235,7 @@ def full_weights(module):
     }
 
 
-def train_one_step(model_dir, batch, mode, fields, rank, world):
+def train_one_step(model_dir, batch, mode, fields, rank, world, model_fields=None):
     """One train_mini_batch of TrainingWorker; for the top-K mode the worker's loss function is the
     plugin's topk_ppo_loss and the batch asks verl's engine for its logits processor."""
     from functools import partial
@@ -187,7 +248,7 @@ def train_one_step(model_dir, batch, mode, fields, rank, world):
 
     from gppo.integrations.verl import topk_ppo_loss
 
-    config = actor_config(model_dir, mode, fields)
+    config = actor_config(model_dir, mode, fields, model_fields)
     worker_config = TrainingWorkerConfig(
         model_type="language_model",
         model_config=config.model_config,
@@ -242,6 +303,12 @@ def engine_main(workdir, rank, world, port):
     for mode, fields in MODES.items():
         before, after, metrics = train_one_step(Path(workdir) / "model", batch, mode, fields, rank, world)
         results[mode] = {"before": before, "after": after, "metrics": metrics}
+    for name, (mode, fields, model_fields) in LORA_RUNS.items():
+        model_fields = {**model_fields}
+        if "lora_adapter_path" in model_fields:
+            model_fields["lora_adapter_path"] = Path(workdir) / model_fields["lora_adapter_path"]
+        before, after, metrics = train_one_step(Path(workdir) / "model", batch, mode, fields, rank, world, model_fields)
+        results[name] = {"before": before, "after": after, "metrics": metrics}
     if rank == 0:
         torch.save(results, Path(workdir) / f"world{world}.pt")
     torch.distributed.destroy_process_group()
@@ -292,7 +359,14 @@ def engine(micro_model, tmp_path_factory):
     os.symlink(micro_model, workdir / "model")
     batch = make_batch(micro_model)
     torch.save(batch, workdir / "batch.pt")
-    return {"batch": batch, "model": micro_model, 1: run_engine(workdir, 1), 2: run_engine(workdir, 2)}
+    adapter = save_adapter(micro_model, workdir / ADAPTER_DIR)
+    return {
+        "batch": batch,
+        "model": micro_model,
+        "adapter": adapter,
+        1: run_engine(workdir, 1),
+        2: run_engine(workdir, 2),
+    }
 
 
 def update(run, mode):
@@ -351,6 +425,48 @@ def test_topk_estimator_trains_through_the_engine_logits_processor(engine, world
     ours, binary = update(run, "gppo_dppo_topk_kl"), update(run, "gppo_dppo_binary_kl")
     assert scale(ours) > 1e-3
     assert max_diff(ours, binary) > 1e-2 * scale(binary)
+
+
+@pytest.mark.parametrize("name", list(LORA_RUNS))
+@pytest.mark.parametrize("world", [1, 2])
+def test_lora_step_moves_the_adapter_by_minus_the_gppo_gradient(engine, name, world):
+    """verl's LoRA settings: rank 8 on every linear layer but the output head (peft's all-linear),
+    the base model frozen, the adapter's update -lr * grad of gppo.policy_loss w.r.t. the adapter
+    (lr 1), the gradient taken on a peft-wrapped model with lora_alpha 32 from the engine's initial adapter."""
+    from transformers import AutoModelForCausalLM
+
+    run, mode = engine[world][name], LORA_RUNS[name][0]
+    start = adapter_weights(run["before"])
+    base = AutoModelForCausalLM.from_pretrained(engine["model"])
+    linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    assert {k.removeprefix("base_model.model.").split(".lora_")[0] for k in start} == linear
+    assert {v.shape[0] for k, v in start.items() if ".lora_A." in k} == {LORA["lora_rank"]}
+
+    got = update(engine[world], name)
+    frozen = [k for k in got if k not in start]
+    assert len(frozen) == len(base.state_dict())
+    assert all(got[k].abs().max() == 0 for k in frozen)
+    reference = reference_update(engine["model"], engine["batch"], mode, start)
+    assert set(reference) == set(start)
+    got = {k: got[k] for k in reference}
+    assert scale(reference) > 1e-3
+    assert max_diff(got, reference) <= 1e-5 * scale(reference), (max_diff(got, reference), scale(reference))
+    masked = run["metrics"]["gppo/masked_frac"]
+    assert all(0 < m < 1 for m in masked), masked
+
+
+def test_lora_adapter_starts_where_verl_settings_say(engine):
+    """A fresh adapter has lora_B = 0, so only lora_B moves at the first step; lora_adapter_path
+    loads the saved adapter, and then lora_A moves too."""
+    run = engine[1]
+    fresh = adapter_weights(run["lora/gppo_dppo_topk_kl"]["before"])
+    assert all(v.abs().max() == 0 for k, v in fresh.items() if ".lora_B." in k)
+    moved = update(run, "lora/gppo_dppo_topk_kl")
+    assert all(moved[k].abs().max() == 0 for k in fresh if ".lora_A." in k)
+    loaded = adapter_weights(run["lora_loaded/gppo_dppo_topk_kl"]["before"])
+    assert max_diff(loaded, engine["adapter"]) == 0
+    moved = update(run, "lora_loaded/gppo_dppo_topk_kl")
+    assert min(moved[k].abs().max().item() for k in loaded if ".lora_A." in k) > 1e-4
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ own classes where they run on CPU.
 
 - Config: `prepare_config` on the composed example config sets the run up (K from the preset, the
   agent-loop manager, topk_source) so that verl's own validate_config passes, leaves other modes
-  alone and refuses each setting the rollout side cannot serve.
+  alone and refuses each setting the rollout side cannot serve; verl's LoRA settings pass through
+  it untouched, into the model config verl's FSDP engine and vLLM server read.
 - Agent loop: `TopKAgentLoopWorker` on verl's AgentLoopOutput; its teacher fields, padded by verl's
   own `_pad_teacher_outputs`, equal the [B, S, K] batch that tests/test_verl_engine.py trains
   through verl's FSDP engine and checks against gppo.policy_loss (so the chain's layout is the
@@ -68,6 +69,48 @@ def test_prepare_config_sets_a_topk_run_up_that_verl_validates(micro_model):
     cfg = compose_example(VLLM, TOPK_MODE, "actor_rollout_ref.actor.policy_loss.top_k=32")
     assert verl_topk.prepare_config(cfg) == 32
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs == 32
+
+
+LORA = (
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=32",
+    "actor_rollout_ref.model.target_modules=all-linear",
+)
+
+
+def lora_topk_config(micro_model, *overrides):
+    """The composed example config of a top-K run with verl's LoRA settings, set up by prepare_config."""
+    cfg = compose_example(
+        VLLM,
+        TOPK_MODE,
+        *LORA,
+        "algorithm.adv_estimator=grpo",
+        f"actor_rollout_ref.model.path={micro_model}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+        *overrides,
+    )
+    model = str(cfg.actor_rollout_ref.model)
+    assert verl_topk.prepare_config(cfg) == 20
+    assert str(cfg.actor_rollout_ref.model) == model  # the LoRA settings as given
+    assert cfg.actor_rollout_ref.actor.policy_loss.topk_source == "batch"
+    return cfg
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_prepare_config_keeps_verl_lora_settings(micro_model, merge):
+    """With LoRA (the adapter synced to vLLM, or lora.merge=true: merged weights) the top-K run is set
+    up as without it, and the ModelConfig that verl's workers build carries the settings. verl's
+    validate_config passes with merge=true; with merge=false it also checks the rank against vLLM's
+    LoRA ranks, importing vLLM, which this environment lacks (tests/test_verl_vllm_server.py runs it)."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = lora_topk_config(micro_model, f"actor_rollout_ref.model.lora.merge={merge}")
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    assert (model_config.lora_rank, model_config.lora_alpha, model_config.target_modules) == (8, 32, "all-linear")
+    assert model_config.lora["merge"] is merge
+    if merge:
+        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
 
 
 def test_prepare_config_leaves_modes_without_topk_alone():
