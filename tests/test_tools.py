@@ -169,3 +169,23 @@ def test_a_training_run_with_tools_logs_the_tool_metrics(micro_model, tmp_path):
     step = next(r for r in rows if "rollout/tool_calls_mean" in r)
     assert step["rollout/tool_calls_mean"] == 0 and step["rollout/tool_token_frac"] == 0
     assert all("eval/tool_call_frac" in r for r in rows if "eval/greedy" in r)
+
+
+def test_the_shipped_multiplication_warm_start_calls_the_tool_half_the_time():
+    """Sampled with the python tool, the warm start calls it on about half of the problems and is
+    right exactly when it does (it copies the output; in its head it is wrong): the teacher's
+    habit, which RL has to turn into always."""
+    from gppo.models.assets import embedded_checkpoint
+    from gppo.models.loading import load_model_and_tokenizer
+    from gppo.tasks import get_task, heldout_problems
+
+    model, tokenizer = load_model_and_tokenizer(embedded_checkpoint("multiplication"))
+    task = get_task("multiplication")
+    problems = heldout_problems(task, 128)
+    engine = ToolEngine(HFEngine(model, tokenizer), tokenizer, PythonTool())
+    gens = engine.generate([p.prompt for p in problems], SamplingParams(temperature=1.0, max_new_tokens=64, seed=0))
+    called = [g.tool_calls > 0 for g in gens]
+    right = [task.score(p, g.text) == 1.0 for p, g in zip(problems, gens)]
+    assert 0.3 < sum(called) / len(gens) < 0.7
+    assert sum(r and not c for r, c in zip(right, called)) <= 2  # in its head it is (almost) never right
+    assert sum(r for r, c in zip(right, called) if c) >= 0.9 * sum(called)  # with the tool it copies the output

@@ -14,6 +14,9 @@ Measured (0.53M parameters, 1 CPU thread on a shared 2-core machine):
   the right answer averages 0.43).
 - countdown, 3,000 steps x 128, lr 2e-3: the loss falls slowly and steadily (the student cannot
   search like the construction does). ~1,800 s. Shipped: greedy 0.33, sampled 0.10 (teacher 0.30).
+- multiplication, 1,000 steps x 128, lr 2e-3 (the teacher calls the python tool half the time):
+  1,483 s on a loaded machine, final loss 0.32. Evaluated with the tool, shipped: greedy 0.85
+  (calls the tool on 85%), sampled 0.48 (calls it on 49%): right exactly when it calls the tool.
 """
 
 from __future__ import annotations
