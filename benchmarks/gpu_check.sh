@@ -37,6 +37,9 @@
 #                   step 2 does only if the adapter trained in step 1 reached vLLM. --cpu: the same on
 #                   a CPU with vLLM's CPU build and SmolLM2, else SKIP (verl's validate_config then
 #                   imports vLLM to check the LoRA rank).
+#   verl-tools      the verl-main-ppo run with verl's tool agent loop (multi_turn.enable, default_agent_loop
+#                   tool_agent) and a Python tool (tests/verl_python_tool.py: gppo's sandbox); same checks.
+#                   --cpu: on a CPU with vLLM's CPU build and SmolLM2, else SKIP.
 #
 # Logs and run folders: $GPU_CHECK_DIR (default /tmp/gppo-gpu-check). Each row has a time limit;
 # a row that fails prints FAIL and the log to read; the script still prints the whole table.
@@ -285,6 +288,12 @@ VERL_LORA_ARGS=(
   actor_rollout_ref.model.lora_rank=8 actor_rollout_ref.model.lora_alpha=16
   actor_rollout_ref.model.target_modules=all-linear $ACTOR.optim.lr=1e-3
 )
+# verl's tool agent loop with the Python tool: tool tokens are context (response_mask 0), mu's top-K per turn.
+VERL_TOOL_ARGS=(
+  actor_rollout_ref.rollout.multi_turn.enable=true actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2
+  actor_rollout_ref.rollout.multi_turn.function_tool_path=tests/verl_python_tool.py
+  actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent
+)
 # CPU: vLLM's CPU build, SmolLM2, float32; tests/verl_cpu_main_ppo.py is what main_ppo needs on a CPU.
 VERL_CPU_ARGS=(
   data.train_batch_size=4 data.max_response_length=16 actor_rollout_ref.rollout.n=2
@@ -306,10 +315,12 @@ has flash_attn || VERL_ARGS+=(  # no flash-attn: sdpa on padded batches (packing
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false)
 if ! has verl; then
   skip verl-main-ppo "verl missing: pip install 'gppo[verl]' 'verl[vllm]==0.9.1'"; skip verl-lora "verl missing"
+  skip verl-tools "verl missing"
 elif [[ $MODE == cpu ]] && { ! has vllm || ((SMOL_OK == 0)); }; then
   row verl-data 120 "tail -1" verl_data
   row verl-main-ppo 120 "tail -1" verl_validate "${VERL_ARGS[@]}"  # without vLLM: the set-up only
   skip verl-lora "needs vLLM's CPU build and SmolLM2 (verl's validate_config imports vLLM for the LoRA rank)"
+  skip verl-tools "needs vLLM's CPU build and SmolLM2"
 elif [[ $MODE == cpu ]]; then
   smol_dir; verl_data >/dev/null; verl_reward
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VERL_USE_EXTERNAL_MODULES=tests.verl_cpu_main_ppo \
@@ -319,11 +330,15 @@ elif [[ $MODE == cpu ]]; then
   row verl-lora 430 "tail -1" verl_topk_run verl-lora-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
     "${VERL_CPU_ARGS[@]}" "${VERL_LORA_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" \
     "hydra.run.dir=$DIR/verl-lora-hydra"
+  row verl-tools 430 "tail -1" verl_topk_run verl-tools-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
+    "${VERL_CPU_ARGS[@]}" "${VERL_TOOL_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" \
+    "hydra.run.dir=$DIR/verl-tools-hydra"
 elif ! has vllm || ((SMOL_OK == 0)); then
   skip verl-main-ppo "needs vllm and SmolLM2 (rows above)"; skip verl-lora "needs vllm and SmolLM2"
+  skip verl-tools "needs vllm and SmolLM2"
 elif [[ $MODE != dry ]] && has trl; then
   skip verl-main-ppo "TRL is installed: verl 0.9.1's FSDP engine then fails to build (docs/verl.md); use a venv without trl"
-  skip verl-lora "TRL is installed (verl-main-ppo)"
+  skip verl-lora "TRL is installed (verl-main-ppo)"; skip verl-tools "TRL is installed (verl-main-ppo)"
 else
   smol_dir; [[ $MODE == dry ]] || verl_data >/dev/null
   row verl-main-ppo 430 "tail -1" verl_topk_run verl-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
@@ -331,6 +346,8 @@ else
   VERL_EXACT=1 row verl-lora 430 "tail -1" verl_topk_run verl-lora-run "$PY" -m gppo.integrations.verl_topk \
     "${VERL_ARGS[@]}" "${VERL_FP32_ARGS[@]}" "${VERL_LORA_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" \
     "hydra.run.dir=$DIR/verl-lora-hydra"
+  row verl-tools 430 "tail -1" verl_topk_run verl-tools-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
+    "${VERL_TOOL_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" "hydra.run.dir=$DIR/verl-tools-hydra"
 fi
 
 [[ $MODE == dry ]] && exit 0

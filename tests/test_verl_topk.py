@@ -5,6 +5,9 @@ own classes where they run on CPU.
   agent-loop manager, topk_source) so that verl's own validate_config passes, leaves other modes
   alone and refuses each setting the rollout side cannot serve; verl's LoRA settings pass through
   it untouched, into the model config verl's FSDP engine and vLLM server read.
+- Multi-turn: verl's own ToolAgentLoop with a Python tool over a scripted server puts each turn's
+  top-K at that turn's generated tokens and zeros at tool tokens; the loss with that layout equals
+  the loss with the tool tokens cut out.
 - Agent loop: `TopKAgentLoopWorker` on verl's AgentLoopOutput; its teacher fields, padded by verl's
   own `_pad_teacher_outputs`, equal the [B, S, K] batch that tests/test_verl_engine.py trains
   through verl's FSDP engine and checks against gppo.policy_loss (so the chain's layout is the
@@ -136,7 +139,6 @@ def test_prepare_config_leaves_modes_without_topk_alone():
         ("actor_rollout_ref.rollout.logprobs_mode=raw_logprobs", "actor_rollout_ref.rollout.logprobs_mode"),
         ("actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_p=0.9"),
         ("actor_rollout_ref.rollout.top_k=50", "actor_rollout_ref.rollout.top_k=50"),
-        ("actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.enable"),
         ("distillation.enabled=true", "distillation.enabled"),
         (
             "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=my.Manager",
@@ -163,18 +165,24 @@ def agent_loop_worker(config):
     return worker
 
 
-def agent_loop_output(prompt_ids, response_ids, topk_ids, topk_logprobs, response_mask=None):
+def agent_loop_output(prompt_ids, response_ids, response_mask=None):
     return AgentLoopOutput(
         prompt_ids=prompt_ids,
         response_ids=response_ids,
         response_mask=response_mask or [1] * len(response_ids),
         metrics=AgentLoopMetrics(),
-        extra_fields={
-            vllm_topk.TOPK_IDS_FIELD: topk_ids,
-            vllm_topk.TOPK_LOGPROBS_FIELD: topk_logprobs,
-            "turn_scores": [],
-        },
+        extra_fields={"turn_scores": []},
     )
+
+
+def teacher_fields(worker, output, turns, validate=False):
+    """worker._compute_teacher_logprobs on `output` inside a trajectory whose generate calls were `turns`."""
+
+    async def run():
+        verl_topk._turns.set(turns)
+        await worker._compute_teacher_logprobs(output, output.prompt_ids, output.response_ids, validate=validate)
+
+    asyncio.run(run())
 
 
 def test_agent_loop_fields_padded_by_verl_equal_the_batch_the_engine_test_trains(micro_model):
@@ -189,12 +197,10 @@ def test_agent_loop_fields_padded_by_verl_equal_the_batch_the_engine_test_trains
         prompt_mask, response_mask = batch["attention_mask"][i, :PROMPT_LEN].bool(), batch["response_mask"][i].bool()
         prompt, response = batch["prompts"][i][prompt_mask].tolist(), batch["responses"][i][response_mask].tolist()
         length = len(response)
-        output = agent_loop_output(
-            prompt, response, batch["mu_topk_ids"][i, :length].tolist(), batch["mu_topk_logp"][i, :length].tolist()
-        )
-        asyncio.run(worker._compute_teacher_logprobs(output, prompt, response, validate=False))
+        output = agent_loop_output(prompt, response)
+        turn = (response, batch["mu_topk_ids"][i, :length].tolist(), batch["mu_topk_logp"][i, :length].tolist())
+        teacher_fields(worker, output, [turn])
         fields = output.as_dict()  # verl's: moves the teacher fields out of extra_fields
-        assert vllm_topk.TOPK_IDS_FIELD not in fields["extra_fields"]
         ids, logp = _pad_teacher_outputs(
             fields[TOPK_IDS_KEY],
             fields[TOPK_LOGPROBS_KEY],
@@ -223,23 +229,205 @@ def test_agent_loop_asks_for_topk_on_training_requests_only(monkeypatch):
         asyncio.run(worker._run_agent_loop(params, {"validate": validate}, agent_name="single_turn_agent"))
     assert seen == [{**params, vllm_topk.TOPK_REQUEST: 7}, params]
 
-    output = agent_loop_output([5, 6], [7], [[1, 2]], [[-0.1, -0.2]])
-    asyncio.run(worker._compute_teacher_logprobs(output, [5, 6], [7], validate=True))
+    output = agent_loop_output([5, 6], [7])
+    teacher_fields(worker, output, [([7], [[1, 2]], [[-0.1, -0.2]])], validate=True)
     assert set(output.extra_fields) == {"turn_scores"}  # validation stores no top-K
 
 
 def test_agent_loop_refuses_responses_without_a_topk_per_token():
     worker = agent_loop_worker(compose_example(VLLM, TOPK_MODE))
-    tool = agent_loop_output([5], [7, 8, 9], [[1]] * 3, [[-0.1]] * 3, response_mask=[1, 0, 1])
-    with pytest.raises(gppo.GPPOInputError, match="single-turn"):
-        asyncio.run(worker._compute_teacher_logprobs(tool, [5], [7, 8, 9], validate=False))
-    short = agent_loop_output([5], [7, 8], [[1]], [[-0.1]])
-    with pytest.raises(gppo.GPPOInputError, match="top-K for 1 tokens of a 2-token response"):
-        asyncio.run(worker._compute_teacher_logprobs(short, [5], [7, 8], validate=False))
-    missing = agent_loop_output([5], [7], [[1]], [[-0.1]])
-    missing.extra_fields.clear()
+    resumed = agent_loop_output([5], [7, 8])  # one response from two calls (a request resumed after an abort)
+    with pytest.raises(gppo.GPPOInputError, match="partial"):
+        teacher_fields(worker, resumed, [([7], [[1]], [[-0.1]]), ([8], [[1]], [[-0.1]])])
+    short = agent_loop_output([5], [7, 8])
+    with pytest.raises(gppo.GPPOInputError, match="top-K for 1 tokens of a 2-token generate call"):
+        teacher_fields(worker, short, [([7, 8], [[1]], [[-0.1]])])
     with pytest.raises(gppo.GPPOInputError, match="sampling_params"):
-        asyncio.run(worker._compute_teacher_logprobs(missing, [5], [7], validate=False))
+        teacher_fields(worker, agent_loop_output([5], [7]), [])
+
+
+# ---- multi-turn: verl's tool agent loop ----
+
+CHATML = (  # a ChatML template with hermes tool calls (verl's default multi_turn.format)
+    "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens, no merges) with CHATML: any text, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    special = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    vocab = {c: i for i, c in enumerate(sorted(byte_chars) + special)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=special
+    )
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+class ScriptedServer:
+    """verl's LLM server client as an agent loop calls it: the c-th call returns the tokens of
+    replies[c] and, when asked (TOPK_REQUEST = K), a top-K that names the call and position
+    (ids 1000 c + 10 t + j, log-probs -ids / 1e4); it keeps each call's prompt."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.prompts = tokenizer, replies, []
+
+    def topk(self, call, length, k):
+        ids = [[1000 * call + 10 * t + j for j in range(k)] for t in range(length)]
+        return ids, [[-i / 1e4 for i in row] for row in ids]
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        from verl.workers.rollout.replica import TokenOutput
+
+        call = len(self.prompts)
+        self.prompts.append(list(prompt_ids))
+        tokens = self.tokenizer.encode(self.replies[call], add_special_tokens=False)
+        tokens.append(self.tokenizer.eos_token_id)
+        extra = {}
+        if sampling_params.get(vllm_topk.TOPK_REQUEST):
+            ids, logprobs = self.topk(call, len(tokens), sampling_params[vllm_topk.TOPK_REQUEST])
+            extra = {vllm_topk.TOPK_IDS_FIELD: ids, vllm_topk.TOPK_LOGPROBS_FIELD: logprobs}
+        return TokenOutput(token_ids=tokens, log_probs=[-0.5] * len(tokens), extra_fields=extra)
+
+
+def tool_call(code):
+    return '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
+
+
+def test_tool_agent_loop_topk_lands_at_each_turns_generated_tokens(monkeypatch):
+    """verl's ToolAgentLoop with the Python tool (tests/verl_python_tool.py) over a scripted server,
+    three assistant turns around two tool results, through TopKAgentLoopWorker: each turn's top-K sits
+    at the tokens that turn generated, found from the server's side (call c's tokens follow its
+    prompt, as the context only grows), zeros at tool tokens; the tool really ran."""
+    from pathlib import Path
+
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+    from verl.tools.tool_registry import load_all_tools
+
+    k = 3
+    cfg = compose_example(
+        VLLM,
+        TOPK_MODE,
+        f"actor_rollout_ref.actor.policy_loss.top_k={k}",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        f"actor_rollout_ref.rollout.multi_turn.function_tool_path={Path(__file__).parent / 'verl_python_tool.py'}",
+        "data.max_prompt_length=1024",
+        "data.max_response_length=1024",
+    )
+    assert verl_topk.prepare_config(cfg) == k  # the launcher's config check accepts multi_turn with a tool
+    tokenizer = byte_tokenizer()
+    server = ScriptedServer(tokenizer, [tool_call("print(6 * 7)"), tool_call("print(2 ** 10)"), "It is 42."])
+    worker = agent_loop_worker(cfg)
+    worker.llm_client = verl_topk.TopKRecordingClient(server)
+    tools = load_all_tools(None, cfg.actor_rollout_ref.rollout.multi_turn.function_tool_path)
+
+    async def base_run(self, sampling_params, trajectory, **kwargs):  # verl's, without padding and scoring
+        loop = ToolAgentLoop(
+            trainer_config=DictConfigWrap(cfg),
+            server_manager=self.llm_client,
+            tokenizer=tokenizer,
+            processor=None,
+            dataset_cls=None,
+            data_config=DictConfigWrap(cfg.data),
+            tools=ToolListWrap(tools),
+        )
+        output = await loop.run(sampling_params, raw_prompt=[{"role": "user", "content": "6 * 7?"}])
+        await self._compute_teacher_logprobs(output, output.prompt_ids, output.response_ids, validate=False)
+        return output
+
+    monkeypatch.setattr(verl_topk.AgentLoopWorkerTQ.__ray_actor_class__, "_run_agent_loop", base_run)
+    output = asyncio.run(worker._run_agent_loop({"temperature": 1.0}, {"validate": False}))
+
+    assert len(server.prompts) == 3
+    prompt_len, mask = len(output.prompt_ids), torch.tensor(output.response_mask)
+    sequence = output.prompt_ids + output.response_ids
+    expected_ids = torch.zeros(len(sequence), k, dtype=torch.int32)
+    expected_logp = torch.zeros(len(sequence), k)
+    generated = torch.zeros(len(sequence), dtype=torch.bool)
+    for call, prompt in enumerate(server.prompts):
+        assert sequence[: len(prompt)] == prompt
+        tokens = tokenizer.encode(server.replies[call], add_special_tokens=False) + [tokenizer.eos_token_id]
+        at = slice(len(prompt), len(prompt) + len(tokens))
+        assert sequence[at] == tokens
+        generated[at] = True
+        ids, logp = server.topk(call, len(tokens), k)
+        expected_ids[len(prompt) - 1 : at.stop - 1] = torch.tensor(ids, dtype=torch.int32)
+        expected_logp[len(prompt) - 1 : at.stop - 1] = torch.tensor(logp)
+    assert torch.equal(generated[prompt_len:], mask.bool())  # verl's mask: 1 exactly at the generated tokens
+    assert 0 < mask.sum() < len(mask)
+    fields = output.as_dict()
+    assert torch.equal(fields[TOPK_IDS_KEY], expected_ids)
+    assert torch.equal(fields[TOPK_LOGPROBS_KEY], expected_logp)
+    tool_rows = prompt_len - 1 + torch.nonzero(mask == 0).squeeze(1)  # entries predicting tool tokens
+    assert not fields[TOPK_IDS_KEY][tool_rows].any() and not fields[TOPK_LOGPROBS_KEY][tool_rows].any()
+    assert vllm_topk.TOPK_IDS_FIELD not in fields["extra_fields"]
+    tool_text = tokenizer.decode([t for t, m in zip(output.response_ids, output.response_mask) if not m])
+    assert "42" in tool_text and "1024" in tool_text  # the tool's outputs, from the sandbox
+
+
+def test_loss_ignores_tool_tokens_and_their_zero_topk():
+    """compute_policy_loss_gppo with mu's top-K (as topk_ppo_loss feeds it) on a response with a tool
+    segment laid out by teacher_layout (zeros, and arbitrary pi / advantages there) equals the loss and
+    metrics of the same response with the tool tokens cut out: every reduction, the top-K
+    estimator's included, goes through verl's response_mask."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from gppo.integrations import verl as plugin
+
+    cfg = compose_example(VLLM, TOPK_MODE, "actor_rollout_ref.actor.policy_loss.top_k=4")
+    verl_topk.prepare_config(cfg)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    gen = torch.Generator().manual_seed(0)
+    T, K, V = 12, 4, 50
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 1, 1]])
+    logits_mu, logits_pi = torch.randn(T, V, generator=gen), torch.randn(T, V, generator=gen) * 0.1
+    logits_pi = logits_mu + logits_pi
+    mu, pi = logits_mu.log_softmax(-1), logits_pi.log_softmax(-1)
+    tokens = torch.randint(0, V, (T,), generator=gen)
+    top = mu.topk(K, -1).indices
+    fields = {
+        "log_prob": pi.gather(-1, tokens[:, None]).T,
+        "old_log_prob": mu.gather(-1, tokens[:, None]).T,
+        "advantages": torch.randn(1, T, generator=gen),
+        "token_ids": tokens[None],
+        "topk_ids": top[None],
+        "topk_logp_behavior": mu.gather(-1, top)[None],
+        "topk_logp": pi.gather(-1, top)[None],
+    }
+    tool = ~mask[0].bool()
+    fields["topk_ids"][0, tool], fields["topk_logp_behavior"][0, tool] = 0, 0.0  # teacher_layout's zeros
+    fields["topk_logp"][0, tool] = 0.0
+
+    def loss(fields, mask):
+        token = plugin._rollout_topk.set(
+            {n: fields[n] for n in ("token_ids", "topk_ids", "topk_logp_behavior", "topk_logp")}
+        )
+        try:
+            return plugin.compute_policy_loss_gppo(
+                fields["old_log_prob"], fields["log_prob"], fields["advantages"], mask, "token-mean", actor
+            )
+        finally:
+            plugin._rollout_topk.reset(token)
+
+    kept = mask[0].bool()
+    cut = {n: v[:, kept] for n, v in fields.items()}
+    full_loss, full_metrics = loss(fields, mask)
+    cut_loss, cut_metrics = loss(cut, torch.ones(1, int(kept.sum()), dtype=torch.long))
+    torch.testing.assert_close(full_loss, cut_loss)
+    assert full_metrics.keys() == cut_metrics.keys()
+    for name in full_metrics:
+        torch.testing.assert_close(torch.as_tensor(full_metrics[name]), torch.as_tensor(cut_metrics[name]), msg=name)
 
 
 # ---- the trainer's side ----

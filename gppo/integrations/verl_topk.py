@@ -10,19 +10,22 @@ runs verl's main_ppo (v1 trainer) with three of verl's classes extended, each wh
   and returns mu's K ids and log-probs of every generated token in `TokenOutput.extra_fields`
   (vLLM's logprobs_mode `processed_logprobs`: the distribution sampled, temperature applied);
 - the agent-loop worker (`TopKAgentLoopWorker`, through `rollout.agent.agent_loop_manager_class`)
-  adds TOPK_REQUEST to training requests and lays the returned top-K out as verl's teacher fields
+  adds TOPK_REQUEST to training requests, keeps the top-K of each of a trajectory's generate calls
+  (one per assistant turn) and lays them out at those calls' tokens as verl's teacher fields
   ([P + R, K] per sample, entry p predicting token p + 1), which verl stores with the sample and
   packs for the actor;
 - the trainer (`topk_trainer` over the class of `trainer.v1.trainer_mode`) sets the actor's loss
   function to `gppo.integrations.verl.topk_ppo_loss` and flags every update
   `distillation_use_topk`, so that verl's FSDP engine hands that loss the logits to gather pi at
   mu's ids.
-Other loss modes run verl's main_ppo unchanged. Single-turn agent loops only: a response that
-holds tool tokens has no top-K at those positions and is refused.
+Other loss modes run verl's main_ppo unchanged. Multi-turn agent loops (verl's tool_agent with
+`rollout.multi_turn.enable`): tool tokens (response_mask 0) have no mu; their entries hold zeros,
+which the loss never reads (it selects by response_mask).
 """
 
 from __future__ import annotations
 
+import contextvars
 from functools import partial
 
 import hydra
@@ -95,7 +98,6 @@ def prepare_config(config: DictConfig) -> int:
             (-1, 0),
             "a top-k rollout's mu is 0 outside it while verl scores pi on the whole vocabulary",
         ),
-        "actor_rollout_ref.rollout.multi_turn.enable": ((False,), "tool tokens in a response have no rollout top-K"),
         "actor_rollout_ref.rollout.disaggregation.enabled": (
             (False,),
             "verl's prefill/decode-disaggregated replica is not extended",
@@ -143,31 +145,50 @@ def prepare_config(config: DictConfig) -> int:
 
 
 def teacher_layout(
-    prompt_length: int, response_mask: list[int], topk_ids: list[list[int]], topk_logprobs: list[list[float]]
+    prompt_length: int, response_ids: list[int], response_mask: list[int], turns: list[tuple]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample's mu top-K as verl's teacher fields: [P + R, K] ids (int32) and log-probs (float32),
-    entry p holding the distribution that predicts token p + 1, so the response's t-th token's top-K
-    sits at P - 1 + t; the other entries (the prompt's, the last) hold id 0 and log-prob 0, which the
-    loss never reads (response_mask)."""
+    entry p holding the distribution that predicts token p + 1.
+
+    `turns`: (token_ids, topk_ids, topk_logprobs) of each generate call, in order. Each maximal run
+    of response_mask 1 is one call's tokens, a prefix of them (the response cut at response_length,
+    or a chat-template builder dropping a turn's last token); a call that left no token (all
+    dropped) is skipped. A run starting at response token s takes its call's top-K at entries
+    P - 1 + s onwards; the other entries (prompt, tool tokens, the last) hold id 0 and log-prob 0,
+    which the loss never reads (response_mask)."""
     length = len(response_mask)
-    if not all(response_mask):
-        raise gppo.GPPOInputError(
-            f"the response holds {length - sum(response_mask)} tokens the model did not generate (tool "
-            "output): the rollout records no top-K there. gppo's top-K rollout supports single-turn agent "
-            "loops (agent_name single_turn_agent)"
-        )
-    if len(topk_ids) < length:
-        raise gppo.GPPOInputError(
-            f"the rollout recorded mu's top-K for {len(topk_ids)} tokens of a {length}-token response; "
-            "every generated token needs one (a request resumed after an abort, as in partial rollouts, "
-            "is not supported)"
-        )
-    k = len(topk_ids[0]) if topk_ids else 0
+    runs, start = [], None
+    for t, generated in enumerate([*response_mask, 0]):
+        if generated and start is None:
+            start = t
+        elif not generated and start is not None:
+            runs.append((start, t))
+            start = None
+    k = next((len(ids[0]) for _, ids, _ in turns if ids), 0)
     ids = torch.zeros(prompt_length + length, k, dtype=torch.int32)
     logprobs = torch.zeros(prompt_length + length, k, dtype=torch.float32)
-    if length:
-        ids[prompt_length - 1 : prompt_length - 1 + length] = torch.tensor(topk_ids[:length], dtype=torch.int32)
-        logprobs[prompt_length - 1 : prompt_length - 1 + length] = torch.tensor(topk_logprobs[:length])
+    pending = iter(turns)
+    for start, stop in runs:
+        run = list(response_ids[start:stop])
+        for turn in pending:
+            if list(turn[0][: len(run)]) == run:
+                break
+        else:
+            raise gppo.GPPOInputError(
+                f"response tokens {start}..{stop - 1} (response_mask 1) are not the start of any remaining "
+                f"generate call's tokens ({len(turns)} calls recorded): mu's top-K is recorded per call, so every "
+                "generated token must come from one call (a request resumed after an abort, as in partial "
+                "rollouts, is not supported)"
+            )
+        _, topk_ids, topk_logprobs = turn
+        if len(topk_ids) < len(run):
+            raise gppo.GPPOInputError(
+                f"the rollout recorded mu's top-K for {len(topk_ids)} tokens of a {len(run)}-token generate "
+                "call; every generated token needs one"
+            )
+        rows = slice(prompt_length - 1 + start, prompt_length - 1 + stop)
+        ids[rows] = torch.tensor(topk_ids[: len(run)], dtype=torch.int32)
+        logprobs[rows] = torch.tensor(topk_logprobs[: len(run)], dtype=torch.float32)
     return ids, logprobs
 
 
@@ -179,34 +200,64 @@ def _load_topk_replica():
 
 # -- the agent loop's side ---------------------------------------------------------------------------------
 
+_turns: contextvars.ContextVar = contextvars.ContextVar("gppo_topk_turns", default=None)  # one trajectory's calls
+
+
+class TopKRecordingClient:
+    """verl's LLM server client as the agent loops use it, except that `generate` moves mu's top-K out
+    of each TokenOutput's extra_fields into the running trajectory's list of calls (`_turns`): verl's
+    tool agent keeps only the first call's extra_fields."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    async def generate(self, *args, **kwargs):
+        output = await self._client.generate(*args, **kwargs)
+        ids = output.extra_fields.pop(TOPK_IDS_FIELD, None)
+        logprobs = output.extra_fields.pop(TOPK_LOGPROBS_FIELD, None)
+        turns = _turns.get()
+        if turns is not None and ids is not None:
+            turns.append((list(output.token_ids), ids, logprobs))
+        return output
+
 
 @ray.remote
 class TopKAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
-    """verl's v1 agent-loop worker that asks the rollout for mu's top-K on training requests and
-    stores it with each sample as the teacher fields (`teacher_layout`)."""
+    """verl's v1 agent-loop worker that asks the rollout for mu's top-K on training requests, keeps
+    each generate call's top-K (TopKRecordingClient) and stores it with each sample as the teacher
+    fields (`teacher_layout`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.rollout_top_k = rollout_top_k(self.config)
+        self.llm_client = TopKRecordingClient(self.llm_client)
 
     async def _run_agent_loop(self, sampling_params, trajectory, **kwargs):
-        if not trajectory["validate"]:
-            sampling_params = {**sampling_params, TOPK_REQUEST: self.rollout_top_k}
-        return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+        if trajectory["validate"]:
+            return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+        token = _turns.set([])  # this trajectory's task: verl runs each in its own asyncio task
+        try:
+            return await super()._run_agent_loop(
+                {**sampling_params, TOPK_REQUEST: self.rollout_top_k}, trajectory, **kwargs
+            )
+        finally:
+            _turns.reset(token)
 
     async def _compute_teacher_logprobs(self, output, prompt_ids, response_ids, validate, sample_kwargs=None):
-        ids = output.extra_fields.pop(TOPK_IDS_FIELD, None)
-        logprobs = output.extra_fields.pop(TOPK_LOGPROBS_FIELD, None)
         if validate:
             return
-        if ids is None:
+        turns = _turns.get()
+        if not turns:
             raise gppo.GPPOInputError(
-                "the agent loop's output carries no rollout top-K: an agent loop must pass its "
-                "sampling_params to server_manager.generate unchanged and keep the TokenOutput's "
-                f"extra_fields ({TOPK_IDS_FIELD}, {TOPK_LOGPROBS_FIELD}); verl's single_turn_agent does"
+                "the agent loop's generate calls returned no rollout top-K: an agent loop must call "
+                "server_manager.generate with its sampling_params unchanged (verl's single_turn_agent "
+                "and tool_agent do)"
             )
         output.extra_fields[TOPK_IDS_KEY], output.extra_fields[TOPK_LOGPROBS_KEY] = teacher_layout(
-            len(prompt_ids), output.response_mask, ids, logprobs
+            len(prompt_ids), response_ids, output.response_mask, turns
         )
 
 
