@@ -391,6 +391,20 @@ def load_yaml(path, flag: str = "--config") -> dict:
 
 
 # ------------------------------------------------------------------------------ command line
+# TRL's and verl's names of settings gppo names otherwise: a user's habit, answered with gppo's flag
+PEER_FLAGS = {
+    "learning_rate": ("TRL", "lr"),
+    "num_generations": ("TRL", "group_size"),
+    "max_completion_length": ("TRL", "max_new_tokens"),
+    "beta": ("TRL", "kl_coef"),
+    "num_train_epochs": ("TRL", "epochs"),
+    "max_steps": ("TRL", "steps"),
+    "num_iterations": ("TRL", "epochs"),
+    "total_training_steps": ("verl", "steps"),
+    "ppo_mini_batch_size": ("verl", "mini_batch_size"),
+}
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that raises ConfigError (one error path) and names the closest flag of a typo."""
 
@@ -408,9 +422,12 @@ class ArgumentParser(argparse.ArgumentParser):
             word = next((e for e in extra if e.startswith("-")), extra[0])
             flag = word.split("=", 1)[0]
             if flag.startswith("-"):
-                hint = (
-                    closest(flag.lstrip("-"), names).replace("(did you mean '", "(did you mean --").replace("'?)", "?)")
-                )
+                peer = PEER_FLAGS.get(flag.lstrip("-"))
+                if peer is not None and peer[1] in names:
+                    hint = f" ({peer[0]}'s name; gppo's flag is --{peer[1]})"
+                else:
+                    hint = closest(flag.lstrip("-"), names).replace("(did you mean '", "(did you mean --")
+                    hint = hint.replace("'?)", "?)")
                 self.error(f"unknown option {flag}{hint}")
             self.error(f"unexpected argument {word!r} (values follow their --flag)")
         return args
