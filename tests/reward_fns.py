@@ -7,6 +7,12 @@ def length_bonus(prompts, completions, **kwargs):
     return [0.01 * len(c) for c in completions]
 
 
+def digit_share(prompts, completions, **kwargs):
+    """The share of digits in each completion: varies between a group's completions even when they
+    all run to the length limit (length_bonus does not then)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
 def raises(prompts, completions, **kwargs):
     raise RuntimeError("this reward function is broken")
 

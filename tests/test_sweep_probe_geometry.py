@@ -515,7 +515,7 @@ def test_probe_needs_no_heldout_split_states_its_update_and_chunks_exactly(micro
             "prompts_per_step": 4,
             "group_size": 2,
             "max_new_tokens": 5,
-            "reward_funcs": ["tests.reward_fns:length_bonus"],
+            "reward_funcs": ["tests.reward_fns:digit_share"],  # varies within a group: the update moves
             "output_dir": str(tmp_path / "t"),
             "threads": 1,
             "lr": 1e-2,

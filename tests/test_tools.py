@@ -17,7 +17,8 @@ from transformers import PreTrainedTokenizerFast
 from gppo.models.embedded import build_model
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
-from gppo.rollout.tools import PythonTool, ToolEngine, closed_code_block, output_block
+from gppo.rollout.tools import PythonTool, ToolEngine
+from gppo.tool_format import closed_code_block, output_block
 from gppo.trainer import ConfigError
 from gppo.trainer.batch import rollout_from_generations
 

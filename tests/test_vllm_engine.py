@@ -461,8 +461,9 @@ def test_vllm_tool_rollouts_stop_at_code_blocks_and_record_mu_at_the_models_toke
     and sampling resumes; mu at the model's tokens equals a float32 HF forward of the whole
     sequence, tool tokens carry 0. The warm start calls the tool on about half of its answers."""
     from gppo.models.assets import embedded_checkpoint
-    from gppo.rollout.tools import PythonTool, ToolEngine, closed_code_block
+    from gppo.rollout.tools import PythonTool, ToolEngine
     from gppo.tasks import get_task, heldout_problems
+    from gppo.tool_format import closed_code_block
 
     base = embedded_checkpoint("multiplication")
     model, tokenizer = load_model_and_tokenizer(base, dtype=torch.float32)

@@ -203,7 +203,7 @@ class HFEngine:
         """Which active rows' completions now end by closing a ```python block (`history` gets this
         step's tokens). A block closes with a ``` line's newline, so only rows whose new token holds
         a backtick or a newline are decoded."""
-        from gppo.rollout.tools import closed_code_block
+        from gppo.tool_format import closed_code_block
 
         if self._fence_ids is None:
             texts = self.tokenizer.batch_decode([[i] for i in range(self.max_top_k_logprobs)])

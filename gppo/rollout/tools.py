@@ -25,27 +25,12 @@ recorded log-prob is 0, and their top-K entries are 0, never read.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gppo.rollout.base import Generation, SamplingParams
-
-_OPEN = re.compile(r"```(?:python|py)[ \t]*\n")
-_CLOSE = re.compile(r"((?:(?!```).)*?)\n?```[ \t]*\n\s*", re.S)  # the code, then the closing line
-FENCE = "```"
-
-
-def closed_code_block(text: str) -> str | None:
-    """The code of the last ```python block when `text` ends with the line that closes it (a
-    ``` line, ended by its newline: until then "```python" may be a new opening), else None: a
-    block already answered (an ```output block follows it) or still open is not pending."""
-    opened = list(_OPEN.finditer(text))
-    if not opened:
-        return None
-    closed = _CLOSE.fullmatch(text, opened[-1].end())
-    return None if closed is None else closed.group(1)
+from gppo.tool_format import closed_code_block, output_block
 
 
 @dataclass(frozen=True)
@@ -96,11 +81,6 @@ def tool_stats(gens: list[Generation], prefix: str) -> dict:
         f"{prefix}tool_failure_frac": sum(g.tool_failures for g in gens) / max(calls, 1),
         f"{prefix}tool_token_frac": sum(len(g.tool_mask) - sum(g.tool_mask) for g in gens) / max(tokens, 1),
     }
-
-
-def output_block(text: str) -> str:
-    """The tool tokens' text: the output in an ```output block, after the closed ```python block."""
-    return f"{FENCE}output\n{text.rstrip()}\n{FENCE}\n"
 
 
 @dataclass

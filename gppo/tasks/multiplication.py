@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 from gppo.problem import Problem
-from gppo.rollout.tools import FENCE, output_block
+from gppo.tool_format import FENCE, output_block
 
 
 class MultiplicationTask:
