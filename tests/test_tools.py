@@ -190,3 +190,24 @@ def test_the_shipped_multiplication_warm_start_calls_the_tool_half_the_time():
     assert 0.3 < sum(called) / len(gens) < 0.7
     assert sum(r and not c for r, c in zip(right, called)) <= 2  # in its head it is (almost) never right
     assert sum(r for r, c in zip(right, called) if c) >= 0.9 * sum(called)  # with the tool it copies the output
+
+
+def test_the_hf_engine_reports_each_block_as_it_closes(scripted, monkeypatch):
+    """on_code_block gets (index in the output, code) at the decoding step where the block closes,
+    so that ToolEngine starts the call while the other completions decode."""
+    make, tokenizer = scripted
+    engine = make(monkeypatch, "ok\n```python\nprint(1)\n```\nmore")
+    seen, steps = [], []
+    params = SamplingParams(
+        max_new_tokens=40,
+        n=2,
+        seed=0,
+        stop_at_code_block=True,
+        on_code_block=lambda index, code: seen.append((index, code, len(steps))),
+        on_step=lambda tokens, finished: steps.append(tokens),
+    )
+    gens = engine.generate(["a ", "b "], params)
+    block_end = len("ok\n```python\nprint(1)\n```\n")
+    assert sorted((i, c) for i, c, _ in seen) == [(0, "print(1)"), (1, "print(1)"), (2, "print(1)"), (3, "print(1)")]
+    assert {at for _, _, at in seen} == {block_end - 1}  # reported during the step that closed the block
+    assert all(g.finish_reason == "tool" and len(g.completion_ids) == block_end for g in gens)

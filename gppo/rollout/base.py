@@ -33,6 +33,9 @@ class SamplingParams:
     record_kept_ids: bool = False  # with top_p < 1: return the nucleus S of every generated token
     # stop a completion when it closes a ```python block (finish_reason "tool"; gppo.rollout.tools)
     stop_at_code_block: bool = False
+    # called with (the completion's index in the output, its code) as soon as it stops at a block
+    # (HF engine), so that the tool runs while the other completions decode
+    on_code_block: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
     # Progress: called with (tokens generated since the last call, completions that ended since):
     # after each decoding step (HF engine) or each time a prompt's n completions end (vLLM).
     on_step: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)

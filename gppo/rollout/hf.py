@@ -91,7 +91,7 @@ class HFEngine:
             return [
                 g
                 for start in range(0, len(jobs), self.batch_size)
-                for g in self._generate_batch(jobs[start : start + self.batch_size], params, gen)
+                for g in self._generate_batch(jobs[start : start + self.batch_size], params, gen, start)
             ]
         finally:
             self.model.train(was_training)
@@ -111,7 +111,7 @@ class HFEngine:
         )
 
     @torch.inference_mode()
-    def _generate_batch(self, jobs, params: SamplingParams, gen: torch.Generator) -> list[Generation]:
+    def _generate_batch(self, jobs, params: SamplingParams, gen: torch.Generator, first: int = 0) -> list[Generation]:
         B, K = len(jobs), params.top_k_logprobs
         record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
         # Distinct prompts in job order (a prompt's n copies are consecutive): prefill each once.
@@ -147,7 +147,7 @@ class HFEngine:
             steps.append((active, token, lp_token, tk_ids, tk_lps, kept))
             done = torch.isin(token, self.eos_ids)
             if history is not None:
-                done |= self._closes_code_block(active, token, history)
+                done |= self._closes_code_block(active, token, history, params, first)
                 at_block[active[done & ~torch.isin(token, self.eos_ids)]] = True
             finished[active[done]] = True
             if params.on_step is not None:
@@ -199,7 +199,7 @@ class HFEngine:
             for row, ((i, ids), n) in enumerate(zip(jobs, lengths))
         ]
 
-    def _closes_code_block(self, active: torch.Tensor, token: torch.Tensor, history: list[list[int]]) -> torch.Tensor:
+    def _closes_code_block(self, active, token, history, params: SamplingParams, first: int) -> torch.Tensor:
         """Which active rows' completions now end by closing a ```python block (`history` gets this
         step's tokens). A block closes with a ``` line's newline, so only rows whose new token holds
         a backtick or a newline are decoded."""
@@ -214,7 +214,10 @@ class HFEngine:
         closes = torch.zeros(len(active), dtype=torch.bool, device=self.device)
         for i in torch.isin(token, self._fence_ids).nonzero().flatten().tolist():
             text = self.tokenizer.decode(history[int(active[i])], skip_special_tokens=True)
-            closes[i] = closed_code_block(text) is not None
+            code = closed_code_block(text)
+            closes[i] = code is not None
+            if code is not None and params.on_code_block is not None:  # the tool may start while others decode
+                params.on_code_block(first + int(active[i]), code)
         return closes
 
     @staticmethod

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gppo.rollout.base import Generation, SamplingParams
@@ -96,6 +96,7 @@ class _Completion:
     calls: int = 0
     failures: int = 0
     finish: str = "stop"
+    call: Future | None = None  # the tool's output, when its call started while the engine decoded
 
     def add_model(self, g: Generation) -> None:
         self.ids += g.completion_ids
@@ -126,53 +127,65 @@ class ToolEngine:
         return getattr(self.engine, name)
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        """`params.n` completions per prompt, grouped by prompt, with their tool calls run."""
+        """`params.n` completions per prompt, grouped by prompt, with their tool calls run. A call
+        starts as soon as the engine reports its block (the HF engine does, while the other
+        completions decode); the rest start when the engine returns."""
         encoded = self.tokenizer(list(prompts))["input_ids"]
-        first = self.engine.generate(encoded, dataclasses.replace(params, stop_at_code_block=True))
-        done = [_Completion(g) for g in first]
-        for c, g in zip(done, first):
-            c.add_model(g)
-        round_ = 0
         with ThreadPoolExecutor(max_workers=4) as pool:
+            gens, calls = self._sample(pool, encoded, dataclasses.replace(params, stop_at_code_block=True))
+            done = [_Completion(g) for g in gens]
+            for i, (c, g) in enumerate(zip(done, gens)):
+                c.add_model(g)
+                c.call = calls.get(i)
+            round_ = 0
             while pending := [c for c in done if c.finish == "tool"]:
                 round_ += 1
-                codes = [closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True)) for c in pending]
-                # an engine that stops at any closing ``` line (vLLM's stop string) resumes at once
-                # when the line closed no ```python block
-                resume = [c for c, code in zip(pending, codes) if code is None]
-                pending = [c for c, code in zip(pending, codes) if code is not None]
-                outputs = list(pool.map(self.tool, [code for code in codes if code is not None]))
-                for c, out in zip(pending, outputs):
+                resume = []
+                for c in pending:
+                    code = closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True))
+                    if code is None:  # vLLM's stop string: a closing ``` line of no ```python block
+                        resume.append(c)
+                        continue
+                    out = (c.call or pool.submit(self.tool, code)).result()
+                    c.call = None
                     c.calls += 1
                     c.failures += out.failed
                     ids = self.tokenizer(output_block(out.text), add_special_tokens=False)["input_ids"]
-                    room = params.max_new_tokens - len(c.ids)
-                    c.add_tool(ids[: min(self.output_tokens, room)], params.top_k_logprobs)
-                    if len(c.ids) >= params.max_new_tokens:
-                        c.finish = "length"
-                    else:
-                        resume.append(c)
+                    c.add_tool(
+                        ids[: min(self.output_tokens, params.max_new_tokens - len(c.ids))], params.top_k_logprobs
+                    )
+                    resume.append(c)
                 for c in resume:
-                    if len(c.ids) >= params.max_new_tokens:  # a closing line at the very end of the budget
-                        c.finish = "length"
-                resume = [c for c in resume if c.finish != "length"]
-                for stop in (True, False):
-                    batch = [c for c in resume if (c.calls < self.max_tool_calls) == stop]
-                    if not batch:
-                        continue
-                    seed = None if params.seed is None else params.seed * 1009 + 2 * round_ + stop
-                    # one completion per sequence: each is its own prompt now (n = 1, the room left)
-                    for c in batch:
-                        c.finish = "pending"
-                    for room in sorted({params.max_new_tokens - len(c.ids) for c in batch}):
-                        group = [c for c in batch if params.max_new_tokens - len(c.ids) == room]
-                        more = self.engine.generate(
-                            [c.first.prompt_ids + c.ids for c in group],
-                            dataclasses.replace(params, n=1, max_new_tokens=room, seed=seed, stop_at_code_block=stop),
-                        )
-                        for c, g in zip(group, more):
-                            c.add_model(g)
+                    c.finish = "length" if len(c.ids) >= params.max_new_tokens else "pending"
+                self._resume(pool, [c for c in resume if c.finish == "pending"], params, round_)
         return [self._generation(c, params.top_k_logprobs) for c in done]
+
+    def _sample(self, pool, prompt_ids, params: SamplingParams):
+        """(generations, {index: Future of the tool's output} of the calls the engine reported while
+        decoding)."""
+        calls = {}
+
+        def start(index: int, code: str) -> None:
+            calls[index] = pool.submit(self.tool, code)
+
+        return self.engine.generate(prompt_ids, dataclasses.replace(params, on_code_block=start)), calls
+
+    def _resume(self, pool, resume: list[_Completion], params: SamplingParams, round_: int) -> None:
+        """Continue each completion from its whole token sequence, with the room it has left; those
+        at `max_tool_calls` sample on without stopping at blocks."""
+        for stop in (True, False):
+            batch = [c for c in resume if (c.calls < self.max_tool_calls) == stop]
+            seed = None if params.seed is None else params.seed * 1009 + 2 * round_ + stop
+            for room in sorted({params.max_new_tokens - len(c.ids) for c in batch}):
+                group = [c for c in batch if params.max_new_tokens - len(c.ids) == room]
+                more, calls = self._sample(
+                    pool,
+                    [c.first.prompt_ids + c.ids for c in group],
+                    dataclasses.replace(params, n=1, max_new_tokens=room, seed=seed, stop_at_code_block=stop),
+                )
+                for i, (c, g) in enumerate(zip(group, more)):
+                    c.add_model(g)
+                    c.call = calls.get(i)
 
     def _generation(self, c: _Completion, top_k: int) -> Generation:
         return dataclasses.replace(
