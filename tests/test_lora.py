@@ -196,7 +196,7 @@ def test_resuming_with_the_other_use_peft_setting_is_refused(micro_model, tmp_pa
         Trainer.resume(tmp_path / "run", {"use_peft": False, "steps": 2})
 
 
-def test_lora_sync_defaults_to_served_adapters_and_needs_vllm(micro_model, tmp_path, monkeypatch):
+def test_lora_sync_defaults_to_merged_weights_and_needs_vllm(micro_model, tmp_path, monkeypatch):
     import importlib.util
 
     find_spec = importlib.util.find_spec
@@ -204,10 +204,12 @@ def test_lora_sync_defaults_to_served_adapters_and_needs_vllm(micro_model, tmp_p
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
     )
     vllm = micro_config(micro_model, tmp_path / "a", engine="vllm", use_peft=True)
-    assert vllm.resolved_lora_sync() == "adapter"
+    assert vllm.resolved_lora_sync() == "merged"
     assert (
-        micro_config(micro_model, tmp_path / "b", engine="vllm", use_peft=True, lora_sync="merged").resolved_lora_sync()
-        == "merged"
+        micro_config(
+            micro_model, tmp_path / "b", engine="vllm", use_peft=True, lora_sync="adapter"
+        ).resolved_lora_sync()
+        == "adapter"
     )
     assert micro_config(micro_model, tmp_path / "c", use_peft=True).resolved_lora_sync() is None
     with pytest.raises(ConfigError, match="--lora_sync merged would be ignored: it applies with --engine vllm"):
