@@ -488,3 +488,88 @@ def test_vllm_tool_rollouts_stop_at_code_blocks_and_record_mu_at_the_models_toke
     right = sum(task.score(problems[g.prompt_index], g.text) for g in called) / len(called)
     assert right > 0.5  # reading the tool's output, the warm start answers mostly right
     vllm.close()
+
+
+class _FirstCallWaitsForAResume:
+    """A python tool whose first call answers only once some completion has resumed after its own
+    call and ended (or after 120 s): with requests that resume independently it never waits long;
+    with rounds (every completion waits for every call) it would time out."""
+
+    def __init__(self):
+        import threading
+
+        from gppo.rollout.tools import PythonTool
+
+        self.tool, self.lock, self.calls = PythonTool(), threading.Lock(), 0
+        self.resumed, self.waited = threading.Event(), None
+
+    def __call__(self, code: str):
+        with self.lock:
+            self.calls += 1
+            first = self.calls == 1
+        if first:
+            self.waited = self.resumed.wait(timeout=120)
+        return self.tool(code)
+
+
+class _Watched:
+    """A VLLMEngine whose request queue tells the tool above when a resumed segment ends."""
+
+    def __init__(self, engine, tool, tokenizer):
+        self.engine, self.tool, self.tokenizer = engine, tool, tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def requests(self, params):
+        queue, watched = self.engine.requests(params), self
+
+        class Step:
+            pending = property(lambda _: queue.pending)
+            add = staticmethod(queue.add)
+
+            @staticmethod
+            def step():
+                ended = queue.step()
+                if any("```output" in watched.tokenizer.decode(g.prompt_ids) for _, g in ended):
+                    watched.tool.resumed.set()
+                return ended
+
+        return Step()
+
+
+def test_vllm_tool_calls_resume_independently_while_others_decode():
+    """A completion whose tool call hangs does not hold the others: they run their own calls and
+    resume and end while it waits (vLLM's request queue, `VLLMEngine.requests`); it then resumes
+    with its output like any other."""
+    from gppo.models.assets import embedded_checkpoint
+    from gppo.rollout.tools import ToolEngine
+    from gppo.tasks import get_task, heldout_problems
+
+    base = embedded_checkpoint("multiplication")
+    model, tokenizer = load_model_and_tokenizer(base, dtype=torch.float32)
+    vllm = make_engine("vllm", model, tokenizer, model_path=base, kv_cache_gb=KV_GB, code_block_stops=True)
+    tool = _FirstCallWaitsForAResume()
+    engine = ToolEngine(_Watched(vllm, tool, tokenizer), tokenizer, tool)
+    problems = heldout_problems(get_task("multiplication"), 16)
+    gens = engine.generate([p.prompt for p in problems], SamplingParams(temperature=T, max_new_tokens=64, n=4, seed=0))
+    assert tool.waited is True  # another completion resumed and ended while the first call was out
+    called = [g for g in gens if g.tool_calls]
+    assert sum(g.tool_calls for g in called) == tool.calls and len(called) > 1
+    for g in called:
+        assert "```output\n" in tokenizer.decode(g.completion_ids) and 0 in g.tool_mask
+    vllm.close()
+
+
+def test_gppo_train_with_tools_on_vllm(tmp_path):
+    """`gppo train --engine vllm --tools python` on the multiplication warm start, 2 steps: the
+    rollouts call the tool, and at the model's tokens mu (float32 vLLM) matches the trainer's pi_old
+    (tool tokens, which have no mu, are out of the mismatch metrics as of every term)."""
+    run = _embedded_run(
+        tmp_path, "tools", task="multiplication", tools=["python"], max_new_tokens=64, off_policy_steps=0, lr=1e-4
+    )
+    run.train()
+    steps = [r for r in _metrics(tmp_path / "tools") if "rollout/tool_call_frac" in r]
+    assert len(steps) == 2 and all(r["rollout/tool_call_frac"] > 0.2 for r in steps), steps
+    updates = [r for r in _metrics(tmp_path / "tools") if "mismatch/prob_diff/max" in r]
+    assert updates and all(r["mismatch/prob_diff/max"] < 1e-3 for r in updates), updates

@@ -14,8 +14,10 @@ The format needs no tool role in the chat template, so it works with any model:
 
 `ToolEngine` wraps any engine. It samples until EOS, the budget, or a closed ```python block
 (`SamplingParams.stop_at_code_block`). It then runs the block (`PythonTool`: `run_program`, the
-code reward's sandbox and limits), appends the output as tokens, and continues each such completion
-from its whole token sequence. Tool tokens count against `max_new_tokens`; after
+code reward's sandbox and limits), appends the output as tokens, and continues the completion from
+its whole token sequence: on vLLM as soon as its tool answers, while the others decode; on the HF
+engine, which decodes in batches, together with the others that called. Tool tokens count against
+`max_new_tokens`; after
 `max_tool_calls` calls a completion samples on without stopping at blocks. A `Generation`'s
 `tool_mask` is 1 at the model's tokens and 0 at the tools' (TRL's convention): tool tokens are
 context for every forward, and never a term of the objective (`gppo.trainer.batch`). Their
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from gppo.rollout.base import Generation, SamplingParams
@@ -87,7 +89,8 @@ def tool_stats(gens: list[Generation], prefix: str) -> dict:
 class _Completion:
     """A completion being assembled over segments."""
 
-    first: Generation
+    prompt_index: int
+    prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
@@ -127,38 +130,98 @@ class ToolEngine:
         return getattr(self.engine, name)
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        """`params.n` completions per prompt, grouped by prompt, with their tool calls run. A call
-        starts as soon as the engine reports its block (the HF engine does, while the other
-        completions decode); the rest start when the engine returns."""
+        """`params.n` completions per prompt, grouped by prompt, with their tool calls run: on an
+        engine with a request queue (vLLM's `requests`), each completion resumes as soon as its
+        tool answers, while the others decode; otherwise (the HF engine's batches) a call starts as
+        soon as the engine reports its block, and the completions resume together, in rounds."""
         encoded = self.tokenizer(list(prompts))["input_ids"]
         with ThreadPoolExecutor(max_workers=4) as pool:
-            gens, calls = self._sample(pool, encoded, dataclasses.replace(params, stop_at_code_block=True))
-            done = [_Completion(g) for g in gens]
-            for i, (c, g) in enumerate(zip(done, gens)):
-                c.add_model(g)
-                c.call = calls.get(i)
-            round_ = 0
-            while pending := [c for c in done if c.finish == "tool"]:
-                round_ += 1
-                resume = []
-                for c in pending:
-                    code = closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True))
-                    if code is None:  # vLLM's stop string: a closing ``` line of no ```python block
-                        resume.append(c)
-                        continue
-                    out = (c.call or pool.submit(self.tool, code)).result()
-                    c.call = None
-                    c.calls += 1
-                    c.failures += out.failed
-                    ids = self.tokenizer(output_block(out.text), add_special_tokens=False)["input_ids"]
-                    c.add_tool(
-                        ids[: min(self.output_tokens, params.max_new_tokens - len(c.ids))], params.top_k_logprobs
-                    )
-                    resume.append(c)
-                for c in resume:
-                    c.finish = "length" if len(c.ids) >= params.max_new_tokens else "pending"
-                self._resume(pool, [c for c in resume if c.finish == "pending"], params, round_)
+            if hasattr(self.engine, "requests"):
+                done = self._independently(pool, encoded, params)
+            else:
+                done = self._in_rounds(pool, encoded, params)
         return [self._generation(c, params.top_k_logprobs) for c in done]
+
+    def _independently(self, pool, encoded: list[list[int]], params: SamplingParams) -> list[_Completion]:
+        """Each completion is a request of its own; a stopped one waits for its tool, then joins the
+        running batch with its whole sequence as the prompt (vLLM's prefix cache holds the part it
+        has seen). Request seeds derive from (seed, prompt, sample, segment), so that a completion
+        samples the same tokens whatever the others do."""
+        requests = self.engine.requests(dataclasses.replace(params, n=1, on_step=None, stop_at_code_block=True))
+        done = [_Completion(i, ids) for i, ids in enumerate(encoded) for _ in range(params.n)]
+
+        def submit(number: int, c: _Completion) -> None:
+            room = params.max_new_tokens - len(c.ids)
+            seed = (
+                None if params.seed is None else (params.seed * len(done) + number) * params.max_new_tokens + len(c.ids)
+            )
+            requests.add(number, c.prompt_index, c.prompt_ids + c.ids, room, seed, c.calls < self.max_tool_calls)
+
+        for number, c in enumerate(done):
+            submit(number, c)
+        calls: dict[Future, int] = {}
+        while requests.pending or calls:
+            for number, g in requests.step() if requests.pending else []:
+                c = done[number]
+                c.add_model(g)
+                code = closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True))
+                if c.finish == "tool" and code is not None:
+                    calls[pool.submit(self.tool, code)] = number
+                elif c.finish == "tool":  # the stop string closed no ```python block
+                    self._go_on(c, params)
+                if c.finish == "pending":
+                    submit(number, c)
+                elif c.finish != "tool" and params.on_step is not None:
+                    params.on_step(len(c.ids), 1)
+            answered = (
+                [f for f in calls if f.done()] if requests.pending else wait(calls, return_when=FIRST_COMPLETED).done
+            )
+            for call in answered:
+                number = calls.pop(call)
+                c = done[number]
+                self._answer(c, call.result(), params)
+                if c.finish == "pending":
+                    submit(number, c)
+                elif params.on_step is not None:
+                    params.on_step(len(c.ids), 1)
+        return done
+
+    def _in_rounds(self, pool, encoded: list[list[int]], params: SamplingParams) -> list[_Completion]:
+        """Sample every completion until it stops; run the calls (started while decoding where the
+        engine reports blocks); resume all that called, together; repeat."""
+        gens, calls = self._sample(pool, encoded, dataclasses.replace(params, stop_at_code_block=True))
+        done = [_Completion(g.prompt_index, g.prompt_ids) for g in gens]
+        for i, (c, g) in enumerate(zip(done, gens)):
+            c.add_model(g)
+            c.call = calls.get(i)
+        round_ = 0
+        while pending := [c for c in done if c.finish == "tool"]:
+            round_ += 1
+            resume = []
+            for c in pending:
+                code = closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True))
+                if code is None:  # the stop string closed no ```python block
+                    self._go_on(c, params)
+                else:
+                    self._answer(c, (c.call or pool.submit(self.tool, code)).result(), params)
+                    c.call = None
+                resume.append(c)
+            self._resume(pool, [c for c in resume if c.finish == "pending"], params, round_)
+        return done
+
+    def _answer(self, c: _Completion, out: ToolOutput, params: SamplingParams) -> None:
+        """Append the tool's output block (cut to `output_tokens` and to the room left); the
+        completion then resumes ("pending") or has used its budget ("length")."""
+        c.calls += 1
+        c.failures += out.failed
+        ids = self.tokenizer(output_block(out.text), add_special_tokens=False)["input_ids"]
+        c.add_tool(ids[: min(self.output_tokens, params.max_new_tokens - len(c.ids))], params.top_k_logprobs)
+        self._go_on(c, params)
+
+    @staticmethod
+    def _go_on(c: _Completion, params: SamplingParams) -> None:
+        """Resume the completion ("pending") unless it has used its token budget ("length")."""
+        c.finish = "length" if len(c.ids) >= params.max_new_tokens else "pending"
 
     def _sample(self, pool, prompt_ids, params: SamplingParams):
         """(generations, {index: Future of the tool's output} of the calls the engine reported while
@@ -180,7 +243,7 @@ class ToolEngine:
                 group = [c for c in batch if params.max_new_tokens - len(c.ids) == room]
                 more, calls = self._sample(
                     pool,
-                    [c.first.prompt_ids + c.ids for c in group],
+                    [c.prompt_ids + c.ids for c in group],
                     dataclasses.replace(params, n=1, max_new_tokens=room, seed=seed, stop_at_code_block=stop),
                 )
                 for i, (c, g) in enumerate(zip(group, more)):
@@ -188,8 +251,9 @@ class ToolEngine:
                     c.call = calls.get(i)
 
     def _generation(self, c: _Completion, top_k: int) -> Generation:
-        return dataclasses.replace(
-            c.first,
+        return Generation(
+            c.prompt_index,
+            c.prompt_ids,
             completion_ids=c.ids,
             text=self.tokenizer.decode(c.ids, skip_special_tokens=True),
             logprobs=c.logprobs,

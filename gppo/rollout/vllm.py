@@ -25,6 +25,11 @@ adapter and every later request names it (`LoRARequest`, a new id per update, so
 the new one). Built without, `update_weights` reloads the base's weights with the adapter merged
 into them (W + s B A, computed apart: the trained model is left as it is).
 
+Tool rollouts (`gppo.rollout.tools`) sample through `requests`: single completions that join the
+running batch at any engine step, so that one whose tool answers resumes while the others decode;
+a resumed completion is a new request whose prompt is its whole sequence, mostly found in the
+prefix cache.
+
 One engine per process: vLLM keeps its parallel state in module globals, and an engine that is
 garbage-collected tears that state down under whichever engine is alive then. So building a
 VLLMEngine first shuts down the one built before it (a sweep running its runs one after another
@@ -186,8 +191,40 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         """Return `params.n` generations per prompt, grouped by prompt in prompt order."""
-        from vllm import SamplingParams as VSamplingParams
+        record_kept = self._check(params)
+        encoded = encode(self.tokenizer, prompts)
+        if any(len(ids) == 0 for ids in encoded):
+            raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
+        # one seed per prompt (vLLM seeds each request's sampler: one shared seed would give every
+        # prompt the same random stream)
+        sampling = [
+            self._sampling(
+                params,
+                params.max_new_tokens,
+                None if params.seed is None else params.seed * len(encoded) + i,
+                params.stop_at_code_block,
+                n=params.n,
+            )
+            for i in range(len(encoded))
+        ]
+        progress = False if params.on_step is None else _FinishedPrompts.reporting_to(params.on_step)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=progress, lora_request=self._lora()
+        )
+        return [
+            _generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
+            for i, (ids, out) in enumerate(zip(encoded, outputs))
+            for completion in out.outputs
+        ]
 
+    def requests(self, params: SamplingParams) -> Requests:
+        """A queue of single completions sampled with `params` that may join the running batch at
+        any engine step (`Requests`): tool rollouts resume a completion as soon as its tool answers,
+        while the others decode."""
+        return Requests(self, params, self._check(params))
+
+    def _check(self, params: SamplingParams) -> bool:
+        """Refuse what this engine cannot sample; whether to record the top-p nucleus."""
         if self.closed:
             raise RuntimeError(
                 "this VLLMEngine was shut down when a newer one was built in this process (vLLM "
@@ -208,37 +245,27 @@ class VLLMEngine:
                 f"top_k_logprobs={params.top_k_logprobs} exceeds vLLM's max_logprobs="
                 f"{self.max_top_k_logprobs}; lower the preset's top_k"
             )
-        encoded = encode(self.tokenizer, prompts)
-        if any(len(ids) == 0 for ids in encoded):
-            raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
-        # one seed per prompt (vLLM seeds each request's sampler: one shared seed would give every
-        # prompt the same random stream)
-        sampling = [
-            VSamplingParams(
-                n=params.n,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                max_tokens=params.max_new_tokens,
-                logprobs=params.top_k_logprobs,
-                seed=None if params.seed is None else (params.seed * len(encoded) + i) % 2**63,
-                stop_token_ids=self.eos_ids,
-                # a closing ``` line: ToolEngine checks that it closes a ```python block
-                **({"stop": [CLOSING_FENCE], "include_stop_str_in_output": True} if params.stop_at_code_block else {}),
-            )
-            for i in range(len(encoded))
-        ]
-        progress = False if params.on_step is None else _FinishedPrompts.reporting_to(params.on_step)
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in encoded],
-            sampling,
-            use_tqdm=progress,
-            lora_request=None if self._adapter is None else self._adapter[0],
+        return record_kept
+
+    def _sampling(self, params: SamplingParams, max_tokens: int, seed: int | None, stop_at_code_block: bool, n=1):
+        """vLLM's SamplingParams for `params`, with these tokens, seed and stops."""
+        from vllm import SamplingParams as VSamplingParams
+
+        return VSamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=max_tokens,
+            logprobs=params.top_k_logprobs,
+            seed=None if seed is None else seed % 2**63,
+            stop_token_ids=self.eos_ids,
+            # a closing ``` line: ToolEngine checks that it closes a ```python block
+            **({"stop": [CLOSING_FENCE], "include_stop_str_in_output": True} if stop_at_code_block else {}),
         )
-        return [
-            _generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
-            for i, (ids, out) in enumerate(zip(encoded, outputs))
-            for completion in out.outputs
-        ]
+
+    def _lora(self):
+        """The LoRARequest of the adapter now served (None: the weights are vLLM's own)."""
+        return None if self._adapter is None else self._adapter[0]
 
     @torch.no_grad()
     def update_weights(self, model: torch.nn.Module) -> None:
@@ -267,6 +294,36 @@ class VLLMEngine:
         self._adapter = LoRARequest(f"gppo-{number}", number, str(directory)), directory
         if previous is not None:
             shutil.rmtree(previous[1], ignore_errors=True)
+
+
+class Requests:
+    """Single completions that join vLLM's running batch at the next engine step (`LLM.enqueue`,
+    then one `LLMEngine.step` per `step()`), for rollouts whose completions pause and resume at
+    different times. `add` queues one; `step` decodes one step and returns the (key, Generation)
+    of each request that ended in it."""
+
+    def __init__(self, engine: VLLMEngine, params: SamplingParams, record_kept: bool):
+        self.engine, self.params, self.record_kept = engine, params, record_kept
+        self.pending: dict[str, tuple[object, int, list[int]]] = {}  # request id -> (key, prompt index, ids)
+
+    def add(self, key, prompt_index: int, prompt_ids: list[int], max_new_tokens: int, seed, stop_at_code_block: bool):
+        sampling = self.engine._sampling(self.params, max_new_tokens, seed, stop_at_code_block)
+        [request_id] = self.engine.llm.enqueue(
+            [{"prompt_token_ids": prompt_ids}], sampling, use_tqdm=False, lora_request=self.engine._lora()
+        )
+        # vLLM returns its internal id, the LLM's counter value plus "-<8 random characters>"
+        # (InputProcessor.assign_request_id); outputs carry the counter value
+        self.pending[request_id.split("-")[0]] = (key, prompt_index, prompt_ids)
+
+    def step(self) -> list[tuple[object, Generation]]:
+        ended = []
+        for out in self.engine.llm.llm_engine.step():
+            if out.finished:
+                key, index, ids = self.pending.pop(out.request_id)
+                [completion] = out.outputs
+                top_k, tokenizer = self.params.top_k_logprobs, self.engine.tokenizer
+                ended.append((key, _generation(index, ids, completion, top_k, tokenizer, self.record_kept)))
+        return ended
 
 
 SERVED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
