@@ -160,6 +160,23 @@ def child(framework: str, steps: int, threads: int, mode: str) -> None:
     print("RESULT " + json.dumps({"framework": framework, "step_s": seconds, "peak_gb": peak}), flush=True)
 
 
+def machine_rates(threads: int) -> str:
+    """This CPU's float32 and bfloat16 matmul rates at SmolLM2's linear shapes (roofline.py's
+    probe), measured before the runs, so that every figure has them beside it."""
+    import torch
+    from roofline import linear_shapes, matmul_rate
+
+    from gppo.models.loading import load_model_and_tokenizer
+
+    torch.set_num_threads(threads)
+    shapes = linear_shapes(load_model_and_tokenizer("smollm2", dtype=torch.float32)[0])
+    rates = {
+        name: matmul_rate(shapes, dtype) / 1e9
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+    }
+    return f"this CPU, {threads} threads: matmul " + ", ".join(f"{n} {r:.0f} GFLOP/s" for n, r in rates.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="RL steps per run")
@@ -171,6 +188,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.steps, args.threads, args.mode)
+    print(machine_rates(args.threads), flush=True)
     results = {"gppo": [], "trl": []}
     for _ in range(1 if args.once else args.pairs):
         for framework in ("gppo", "trl") if args.once else ("gppo", "trl", "trl", "gppo"):
