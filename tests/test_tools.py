@@ -152,8 +152,6 @@ def test_tool_settings_are_checked(micro_model, tmp_path):
         micro_config(micro_model, tmp_path / "a", tools=["bash"])
     with pytest.raises(ConfigError, match="--max_tool_calls 2 would be ignored: it applies with --tools python"):
         micro_config(micro_model, tmp_path / "b", max_tool_calls=2)
-    with pytest.raises(ConfigError, match="--tools with --rollout_top_p 0.9"):
-        micro_config(micro_model, tmp_path / "c", tools=["python"], rollout_top_p=0.9)
 
 
 def test_a_training_run_with_tools_logs_the_tool_metrics(micro_model, tmp_path):
@@ -211,3 +209,53 @@ def test_the_hf_engine_reports_each_block_as_it_closes(scripted, monkeypatch):
     assert sorted((i, c) for i, c, _ in seen) == [(0, "print(1)"), (1, "print(1)"), (2, "print(1)"), (3, "print(1)")]
     assert {at for _, _, at in seen} == {block_end - 1}  # reported during the step that closed the block
     assert all(g.finish_reason == "tool" and len(g.completion_ids) == block_end for g in gens)
+
+
+def test_top_p_tool_rollouts_score_pi_on_the_nucleus_at_the_models_tokens(tmp_path):
+    """Top-p 0.9 rollouts of the multiplication warm start with the python tool: every token has a
+    nucleus (the sampled token in it; a tool token's is the token alone), and the trainer's forward
+    on those nuclei gives r = pi/mu = 1 within 1e-5 at the model's tokens on the first update (the
+    HF engine samples from the trained weights), where scoring the whole vocabulary gives r = pi(S)."""
+    import dataclasses
+
+    from gppo.models.forward import policy_outputs
+    from gppo.trainer import Trainer
+    from gppo.trainer.config import from_dict
+
+    trainer = Trainer(
+        from_dict(
+            dict(
+                task="multiplication",
+                tools=["python"],
+                rollout_top_p=0.9,
+                max_new_tokens=64,
+                prompts_per_step=8,
+                group_size=4,
+                output_dir=str(tmp_path / "run"),
+                progress=False,
+                threads=1,
+            )  # fmt: skip
+        )
+    )
+    from gppo.tasks import get_task, heldout_problems
+
+    prompts = [p.prompt for p in heldout_problems(get_task("multiplication"), 8)]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=64, n=4, seed=0, record_kept_ids=True)
+    gens = trainer.engine.generate(prompts, params)
+    called = [g for g in gens if g.tool_calls]
+    assert called and all(len(g.kept_ids) == len(g.completion_ids) for g in gens)
+    for g in gens:
+        for token, mine, kept in zip(g.completion_ids, g.tool_mask, g.kept_ids):
+            assert token in kept and (mine or kept == [token])
+    rollout, _ = trainer.rollout()
+    rollout = trainer.prepare(rollout)
+    valid = rollout.response_mask.bool()
+    assert (valid.sum() < (rollout.kept_sizes > 0).sum()) and valid.any()  # tool tokens are out of the loss
+    with torch.no_grad():
+        out = policy_outputs(trainer.model, rollout, trainer.config.temperature)
+        whole = policy_outputs(
+            trainer.model, dataclasses.replace(rollout, kept_sizes=None, kept_ids=None), trainer.config.temperature
+        )
+    ratio = (out.logp - rollout.logp_behavior).exp()[valid]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
+    assert ((whole.logp - rollout.logp_behavior).exp()[valid] < 1 - 1e-3).any()

@@ -157,6 +157,13 @@ class PolicyOutputs:
     log_probs: torch.Tensor | None = None  # [N, T, V], only with return_log_probs
 
 
+def _nuclei_at(rollout, valid: torch.Tensor) -> torch.Tensor:
+    """The nucleus ids of the positions in `valid`, concatenated in order (a tool's tokens have a
+    nucleus, the token alone, but no term: gppo.rollout.tools)."""
+    ids = torch.cat(rollout.kept_ids).to(valid.device)
+    return ids[valid.flatten().repeat_interleave(rollout.kept_sizes.flatten())]
+
+
 def policy_outputs(
     model,
     rollout: ScoredSequences,
@@ -193,7 +200,7 @@ def policy_outputs(
         temperature=temperature,
         topk_ids=None if rollout.topk_ids is None else rollout.topk_ids[valid],
         kept_sizes=None if rollout.kept_sizes is None else rollout.kept_sizes[valid],
-        kept_ids=None if rollout.kept_ids is None else torch.cat(rollout.kept_ids).to(hidden.device),
+        kept_ids=None if rollout.kept_ids is None else _nuclei_at(rollout, valid),
         entropy=entropy,
         ref_log_probs=ref_full,
         anchor_log_probs=anchor_full,

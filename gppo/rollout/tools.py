@@ -21,7 +21,8 @@ engine, which decodes in batches, together with the others that called. Tool tok
 `max_tool_calls` calls a completion samples on without stopping at blocks. A `Generation`'s
 `tool_mask` is 1 at the model's tokens and 0 at the tools' (TRL's convention): tool tokens are
 context for every forward, and never a term of the objective (`gppo.trainer.batch`). Their
-recorded log-prob is 0, and their top-K entries are 0, never read.
+recorded log-prob is 0, their top-K entries are 0, never read, and their top-p nucleus (with
+`record_kept_ids`) is the token alone, on which any policy gives it log-prob 0 too.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class _Completion:
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[list[int]] = field(default_factory=list)
     topk_logprobs: list[list[float]] = field(default_factory=list)
+    kept_ids: list[list[int]] = field(default_factory=list)
     tool_mask: list[int] = field(default_factory=list)
     calls: int = 0
     failures: int = 0
@@ -106,6 +108,7 @@ class _Completion:
         self.logprobs += g.logprobs
         self.topk_ids += g.topk_ids or []
         self.topk_logprobs += g.topk_logprobs or []
+        self.kept_ids += g.kept_ids or []
         self.tool_mask += [1] * len(g.completion_ids)
         self.finish = g.finish_reason
 
@@ -115,6 +118,7 @@ class _Completion:
         if top_k:
             self.topk_ids += [[0] * top_k for _ in ids]
             self.topk_logprobs += [[0.0] * top_k for _ in ids]
+        self.kept_ids += [[token] for token in ids]
         self.tool_mask += [0] * len(ids)
 
 
@@ -140,7 +144,8 @@ class ToolEngine:
                 done = self._independently(pool, encoded, params)
             else:
                 done = self._in_rounds(pool, encoded, params)
-        return [self._generation(c, params.top_k_logprobs) for c in done]
+        record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
+        return [self._generation(c, params.top_k_logprobs, record_kept) for c in done]
 
     def _independently(self, pool, encoded: list[list[int]], params: SamplingParams) -> list[_Completion]:
         """Each completion is a request of its own; a stopped one waits for its tool, then joins the
@@ -250,7 +255,7 @@ class ToolEngine:
                     c.add_model(g)
                     c.call = calls.get(i)
 
-    def _generation(self, c: _Completion, top_k: int) -> Generation:
+    def _generation(self, c: _Completion, top_k: int, record_kept: bool) -> Generation:
         return Generation(
             c.prompt_index,
             c.prompt_ids,
@@ -260,6 +265,7 @@ class ToolEngine:
             topk_ids=c.topk_ids if top_k else None,
             topk_logprobs=c.topk_logprobs if top_k else None,
             finish_reason=c.finish,
+            kept_ids=c.kept_ids if record_kept else None,
             tool_mask=c.tool_mask,
             tool_calls=c.calls,
             tool_failures=c.failures,

@@ -66,6 +66,9 @@ class Rollout:
             value = getattr(sub, f.name)
             if f.name not in trimmed and isinstance(value, torch.Tensor) and value.dim() >= 2:
                 trimmed[f.name] = value[:, :last_response]
+        if sub.kept_ids is not None:  # the nuclei of the columns kept (tool tokens may follow the last model token)
+            kept = trimmed["kept_sizes"].sum(1).tolist()
+            trimmed["kept_ids"] = [ids[:n] for ids, n in zip(sub.kept_ids, kept)]
         return replace(sub, **trimmed)
 
 

@@ -433,12 +433,6 @@ class TrainConfig:
     def _check_tool_knobs(self) -> None:
         if not self.tools:
             refuse_ignored(self, ["max_tool_calls", "tool_output_tokens", "tool_timeout_s"], "with --tools python")
-            return
-        if self.rollout_top_p < 1:
-            raise ConfigError(
-                f"--tools with --rollout_top_p {self.rollout_top_p}: tool-call rollouts sample from the whole "
-                "distribution for now; unset --rollout_top_p"
-            )
 
     def _check_adapter_knobs(self) -> None:
         if not self.use_peft:
