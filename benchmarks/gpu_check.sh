@@ -39,8 +39,11 @@
 #                   a CPU with vLLM's CPU build and SmolLM2, else SKIP (verl's validate_config then
 #                   imports vLLM to check the LoRA rank).
 #   verl-tools      the verl-main-ppo run with verl's tool agent loop (multi_turn.enable, default_agent_loop
-#                   tool_agent) and a Python tool (tests/verl_python_tool.py: gppo's sandbox); same checks.
-#                   --cpu: on a CPU with vLLM's CPU build and SmolLM2, else SKIP.
+#                   tool_agent) and a Python tool (tests/verl_python_tool.py: gppo's sandbox); same checks,
+#                   and turns/mean, verl's messages per sample (2: no sample called the tool).
+#                   --cpu: on a CPU with vLLM's CPU build and SmolLM2, else SKIP (SmolLM2 in 16 tokens
+#                   calls no tool there: the row runs the loop; tests/test_verl_topk.py's scripted
+#                   multi-turn test checks the layout around tool turns).
 #
 # Logs and run folders: $GPU_CHECK_DIR (default /tmp/gppo-gpu-check). Each row has a time limit;
 # a row that fails prints FAIL and the log to read; the script still prints the whole table.
@@ -132,8 +135,10 @@ for line in steps:
         assert worst < 1e-3 and get("gppo/divergence/max") < 1e-4, (worst, get("gppo/divergence/max"))
 exact = (f", |ratio - 1| {worst:.1e}, divergence/max {get('gppo/divergence/max'):.1e} (top-K aligned)"
          if os.environ["VERL_EXACT"] == "1" else "")
+turns = re.search(r"num_turns/mean:(?:np\.float64\()?([0-9.]+)", line)  # messages per sample: 2, no tool call
+turns = f", turns/mean {float(turns.group(1)):.2f}" if turns else ""
 print(f"{len(steps)} steps; last: pg_loss {get('actor/pg_loss'):.3g}, score {get('critic/score/mean'):.3f}, "
-      f"masked_frac {masked:.3f}, divergence/mean {divergence:.2e}{exact}")
+      f"masked_frac {masked:.3f}, divergence/mean {divergence:.2e}{exact}{turns}")
 EOF
 }
 

@@ -224,8 +224,7 @@ class TopKRecordingClient:
         return output
 
 
-@ray.remote
-class TopKAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
+class TopKAgentLoopWorkerClass(AgentLoopWorkerTQ.__ray_actor_class__):
     """verl's v1 agent-loop worker that asks the rollout for mu's top-K on training requests, keeps
     each generate call's top-K (TopKRecordingClient) and stores it with each sample as the teacher
     fields (`teacher_layout`)."""
@@ -259,6 +258,12 @@ class TopKAgentLoopWorker(AgentLoopWorkerTQ.__ray_actor_class__):
         output.extra_fields[TOPK_IDS_KEY], output.extra_fields[TOPK_LOGPROBS_KEY] = teacher_layout(
             len(prompt_ids), response_ids, output.response_mask, turns
         )
+
+
+# The actors are made with ray.remote(cls), the classes kept under names of their own: Ray's pickler
+# sends a class by reference only when its module attribute is the class itself, and by value
+# otherwise, with the globals its methods read (this module's ContextVar cannot be pickled).
+TopKAgentLoopWorker = ray.remote(TopKAgentLoopWorkerClass)
 
 
 class TopKAgentLoopManager(AgentLoopManagerTQ):
@@ -308,13 +313,15 @@ def install(config: DictConfig) -> None:
     TRAINER_REGISTRY[mode] = topk_trainer(get_trainer_cls(mode))
 
 
-@ray.remote
-class TopKTaskRunner(TaskRunnerV1.__ray_actor_class__):
+class TopKTaskRunnerClass(TaskRunnerV1.__ray_actor_class__):
     """verl's v1 task runner, with the top-K pieces installed in its process first."""
 
     def run(self, config: DictConfig):
         install(config)
         return super().run(config)
+
+
+TopKTaskRunner = ray.remote(TopKTaskRunnerClass)
 
 
 @hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)
