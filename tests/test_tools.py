@@ -23,15 +23,30 @@ from gppo.trainer import ConfigError
 from gppo.trainer.batch import rollout_from_generations
 
 
-def printable_tokenizer():
-    """One token per printable ASCII character, <pad>/<eos>/<unk>."""
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *string.printable])}
+def printable_tokenizer(specials: tuple[str, ...] = ()):
+    """One token per printable ASCII character, <pad>/<eos>/<unk> and `specials`."""
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *specials, *string.printable])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(specials))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
     )
+
+
+def scripted_engine(model, tokenizer, monkeypatch, script: str) -> HFEngine:
+    """An HFEngine over `model` whose sampler emits `script`, then EOS."""
+    ids = iter(tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * 200)
+
+    def sample(logits, params, gen, record_kept):
+        token = torch.full((logits.shape[0],), next(ids), dtype=torch.long)
+        logp = torch.log_softmax(logits, -1)
+        top = logp.topk(params.top_k_logprobs, -1) if params.top_k_logprobs else (None, None)
+        return token, logp.gather(-1, token[:, None])[:, 0], top[1], top[0], None
+
+    monkeypatch.setattr(HFEngine, "_sample", staticmethod(sample))
+    return HFEngine(model, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +54,7 @@ def scripted():
     """(engine factory, tokenizer): an HFEngine over a tiny model whose sampler emits `script`."""
     tokenizer = printable_tokenizer()
     model = build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).eval()
-
-    def engine(monkeypatch, script: str):
-        ids = iter(tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * 200)
-
-        def sample(logits, params, gen, record_kept):
-            token = torch.full((logits.shape[0],), next(ids), dtype=torch.long)
-            logp = torch.log_softmax(logits, -1)
-            top = logp.topk(params.top_k_logprobs, -1) if params.top_k_logprobs else (None, None)
-            return token, logp.gather(-1, token[:, None])[:, 0], top[1], top[0], None
-
-        monkeypatch.setattr(HFEngine, "_sample", staticmethod(sample))
-        return HFEngine(model, tokenizer)
-
-    return engine, tokenizer
+    return (lambda monkeypatch, script: scripted_engine(model, tokenizer, monkeypatch, script)), tokenizer
 
 
 @pytest.mark.parametrize(
@@ -259,3 +261,46 @@ def test_top_p_tool_rollouts_score_pi_on_the_nucleus_at_the_models_tokens(tmp_pa
     ratio = (out.logp - rollout.logp_behavior).exp()[valid]
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0)
     assert ((whole.logp - rollout.logp_behavior).exp()[valid] < 1 - 1e-3).any()
+
+
+CHATML = (  # SmolLM2's kind: no tool role
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CHATML_WITH_TOOL_ROLE = CHATML.replace(  # Qwen2.5's kind: a tool's message is a user turn in <tool_response>
+    "{{ '<|im_start|>' + m['role']",
+    "{% if m['role'] == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m['content'] + "
+    "'</tool_response><|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m['role']",
+).replace("'<|im_end|>\\n' }}{% endfor %}", "'<|im_end|>\\n' }}{% endif %}{% endfor %}")
+REWRITING = CHATML_WITH_TOOL_ROLE.replace(
+    "'\\n' + m['content'] + '<|im_end|>", "'\\n' + m['content'] | trim + '<|im_end|>"
+)
+
+
+def test_a_chat_templates_tool_role_answers_a_call(monkeypatch):
+    """With a chat template that has a tool role, a call's output is the template's tool turn: the
+    assistant's turn ends after the block, the tool's message follows, a new assistant turn opens,
+    all of it tool tokens (mask 0). Templates without a tool role (SmolLM2's is plain ChatML), or
+    that rewrite the assistant's text, keep the fenced output block."""
+    from gppo.rollout.tools import template_tool_turn
+
+    tokenizer = printable_tokenizer(("<|im_start|>", "<|im_end|>"))
+    tokenizer.chat_template = CHATML_WITH_TOOL_ROLE
+    turn = template_tool_turn(tokenizer)
+    answer = "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert turn("42\n") == answer
+    model = build_model(tokenizer, seed=0, hidden=32, layers=1, heads=2).eval()
+    call, tail = "```python\nprint(6*7)\n```\n", "42"
+    engine = ToolEngine(
+        scripted_engine(model, tokenizer, monkeypatch, call + tail), tokenizer, PythonTool(), tool_turn=turn
+    )
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "6*7?"}], tokenize=False, add_generation_prompt=True
+    )
+    (g,) = engine.generate([prompt], SamplingParams(max_new_tokens=200, seed=0))
+    assert tokenizer.decode(g.completion_ids) == call + answer + tail + "<eos>"
+    tool_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    assert g.tool_mask == [1] * len(call) + [0] * tool_tokens + [1] * (len(tail) + 1) and g.tool_calls == 1
+    for template in (CHATML, REWRITING, None):
+        tokenizer.chat_template = template
+        assert template_tool_turn(tokenizer) is None

@@ -10,7 +10,10 @@ The format needs no tool role in the chat template, so it works with any model:
     97406784
     ```
 
-(a block closes with its ``` line's newline; the output block follows it directly).
+(a block closes with its ``` line's newline; the output block follows it directly). Where the
+prompts are rendered by a chat template that has a tool role, the output goes in the template's
+tool turn instead (`template_tool_turn`): the assistant's turn ends after the block, the tool's
+message follows, and the model continues in a new assistant turn; all of that is tool tokens.
 
 `ToolEngine` wraps any engine. It samples until EOS, the budget, or a closed ```python block
 (`SamplingParams.stop_at_code_block`). It then runs the block (`PythonTool`: `run_program`, the
@@ -28,7 +31,7 @@ recorded log-prob is 0, their top-K entries are 0, never read, and their top-p n
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -68,6 +71,44 @@ class PythonTool:
 
 
 TOOLS = {"python": PythonTool}
+
+_PROBE_USER, _PROBE_ANSWER = "What is 6*7?", "```python\nprint(6*7)\n```\n"
+
+
+def template_tool_turn(tokenizer) -> Callable[[str], str] | None:
+    """How the tokenizer's chat template answers a call, when the template has a tool role: a
+    function from the tool's output to the text that follows the model's closed block (the end of
+    the assistant's turn, the tool's message, the next assistant turn's header), cut out of the
+    template's rendering of [user, assistant, tool]. None (fenced output blocks) when the template
+    names no "tool" role (SmolLM2's), or renders an assistant turn other than as the model wrote it
+    (the cut would not line up)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "tool" not in template:
+        return None
+
+    def render(messages, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    try:
+        head = render([{"role": "user", "content": _PROBE_USER}], True) + _PROBE_ANSWER
+        probe = render(_turns("PROBE OUTPUT"), True)
+    except Exception:  # a template that refuses the probe's roles
+        return None
+    if not probe.startswith(head) or "PROBE OUTPUT" not in probe[len(head) :]:
+        return None
+
+    def turn(output: str) -> str:
+        return render(_turns(output), True)[len(head) :]
+
+    return turn
+
+
+def _turns(output: str) -> list[dict]:
+    return [
+        {"role": "user", "content": _PROBE_USER},
+        {"role": "assistant", "content": _PROBE_ANSWER},
+        {"role": "tool", "content": output},
+    ]
 
 
 def tool_stats(gens: list[Generation], prefix: str) -> dict:
@@ -124,11 +165,13 @@ class _Completion:
 
 class ToolEngine:
     """An engine whose completions may call `tool` (the module docstring); everything else is the
-    wrapped engine's."""
+    wrapped engine's. `tool_turn(output)` writes a call's answer (default: a fenced output block;
+    `template_tool_turn` gives the chat template's tool turn)."""
 
-    def __init__(self, engine, tokenizer, tool, max_tool_calls: int = 4, output_tokens: int = 128):
+    def __init__(self, engine, tokenizer, tool, max_tool_calls: int = 4, output_tokens: int = 128, tool_turn=None):
         self.engine, self.tokenizer, self.tool = engine, tokenizer, tool
         self.max_tool_calls, self.output_tokens = max_tool_calls, output_tokens
+        self.tool_turn = tool_turn or output_block  # output -> the tool tokens' text
 
     def __getattr__(self, name):  # max_top_k_logprobs, separate_weights, update_weights, close, ...
         return getattr(self.engine, name)
@@ -219,7 +262,7 @@ class ToolEngine:
         completion then resumes ("pending") or has used its budget ("length")."""
         c.calls += 1
         c.failures += out.failed
-        ids = self.tokenizer(output_block(out.text), add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(self.tool_turn(out.text), add_special_tokens=False)["input_ids"]
         c.add_tool(ids[: min(self.output_tokens, params.max_new_tokens - len(c.ids))], params.top_k_logprobs)
         self._go_on(c, params)
 

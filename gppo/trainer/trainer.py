@@ -43,7 +43,7 @@ from gppo.prompts import PromptBuilder
 from gppo.rewards.pipeline import RewardPipeline, load_function
 from gppo.rollout import make_engine
 from gppo.rollout.options import resolve_device
-from gppo.rollout.tools import TOOLS, ToolEngine
+from gppo.rollout.tools import TOOLS, ToolEngine, template_tool_turn
 from gppo.threads import default_threads
 from gppo.trainer.batch import Rollout, on_device, pad_to, token_batch
 from gppo.trainer.checkpoint import (
@@ -201,10 +201,12 @@ class Trainer:
         )
         if adapted:
             self.engine.update_weights(self.model)  # a resumed or given adapter (a no-op for the hf engine)
-        if config.tools:  # training rollouts and evaluation call the tools alike
+        self.prompts = self._prompt_builder()
+        if config.tools:  # training rollouts and evaluation call the tools alike; a chat template's tool role answers
             tool = TOOLS[config.tools[0]](timeout_s=config.tool_timeout_s)
+            turn = template_tool_turn(self.tokenizer) if self.prompts.uses_chat_template else None
             self.engine = ToolEngine(
-                self.engine, self.tokenizer, tool, config.max_tool_calls, config.tool_output_tokens
+                self.engine, self.tokenizer, tool, config.max_tool_calls, config.tool_output_tokens, turn
             )
         if top_k > self.engine.max_top_k_logprobs:
             raise ConfigError(
@@ -213,7 +215,6 @@ class Trainer:
                 f"{self.engine.max_top_k_logprobs}: lower --top_k or use another estimator"
             )
 
-        self.prompts = self._prompt_builder()
         self._check_prompts()
         self.generator = RolloutGenerator(
             config,
