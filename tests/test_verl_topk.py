@@ -52,15 +52,21 @@ VLLM = "actor_rollout_ref.rollout.name=vllm"
 # ---- config ----
 
 
-def test_prepare_config_sets_a_topk_run_up_that_verl_validates(micro_model):
-    cfg = compose_example(
+def micro_topk_config(micro_model, *overrides):
+    """The composed example config of a top-K run of the micro model, as verl validates it."""
+    return compose_example(
         VLLM,
         TOPK_MODE,
         "algorithm.adv_estimator=grpo",
         f"actor_rollout_ref.model.path={micro_model}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+        *overrides,
     )
+
+
+def test_prepare_config_sets_a_topk_run_up_that_verl_validates(micro_model):
+    cfg = micro_topk_config(micro_model)
     assert verl_topk.prepare_config(cfg) == gppo.preset("dppo-topk-kl").top_k == 20
     assert cfg.actor_rollout_ref.actor.policy_loss.topk_source == "batch"
     assert cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class == (
@@ -83,16 +89,7 @@ LORA = (
 
 def lora_topk_config(micro_model, *overrides):
     """The composed example config of a top-K run with verl's LoRA settings, set up by prepare_config."""
-    cfg = compose_example(
-        VLLM,
-        TOPK_MODE,
-        *LORA,
-        "algorithm.adv_estimator=grpo",
-        f"actor_rollout_ref.model.path={micro_model}",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
-        *overrides,
-    )
+    cfg = micro_topk_config(micro_model, *LORA, *overrides)
     model = str(cfg.actor_rollout_ref.model)
     assert verl_topk.prepare_config(cfg) == 20
     assert str(cfg.actor_rollout_ref.model) == model  # the LoRA settings as given

@@ -1,14 +1,7 @@
 """Multiplication with a code interpreter: `"347*829="` -> `"287663"`. The product of two 3-digit
 numbers is beyond what the embedded model computes in its head. With `--tools python` it can
-write a block and read the answer in the interpreter's output:
-
-    ```python
-    print(347*829)
-    ```
-    ```output
-    287663
-    ```
-    287663
+write a block and read the answer in the interpreter's output (the format: `gppo.tool_format`),
+then write it again: `287663` after the output block.
 
 The answer is the text after the last ``` fence, so it must be the model's own tokens: the tool's
 output block alone does not count.
