@@ -294,7 +294,7 @@ class TrainConfig:
         "bf16: the update's and the old/reference passes' forward run under bfloat16 autocast, while weights, "
         "gradients and AdamW stay float32 (needs --dtype float32); no: float32 throughout; auto: bf16 on CUDA "
         "GPUs that compute bfloat16 natively (compute capability 8.0+) with --dtype float32, no elsewhere (on "
-        "CPUs float32, so that results reproduce to the digit on any CPU: docs/guide.md)",
+        "CPUs float32, where bf16 rarely pays: docs/guide.md)",
         "update",
     )
     tf32: bool | None = _opt(
