@@ -7,24 +7,34 @@
     287663
     ```
 
-A block closes with its ``` line's newline; the output block follows it directly. Stated once
-here for the engines, which stop where a block closes, and for the tasks whose teachers write it
-(`gppo.tasks.multiplication`).
+A block closes with a line that is exactly ``` and its newline; the output block follows it
+directly. Stated once here for the engines and for the tasks whose teachers write it
+(`gppo.tasks.multiplication`). vLLM stops a segment at every `STOP_STRINGS` occurrence (ToolEngine
+resumes one that closed no ```python block), the HF engine only where `closed_code_block` finds a
+closed block: the same calls, at the same tokens.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-_OPEN = re.compile(r"```(?:python|py)[ \t]*\n")
-_CLOSE = re.compile(r"((?:(?!```).)*?)\n?```[ \t]*\n\s*", re.S)  # the code, then the closing line
 FENCE = "```"
+# What ends a closing line. A sampled segment ends at the first occurrence of one (vLLM's stop
+# strings); each starts with FENCE, which a block's code cannot hold, so the first one after an
+# opening line is the line that closes it.
+STOP_STRINGS = (f"{FENCE}\n",)
+_OPEN = re.compile(r"```(?:python|py)[ \t]*\n")
+# the code (no fence in it), then the closing line; after it only the rest of the token that wrote
+# its newline, if that is whitespace
+_CLOSE = re.compile(rf"((?:(?!```).)*?)\n?(?:{'|'.join(map(re.escape, STOP_STRINGS))})\s*", re.S)
 
 
 def closed_code_block(text: str) -> str | None:
-    """The code of the last ```python block when `text` ends with the line that closes it (a
-    ``` line, ended by its newline: until then "```python" may be a new opening), else None: a
-    block already answered (an ```output block follows it) or still open is not pending."""
+    """The code of the last ```python block when `text` ends with the line that closes it (until its
+    newline, "```python" may still be a new opening), else None: a block already answered (an
+    output follows it) or still open is not pending, and neither is one closed by "``` " or "```\\t"
+    (no stop string ends there, so vLLM would sample on)."""
     opened = list(_OPEN.finditer(text))
     if not opened:
         return None
@@ -32,6 +42,18 @@ def closed_code_block(text: str) -> str | None:
     return None if closed is None else closed.group(1)
 
 
-def output_block(text: str) -> str:
-    """The tool tokens' text: the output in an ```output block, after the closed ```python block."""
-    return f"{FENCE}output\n{text.rstrip()}\n{FENCE}\n"
+@dataclass(frozen=True)
+class ToolTurn:
+    """The text around a tool's output in a completion: `before` + output + `after`. The engine
+    tokenizes the two as they are (a chat template's role markers are special tokens) and the
+    output as plain text."""
+
+    before: str
+    after: str
+
+    def __call__(self, output: str) -> str:
+        """The whole answer's text, the output without its trailing whitespace."""
+        return f"{self.before}{output.rstrip()}{self.after}"
+
+
+output_block = ToolTurn(f"{FENCE}output\n", f"\n{FENCE}\n")  # the fenced output block: output_block("42")

@@ -128,6 +128,28 @@ def test_seeded_reproducibility(micro):
     assert [g.completion_ids for g in a] != [g.completion_ids for g in c]
 
 
+def test_row_seeds_give_each_completion_a_random_stream_of_its_own(micro):
+    """With `row_seeds`, completion j draws from a generator seeded row_seeds[j] alone: it samples
+    the same tokens (with the same log-probs) whatever the batch around it (other prompts, other
+    rows, another batch split), and two completions of one prompt with different seeds differ."""
+    model, tok = micro
+    seeds = tuple(range(100, 108))
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, row_seeds=seeds)
+    batch = HFEngine(model, tok, batch_size=3).generate(PROMPTS, params)
+    for j in (0, 5, 7):
+        (alone,) = HFEngine(model, tok).generate(
+            [PROMPTS[j // 2]], dataclasses.replace(params, n=1, row_seeds=(seeds[j],))
+        )
+        assert alone.completion_ids == batch[j].completion_ids
+        torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(batch[j].logprobs), atol=1e-5, rtol=0)
+    for a, b in zip(batch[::2], batch[1::2]):
+        assert a.completion_ids != b.completion_ids
+    swapped = HFEngine(model, tok).generate(PROMPTS[:1], dataclasses.replace(params, row_seeds=seeds[1::-1]))
+    assert [g.completion_ids for g in swapped] == [g.completion_ids for g in batch[1::-1]]
+    with pytest.raises(ValueError, match="row_seeds has 1 seeds for 8 completions"):
+        HFEngine(model, tok).generate(PROMPTS, dataclasses.replace(params, row_seeds=(1,)))
+
+
 def test_top_p_truncates_the_recorded_distribution(micro):
     model, tok = micro
     gens = HFEngine(model, tok).generate(

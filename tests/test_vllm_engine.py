@@ -134,6 +134,21 @@ def test_progress_moves_as_each_prompt_finishes(smollm2):
     assert all(tokens > 0 for tokens, _ in calls)
 
 
+def test_row_seeds_give_each_vllm_completion_a_stream_of_its_own(smollm2):
+    """With `row_seeds` every completion is a request of its own, seeded with its row's seed: grouped
+    by prompt as ever, and each samples the same tokens alone as beside the others."""
+    import dataclasses
+
+    _, _, prompts, engine = smollm2
+    params = SamplingParams(temperature=T, max_new_tokens=16, n=2, row_seeds=(5, 6, 7, 8, 9, 10))
+    gens = engine.generate(prompts, params)
+    assert [g.prompt_index for g in gens] == [0, 0, 1, 1, 2, 2]
+    (alone,) = engine.generate([prompts[1]], dataclasses.replace(params, n=1, row_seeds=(8,)))
+    assert alone.completion_ids == gens[3].completion_ids
+    with pytest.raises(ValueError, match="row_seeds has 1 seeds for 6 completions"):
+        engine.generate(prompts, dataclasses.replace(params, row_seeds=(1,)))
+
+
 @torch.no_grad()
 def _perturb(model, names, scale, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -487,6 +502,34 @@ def test_vllm_tool_rollouts_stop_at_code_blocks_and_record_mu_at_the_models_toke
         assert gap[mine].max() <= FP32_TOL and (torch.tensor(g.logprobs)[~mine] == 0).all()
     right = sum(task.score(problems[g.prompt_index], g.text) for g in called) / len(called)
     assert right > 0.5  # reading the tool's output, the warm start answers mostly right
+    vllm.close()
+
+
+def test_vllm_stops_a_segment_where_the_fence_rule_says():
+    """vLLM's own stop-string check, with the stop strings the engine gives it (`STOP_STRINGS`), on
+    the multiplication warm start sampled at T = 1.2: a segment stops with the token that completes the
+    first occurrence of a stop string in its text (what tests/test_tools.py simulates on the same
+    texts as the HF engine), and a segment that ends otherwise holds none."""
+    from gppo.models.assets import embedded_checkpoint
+    from gppo.tasks import get_task, heldout_problems
+    from gppo.tool_format import STOP_STRINGS
+
+    base = embedded_checkpoint("multiplication")
+    model, tokenizer = load_model_and_tokenizer(base, dtype=torch.float32)
+    vllm = make_engine("vllm", model, tokenizer, model_path=base, kv_cache_gb=KV_GB, code_block_stops=True)
+    prompts = [p.prompt for p in heldout_problems(get_task("multiplication"), 32)]
+    params = SamplingParams(temperature=1.2, max_new_tokens=48, n=4, seed=0, stop_at_code_block=True)
+    gens = vllm.generate(prompts, params)
+    stopped = 0
+    for g in gens:
+        text = tokenizer.decode(g.completion_ids, skip_special_tokens=True)  # one token a character
+        ends = [text.find(s) + len(s) for s in STOP_STRINGS if s in text]
+        if g.finish_reason == "tool":
+            stopped += 1
+            assert min(ends) == len(text), text
+        else:
+            assert not ends, text
+    assert stopped >= 8, stopped
     vllm.close()
 
 

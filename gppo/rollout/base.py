@@ -30,15 +30,25 @@ class SamplingParams:
     n: int = 1  # completions per prompt
     top_k_logprobs: int = 0  # record mu's top-K ids and log-probs per generated token (0: none)
     seed: int | None = None
+    # one seed per completion in output order (instead of `seed`): each draws from its own random
+    # stream, so that it samples the same tokens whatever the other rows do (resumed tool segments)
+    row_seeds: tuple[int, ...] | None = None
     record_kept_ids: bool = False  # with top_p < 1: return the nucleus S of every generated token
     # stop a completion when it closes a ```python block (finish_reason "tool"; gppo.rollout.tools)
     stop_at_code_block: bool = False
-    # called with (the completion's index in the output, its code) as soon as it stops at a block
-    # (HF engine), so that the tool runs while the other completions decode
-    on_code_block: Callable[[int, str], None] | None = field(default=None, compare=False, repr=False)
+    # called with (the completion's index in the output, its code, its tokens so far) as soon as it
+    # stops at a block (HF engine), so that the tool runs while the other completions decode
+    on_code_block: Callable[[int, str, int], None] | None = field(default=None, compare=False, repr=False)
     # Progress: called with (tokens generated since the last call, completions that ended since):
     # after each decoding step (HF engine) or each time a prompt's n completions end (vLLM).
     on_step: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
+
+
+def check_row_seeds(params: SamplingParams, prompts: int) -> None:
+    """Refuse `row_seeds` that do not give each of the `params.n` completions of `prompts` prompts
+    one seed."""
+    if params.row_seeds is not None and len(params.row_seeds) != prompts * params.n:
+        raise ValueError(f"row_seeds has {len(params.row_seeds)} seeds for {prompts * params.n} completions")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gppo.core import log_normalize_
-from gppo.rollout.base import Generation, SamplingParams
+from gppo.rollout.base import Generation, SamplingParams, check_row_seeds
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -66,7 +66,8 @@ class HFEngine:
         copy of the weights, if any, itself)."""
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
-        """Return `params.n` generations per prompt, grouped by prompt in prompt order."""
+        """Return `params.n` generations per prompt, grouped by prompt in prompt order. The draws
+        come from one random stream (`seed`), or one per completion (`row_seeds`)."""
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.n < 1 or params.max_new_tokens < 1:
             raise ValueError(
                 f"invalid SamplingParams {params}: need temperature >= 0, 0 < top_p <= 1, "
@@ -76,22 +77,31 @@ class HFEngine:
             raise ValueError(
                 f"top_k_logprobs={params.top_k_logprobs} exceeds the vocabulary size {self.max_top_k_logprobs}"
             )
-        gen = torch.Generator(self.device)
-        if params.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(params.seed)
         encoded = encode(self.tokenizer, prompts)
         if any(len(ids) == 0 for ids in encoded):
             raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
         jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(params.n)]
+        check_row_seeds(params, len(encoded))
+        if params.row_seeds is None:  # one stream for the batch
+            gen = torch.Generator(self.device)
+            if params.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(params.seed)
+        else:
+            gen = [torch.Generator(self.device).manual_seed(seed) for seed in params.row_seeds]
         was_training = self.model.training
         self.model.eval()
         try:
             return [
                 g
                 for start in range(0, len(jobs), self.batch_size)
-                for g in self._generate_batch(jobs[start : start + self.batch_size], params, gen, start)
+                for g in self._generate_batch(
+                    jobs[start : start + self.batch_size],
+                    params,
+                    gen if params.row_seeds is None else gen[start : start + self.batch_size],
+                    start,
+                )
             ]
         finally:
             self.model.train(was_training)
@@ -111,7 +121,8 @@ class HFEngine:
         )
 
     @torch.inference_mode()
-    def _generate_batch(self, jobs, params: SamplingParams, gen: torch.Generator, first: int = 0) -> list[Generation]:
+    def _generate_batch(self, jobs, params: SamplingParams, gen, first: int = 0) -> list[Generation]:
+        """`gen`: the batch's generator, or one per row (`row_seeds`)."""
         B, K = len(jobs), params.top_k_logprobs
         record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
         # Distinct prompts in job order (a prompt's n copies are consecutive): prefill each once.
@@ -143,7 +154,8 @@ class HFEngine:
         for step in range(params.max_new_tokens):
             if step:
                 logits = self._forward(token[:, None], mask, step_pos, cache)
-            token, lp_token, tk_ids, tk_lps, kept = self._sample(logits, params, gen, record_kept)
+            draws = gen if isinstance(gen, torch.Generator) else [gen[row] for row in active.tolist()]
+            token, lp_token, tk_ids, tk_lps, kept = self._sample(logits, params, draws, record_kept)
             steps.append((active, token, lp_token, tk_ids, tk_lps, kept))
             done = torch.isin(token, self.eos_ids)
             if history is not None:
@@ -217,11 +229,11 @@ class HFEngine:
             code = closed_code_block(text)
             closes[i] = code is not None
             if code is not None and params.on_code_block is not None:  # the tool may start while others decode
-                params.on_code_block(first + int(active[i]), code)
+                params.on_code_block(first + int(active[i]), code, len(history[int(active[i])]))
         return closes
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, record_kept: bool):
+    def _sample(logits: torch.Tensor, params: SamplingParams, gen, record_kept: bool):
         """Pick one token per row; return it with its log-prob, mu's top-K and (record_kept) the
         nucleus as (sizes [rows], ids concatenated by row), all of the distribution that was sampled."""
         kept = None
@@ -246,15 +258,20 @@ class HFEngine:
         return token, lp_token, None, None, kept
 
 
-def inverse_cdf_sample(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def inverse_cdf_sample(probs: torch.Tensor, gen: torch.Generator | Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row of `probs` [rows, V]: the first index whose cumulative probability exceeds
     u * total, for u uniform on [0, 1), so P(token = i) = probs_i / total. The sums run in float64,
     so that a 150k-token vocabulary's rounding cannot shift mass between tokens. One uniform per row
     where `torch.multinomial` draws an exponential per vocabulary entry (15% of a decoding step of
-    SmolLM2, docs/results.md §16); zero-probability tokens (cut by top-p) are never drawn."""
+    SmolLM2, docs/results.md §16); zero-probability tokens (cut by top-p) are never drawn. `gen`:
+    one generator for all rows, or one per row (row i's u then depends on its generator alone)."""
     cdf = probs.cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1:].contiguous()
-    u = torch.rand(total.shape, generator=gen, dtype=torch.float64, device=probs.device) * total
+    if isinstance(gen, torch.Generator):
+        u = torch.rand(total.shape, generator=gen, dtype=torch.float64, device=probs.device)
+    else:
+        u = torch.cat([torch.rand((1, 1), generator=g, dtype=torch.float64, device=probs.device) for g in gen])
+    u = u * total
     last_positive = torch.searchsorted(cdf, total)  # where the cumulative sum first reaches the total
     return torch.searchsorted(cdf, u, right=True).minimum(last_positive).squeeze(-1)
 

@@ -10,46 +10,73 @@ The format needs no tool role in the chat template, so it works with any model:
     97406784
     ```
 
-(a block closes with its ``` line's newline; the output block follows it directly). Where the
-prompts are rendered by a chat template that has a tool role, the output goes in the template's
-tool turn instead (`template_tool_turn`): the assistant's turn ends after the block, the tool's
-message follows, and the model continues in a new assistant turn; all of that is tool tokens.
+(a block closes with a ``` line's newline, `gppo.tool_format`; the output block follows it
+directly). Where the prompts are rendered by a chat template that has a tool role, the output goes
+in the template's tool turn instead (`template_tool_turn`): the assistant's turn ends after the
+block, the tool's message follows, and the model continues in a new assistant turn; all of that is
+tool tokens.
 
 `ToolEngine` wraps any engine. It samples until EOS, the budget, or a closed ```python block
 (`SamplingParams.stop_at_code_block`). It then runs the block (`PythonTool`: `run_program`, the
-code reward's sandbox and limits), appends the output as tokens, and continues the completion from
-its whole token sequence: on vLLM as soon as its tool answers, while the others decode; on the HF
-engine, which decodes in batches, together with the others that called. Tool tokens count against
-`max_new_tokens`; after
-`max_tool_calls` calls a completion samples on without stopping at blocks. A `Generation`'s
-`tool_mask` is 1 at the model's tokens and 0 at the tools' (TRL's convention): tool tokens are
-context for every forward, and never a term of the objective (`gppo.trainer.batch`). Their
-recorded log-prob is 0, their top-K entries are 0, never read, and their top-p nucleus (with
-`record_kept_ids`) is the token alone, on which any policy gives it log-prob 0 too.
+code reward's sandbox and limits; `workers` calls at once), appends the answer as tokens, and
+continues the completion from its whole token sequence: on vLLM as soon as its tool answers, while
+the others decode; on the HF engine, which decodes in batches, together with the others that
+called. Every resumed segment draws from a random stream of its own, seeded by (seed, completion,
+tokens so far), so that a completion samples the same tokens whatever the others do.
+
+The answer is the turn's text (`ToolTurn`: the fence, or the template's markers) around the
+output's own tokens. The output is plain text: a special token's string that a program prints
+(`<|im_end|>`, an EOS) is tokenized as ordinary text, so only the turn writes special tokens. It is
+cut to `output_tokens` and to the room the turn leaves in the budget before it is wrapped, so the
+closing fence (or turn) is always there; stdout is cut before a failed call's reason (the
+exception's last line, the time, memory or output limit), which is cut only where it alone is
+longer than the room. A block is run only when the room left after it holds the turn and at least
+one token of output, and before `max_tool_calls` calls; otherwise it is no call and the completion
+samples on without stopping at blocks (or ends, at the budget). Tool tokens count against
+`max_new_tokens`. A `Generation`'s `tool_mask` is 1 at the model's tokens and 0 at the tools'
+(TRL's convention): tool tokens are context for every forward, and never a term of the objective
+(`gppo.trainer.batch`). Their recorded log-prob is 0, their top-K entries are 0, never read, and
+their top-p nucleus (with `record_kept_ids`) is the token alone, on which any policy gives it
+log-prob 0 too.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from gppo.rollout.base import Generation, SamplingParams
-from gppo.tool_format import closed_code_block, output_block
+from gppo.tool_format import ToolTurn, closed_code_block, output_block
 
 
 @dataclass(frozen=True)
 class ToolOutput:
-    text: str
-    failed: bool
+    """A call's answer: what the program printed and, for a failed call, why it failed (one line;
+    None: it ran to its end)."""
+
+    stdout: str
+    reason: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.reason is not None
+
+    def parts(self) -> tuple[str, str]:
+        """(stdout, reason) as the model reads them, one after the other: trailing whitespace
+        dropped, the reason on a line of its own."""
+        stdout, reason = self.stdout.rstrip(), (self.reason or "").strip()
+        return stdout, f"\n{reason}" if stdout and reason else reason
 
 
 @dataclass(frozen=True)
 class PythonTool:
     """Runs a block with `gppo.rewards.code.run_program` (fresh sandboxed process: no network,
     private file system, `timeout_s`, `memory_mb`), and answers with its stdout; a failure adds
-    its reason (the exception's last line, the time or memory limit)."""
+    its reason (the exception's last line, the time, memory or output limit)."""
 
     timeout_s: float = 5.0
     memory_mb: int = 512
@@ -59,29 +86,27 @@ class PythonTool:
 
         run = run_program(code, Limits(timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output_bytes=1 << 16))
         if run.status is CaseStatus.PASSED:
-            return ToolOutput(run.stdout, failed=False)
+            return ToolOutput(run.stdout)
         if run.status is CaseStatus.RUNTIME_ERROR:
             lines = run.stderr.strip().splitlines()
             reason = lines[-1] if lines else run.detail
         else:
             reason = f"{run.status.value}: {run.detail}"
-        return ToolOutput(
-            f"{run.stdout}{'' if run.stdout.endswith(chr(10)) or not run.stdout else chr(10)}{reason}\n", True
-        )
+        return ToolOutput(run.stdout, reason)
 
 
 TOOLS = {"python": PythonTool}
 
-_PROBE_USER, _PROBE_ANSWER = "What is 6*7?", "```python\nprint(6*7)\n```\n"
+_PROBE_USER, _PROBE_ANSWER, _PROBE_OUTPUT = "What is 6*7?", "```python\nprint(6*7)\n```\n", "PROBE OUTPUT"
 
 
-def template_tool_turn(tokenizer) -> Callable[[str], str] | None:
-    """How the tokenizer's chat template answers a call, when the template has a tool role: a
-    function from the tool's output to the text that follows the model's closed block (the end of
-    the assistant's turn, the tool's message, the next assistant turn's header), cut out of the
-    template's rendering of [user, assistant, tool]. None (fenced output blocks) when the template
-    names no "tool" role (SmolLM2's), or renders an assistant turn other than as the model wrote it
-    (the cut would not line up)."""
+def template_tool_turn(tokenizer) -> ToolTurn | None:
+    """How the tokenizer's chat template answers a call, when the template has a tool role: the text
+    around the tool's output that follows the model's closed block (the end of the assistant's turn,
+    the tool's message, the next assistant turn's header), cut out of the template's rendering of
+    [user, assistant, tool]; the output goes between as it is. None (fenced output blocks) when the
+    template names no "tool" role (SmolLM2's), renders an assistant turn other than as the model
+    wrote it (the cut would not line up), or a tool's message other than once, verbatim."""
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or "tool" not in template:
         return None
@@ -91,16 +116,12 @@ def template_tool_turn(tokenizer) -> Callable[[str], str] | None:
 
     try:
         head = render([{"role": "user", "content": _PROBE_USER}], True) + _PROBE_ANSWER
-        probe = render(_turns("PROBE OUTPUT"), True)
+        probe = render(_turns(_PROBE_OUTPUT), True)
     except Exception:  # a template that refuses the probe's roles
         return None
-    if not probe.startswith(head) or "PROBE OUTPUT" not in probe[len(head) :]:
+    if not probe.startswith(head) or probe[len(head) :].count(_PROBE_OUTPUT) != 1:
         return None
-
-    def turn(output: str) -> str:
-        return render(_turns(output), True)[len(head) :]
-
-    return turn
+    return ToolTurn(*probe[len(head) :].split(_PROBE_OUTPUT))
 
 
 def _turns(output: str) -> list[dict]:
@@ -113,24 +134,27 @@ def _turns(output: str) -> list[dict]:
 
 def tool_stats(gens: list[Generation], prefix: str) -> dict:
     """Tool-call metrics of completions sampled with tools (none otherwise): calls per completion,
-    the share of completions that called a tool, the share of calls that failed, and the share of
-    completion tokens that came from tools."""
+    the share of completions that called a tool, the share of calls that failed, tool tokens per
+    completion and their share of all completion tokens."""
     if not any(g.tool_mask is not None for g in gens):
         return {}
     calls = sum(g.tool_calls for g in gens)
     tokens = sum(len(g.completion_ids) for g in gens)
+    tool_tokens = sum(len(g.tool_mask) - sum(g.tool_mask) for g in gens if g.tool_mask is not None)
     return {
         f"{prefix}tool_calls_mean": calls / len(gens),
         f"{prefix}tool_call_frac": sum(g.tool_calls > 0 for g in gens) / len(gens),
         f"{prefix}tool_failure_frac": sum(g.tool_failures for g in gens) / max(calls, 1),
-        f"{prefix}tool_token_frac": sum(len(g.tool_mask) - sum(g.tool_mask) for g in gens) / max(tokens, 1),
+        f"{prefix}tool_tokens_mean": tool_tokens / len(gens),
+        f"{prefix}tool_token_frac": tool_tokens / max(tokens, 1),
     }
 
 
 @dataclass
 class _Completion:
-    """A completion being assembled over segments."""
+    """A completion being assembled over segments; `number`: its place in the output."""
 
+    number: int
     prompt_index: int
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)
@@ -165,13 +189,40 @@ class _Completion:
 
 class ToolEngine:
     """An engine whose completions may call `tool` (the module docstring); everything else is the
-    wrapped engine's. `tool_turn(output)` writes a call's answer (default: a fenced output block;
-    `template_tool_turn` gives the chat template's tool turn)."""
+    wrapped engine's. `tool_turn` writes a call's answer around its output (default: a fenced
+    output block; `template_tool_turn` gives the chat template's tool turn); `workers` calls run at
+    once (default: one per CPU core)."""
 
-    def __init__(self, engine, tokenizer, tool, max_tool_calls: int = 4, output_tokens: int = 128, tool_turn=None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        tool,
+        max_tool_calls: int = 4,
+        output_tokens: int = 128,
+        tool_turn: ToolTurn | None = None,
+        workers: int | None = None,
+    ):
+        workers = workers if workers is not None else os.cpu_count() or 1
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         self.engine, self.tokenizer, self.tool = engine, tokenizer, tool
-        self.max_tool_calls, self.output_tokens = max_tool_calls, output_tokens
-        self.tool_turn = tool_turn or output_block  # output -> the tool tokens' text
+        self.max_tool_calls, self.output_tokens, self.workers = max_tool_calls, output_tokens, workers
+        self.tool_turn = tool_turn or output_block
+        # outputs are tokenized by a copy: split_special_tokens switches a flag of the tokenizer's
+        # backend, which a call in another thread (a prompt's template, say) would read too
+        self._text_tokenizer = copy.deepcopy(tokenizer)
+        # the turn's text as it is written (a template's role markers are special tokens)
+        self._before, self._after = (
+            tokenizer(t, add_special_tokens=False)["input_ids"] for t in dataclasses.astuple(self.tool_turn)
+        )
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        kept = [tokenizer.decode([i]) for i in sorted(special) if special & set(self._plain(tokenizer.decode([i])))]
+        if kept:
+            raise ValueError(
+                f"this tokenizer keeps {kept} special when it tokenizes text with split_special_tokens=True: "
+                "a program could write them into the policy's context, so it cannot sample with tools"
+            )
 
     def __getattr__(self, name):  # max_top_k_logprobs, separate_weights, update_weights, close, ...
         return getattr(self.engine, name)
@@ -182,7 +233,7 @@ class ToolEngine:
         tool answers, while the others decode; otherwise (the HF engine's batches) a call starts as
         soon as the engine reports its block, and the completions resume together, in rounds."""
         encoded = self.tokenizer(list(prompts))["input_ids"]
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
             if hasattr(self.engine, "requests"):
                 done = self._independently(pool, encoded, params)
             else:
@@ -193,43 +244,40 @@ class ToolEngine:
     def _independently(self, pool, encoded: list[list[int]], params: SamplingParams) -> list[_Completion]:
         """Each completion is a request of its own; a stopped one waits for its tool, then joins the
         running batch with its whole sequence as the prompt (vLLM's prefix cache holds the part it
-        has seen). Request seeds derive from (seed, prompt, sample, segment), so that a completion
-        samples the same tokens whatever the others do."""
+        has seen), seeded by `_seed`."""
         requests = self.engine.requests(dataclasses.replace(params, n=1, on_step=None, stop_at_code_block=True))
-        done = [_Completion(i, ids) for i, ids in enumerate(encoded) for _ in range(params.n)]
+        done = [
+            _Completion(number, number // params.n, encoded[number // params.n])
+            for number in range(len(encoded) * params.n)
+        ]
 
-        def submit(number: int, c: _Completion) -> None:
+        def submit(c: _Completion) -> None:
             room = params.max_new_tokens - len(c.ids)
-            seed = (
-                None if params.seed is None else (params.seed * len(done) + number) * params.max_new_tokens + len(c.ids)
-            )
-            requests.add(number, c.prompt_index, c.prompt_ids + c.ids, room, seed, c.calls < self.max_tool_calls)
+            seed = self._seed(params, c, len(done))
+            requests.add(c.number, c.prompt_index, c.prompt_ids + c.ids, room, seed, self._calls_open(c.calls, room))
 
-        for number, c in enumerate(done):
-            submit(number, c)
-        calls: dict[Future, int] = {}
+        for c in done:
+            submit(c)
+        calls: dict[Future, _Completion] = {}
         while requests.pending or calls:
             for number, g in requests.step() if requests.pending else []:
                 c = done[number]
                 c.add_model(g)
-                code = closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True))
-                if c.finish == "tool" and code is not None:
-                    calls[pool.submit(self.tool, code)] = number
-                elif c.finish == "tool":  # the stop string closed no ```python block
-                    self._go_on(c, params)
-                if c.finish == "pending":
-                    submit(number, c)
-                elif c.finish != "tool" and params.on_step is not None:
+                code = self._call(c, params)
+                if code is not None:
+                    calls[pool.submit(self.tool, code)] = c
+                elif c.finish == "pending":
+                    submit(c)
+                elif params.on_step is not None:
                     params.on_step(len(c.ids), 1)
             answered = (
                 [f for f in calls if f.done()] if requests.pending else wait(calls, return_when=FIRST_COMPLETED).done
             )
             for call in answered:
-                number = calls.pop(call)
-                c = done[number]
+                c = calls.pop(call)
                 self._answer(c, call.result(), params)
                 if c.finish == "pending":
-                    submit(number, c)
+                    submit(c)
                 elif params.on_step is not None:
                     params.on_step(len(c.ids), 1)
         return done
@@ -237,62 +285,94 @@ class ToolEngine:
     def _in_rounds(self, pool, encoded: list[list[int]], params: SamplingParams) -> list[_Completion]:
         """Sample every completion until it stops; run the calls (started while decoding where the
         engine reports blocks); resume all that called, together; repeat."""
-        gens, calls = self._sample(pool, encoded, dataclasses.replace(params, stop_at_code_block=True))
-        done = [_Completion(g.prompt_index, g.prompt_ids) for g in gens]
-        for i, (c, g) in enumerate(zip(done, gens)):
+        stop = self._calls_open(0, params.max_new_tokens)
+        gens, calls = self._sample(pool, encoded, dataclasses.replace(params, stop_at_code_block=stop))
+        done = [_Completion(number, g.prompt_index, g.prompt_ids) for number, g in enumerate(gens)]
+        for c, g in zip(done, gens):
             c.add_model(g)
-            c.call = calls.get(i)
-        round_ = 0
+            c.call = calls.get(c.number)
         while pending := [c for c in done if c.finish == "tool"]:
-            round_ += 1
-            resume = []
             for c in pending:
-                code = closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True))
-                if code is None:  # the stop string closed no ```python block
-                    self._go_on(c, params)
-                else:
+                code = self._call(c, params)
+                if code is not None:
                     self._answer(c, (c.call or pool.submit(self.tool, code)).result(), params)
-                    c.call = None
-                resume.append(c)
-            self._resume(pool, [c for c in resume if c.finish == "pending"], params, round_)
+                c.call = None
+            self._resume(pool, [c for c in pending if c.finish == "pending"], params, len(done))
         return done
 
+    def _calls_open(self, calls: int, room: int) -> bool:
+        """Whether a block closed with `room` tokens of the budget left would be run: fewer than
+        `max_tool_calls` calls so far, and room for an answer (`_holds_answer`)."""
+        return calls < self.max_tool_calls and self._holds_answer(room)
+
+    def _holds_answer(self, room: int) -> bool:
+        """Whether `room` tokens hold the turn and at least one token of output."""
+        return room > len(self._before) + len(self._after)
+
+    def _call(self, c: _Completion, params: SamplingParams) -> str | None:
+        """The code to run when `c` has just stopped at a block that is to be run (`_calls_open`);
+        otherwise, where it stopped at none or at one that is not, it samples on ("pending") or has
+        used its budget ("length")."""
+        if c.finish != "tool":
+            return None
+        code = closed_code_block(self.tokenizer.decode(c.ids, skip_special_tokens=True))
+        if code is None or not self._calls_open(c.calls, params.max_new_tokens - len(c.ids)):
+            self._go_on(c, params)
+            return None
+        return code
+
     def _answer(self, c: _Completion, out: ToolOutput, params: SamplingParams) -> None:
-        """Append the tool's output block (cut to `output_tokens` and to the room left); the
-        completion then resumes ("pending") or has used its budget ("length")."""
+        """Append the answer: the turn around the output's own tokens, cut to `output_tokens` and to
+        the room the turn leaves (stdout first, then the reason); the completion then resumes
+        ("pending") or has used its budget ("length")."""
         c.calls += 1
         c.failures += out.failed
-        ids = self.tokenizer(self.tool_turn(out.text), add_special_tokens=False)["input_ids"]
-        c.add_tool(ids[: min(self.output_tokens, params.max_new_tokens - len(c.ids))], params.top_k_logprobs)
+        limit = min(self.output_tokens, params.max_new_tokens - len(c.ids) - len(self._before) - len(self._after))
+        stdout, reason = (self._plain(part) for part in out.parts())
+        reason = reason[:limit]
+        c.add_tool(self._before + stdout[: limit - len(reason)] + reason + self._after, params.top_k_logprobs)
         self._go_on(c, params)
+
+    def _plain(self, text: str) -> list[int]:
+        """Token ids of `text` as plain text: a special token's string becomes ordinary tokens."""
+        return self._text_tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     @staticmethod
     def _go_on(c: _Completion, params: SamplingParams) -> None:
         """Resume the completion ("pending") unless it has used its token budget ("length")."""
         c.finish = "length" if len(c.ids) >= params.max_new_tokens else "pending"
 
+    @staticmethod
+    def _seed(params: SamplingParams, c: _Completion, total: int) -> int | None:
+        """The seed of the segment `c` samples next, one of `total` completions: distinct for every
+        (seed, completion, tokens so far), so that no two segments share draws."""
+        return None if params.seed is None else (params.seed * total + c.number) * params.max_new_tokens + len(c.ids)
+
     def _sample(self, pool, prompt_ids, params: SamplingParams):
         """(generations, {index: Future of the tool's output} of the calls the engine reported while
-        decoding)."""
+        decoding, started where the room left can hold an answer)."""
         calls = {}
 
-        def start(index: int, code: str) -> None:
-            calls[index] = pool.submit(self.tool, code)
+        def start(index: int, code: str, tokens: int) -> None:
+            if self._holds_answer(params.max_new_tokens - tokens):  # it stops at blocks only while calls are open
+                calls[index] = pool.submit(self.tool, code)
 
         return self.engine.generate(prompt_ids, dataclasses.replace(params, on_code_block=start)), calls
 
-    def _resume(self, pool, resume: list[_Completion], params: SamplingParams, round_: int) -> None:
-        """Continue each completion from its whole token sequence, with the room it has left; those
-        at `max_tool_calls` sample on without stopping at blocks."""
+    def _resume(self, pool, resume: list[_Completion], params: SamplingParams, total: int) -> None:
+        """Continue each completion from its whole token sequence, with the room it has left and
+        draws of its own (`_seed`); those whose calls are closed (`_calls_open`) sample on without
+        stopping at blocks."""
+        rooms = {c.number: params.max_new_tokens - len(c.ids) for c in resume}
         for stop in (True, False):
-            batch = [c for c in resume if (c.calls < self.max_tool_calls) == stop]
-            seed = None if params.seed is None else params.seed * 1009 + 2 * round_ + stop
-            for room in sorted({params.max_new_tokens - len(c.ids) for c in batch}):
-                group = [c for c in batch if params.max_new_tokens - len(c.ids) == room]
+            batch = [c for c in resume if self._calls_open(c.calls, rooms[c.number]) == stop]
+            for room in sorted({rooms[c.number] for c in batch}):
+                group = [c for c in batch if rooms[c.number] == room]
+                seeds = None if params.seed is None else tuple(self._seed(params, c, total) for c in group)
                 more, calls = self._sample(
                     pool,
                     [c.prompt_ids + c.ids for c in group],
-                    dataclasses.replace(params, n=1, max_new_tokens=room, seed=seed, stop_at_code_block=stop),
+                    dataclasses.replace(params, n=1, max_new_tokens=room, row_seeds=seeds, stop_at_code_block=stop),
                 )
                 for i, (c, g) in enumerate(zip(group, more)):
                     c.add_model(g)

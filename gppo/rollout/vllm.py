@@ -50,8 +50,9 @@ from pathlib import Path
 
 import torch
 
-from gppo.rollout.base import Generation, SamplingParams
+from gppo.rollout.base import Generation, SamplingParams, check_row_seeds
 from gppo.rollout.hf import encode
+from gppo.tool_format import STOP_STRINGS
 
 DEFAULT_KV_CACHE_GB = 1.0
 CPU_TOKEN_BUDGET = 4096  # vLLM's default max_num_batched_tokens for the LLM class on CPU
@@ -195,25 +196,28 @@ class VLLMEngine:
         encoded = encode(self.tokenizer, prompts)
         if any(len(ids) == 0 for ids in encoded):
             raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
-        # one seed per prompt (vLLM seeds each request's sampler: one shared seed would give every
-        # prompt the same random stream)
+        # vLLM seeds each request's sampler: a request per prompt with a seed of its own (one shared
+        # seed would give every prompt the same random stream), or a request per completion with its
+        # row seed; (prompt index, completions, seed) per request
+        check_row_seeds(params, len(encoded))
+        if params.row_seeds is None:
+            seeds = [None if params.seed is None else params.seed * len(encoded) + i for i in range(len(encoded))]
+            batch = [(i, params.n, seed) for i, seed in enumerate(seeds)]
+        else:
+            batch = [(row // params.n, 1, seed) for row, seed in enumerate(params.row_seeds)]
         sampling = [
-            self._sampling(
-                params,
-                params.max_new_tokens,
-                None if params.seed is None else params.seed * len(encoded) + i,
-                params.stop_at_code_block,
-                n=params.n,
-            )
-            for i in range(len(encoded))
+            self._sampling(params, params.max_new_tokens, seed, params.stop_at_code_block, n=n) for _, n, seed in batch
         ]
         progress = False if params.on_step is None else _FinishedPrompts.reporting_to(params.on_step)
         outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=progress, lora_request=self._lora()
+            [{"prompt_token_ids": encoded[i]} for i, _, _ in batch],
+            sampling,
+            use_tqdm=progress,
+            lora_request=self._lora(),
         )
         return [
-            _generation(i, ids, completion, params.top_k_logprobs, self.tokenizer, record_kept)
-            for i, (ids, out) in enumerate(zip(encoded, outputs))
+            _generation(i, encoded[i], completion, params.top_k_logprobs, self.tokenizer, record_kept)
+            for (i, _, _), out in zip(batch, outputs)
             for completion in out.outputs
         ]
 
@@ -259,8 +263,8 @@ class VLLMEngine:
             logprobs=params.top_k_logprobs,
             seed=None if seed is None else seed % 2**63,
             stop_token_ids=self.eos_ids,
-            # a closing ``` line: ToolEngine checks that it closes a ```python block
-            **({"stop": [CLOSING_FENCE], "include_stop_str_in_output": True} if stop_at_code_block else {}),
+            # the end of a closing ``` line (gppo.tool_format): ToolEngine checks that it closes a ```python block
+            **({"stop": list(STOP_STRINGS), "include_stop_str_in_output": True} if stop_at_code_block else {}),
         )
 
     def _lora(self):
@@ -288,8 +292,10 @@ class VLLMEngine:
         vLLM loads at its first use); the previous adapter's files are deleted."""
         from vllm.lora.request import LoRARequest
 
+        from gppo.models.adapters import save_model
+
         directory = Path(tempfile.mkdtemp(prefix="gppo-vllm-adapter-"))
-        model.save_pretrained(directory)
+        save_model(model, directory)  # the trained adapter, not a frozen KL reference beside it
         previous, number = self._adapter, 1 if self._adapter is None else self._adapter[0].lora_int_id + 1
         self._adapter = LoRARequest(f"gppo-{number}", number, str(directory)), directory
         if previous is not None:
@@ -402,9 +408,6 @@ def _retie_and_repack_head(model: torch.nn.Module) -> None:
 
     _retie_head(model)
     dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
-
-
-CLOSING_FENCE = "```\n"
 
 
 def _finish_reason(completion) -> str:
