@@ -45,6 +45,7 @@ from gppo.data.scoring import score
 from gppo.prompts import PromptBuilder
 from gppo.report import markdown_table, print_table
 from gppo.rewards.code import Limits
+from gppo.rewards.pipeline import model_text, model_tokens
 from gppo.rollout.base import Generation, RolloutEngine, SamplingParams
 from gppo.rollout.tools import tool_stats
 from gppo.stats import avg_at_k, pass_at_k, standard_error
@@ -172,7 +173,7 @@ def evaluate(
                 chunk_params = replace(params, seed=None if seed is None else seed + start, on_step=bar.on_step)
                 texts = [prompts(p.prompt) if prompts else p.prompt for p in chunk]
                 generations = engine.generate(texts, chunk_params)
-                bar.batch_done(len(generations), sum(len(g.completion_ids) for g in generations))
+                bar.batch_done(len(generations), sum(model_tokens(g.completion_ids, g.tool_mask) for g in generations))
                 for problem, gens in zip(chunk, _by_prompt(generations, len(chunk))):
                     record = _score(bench, problem, gens, _sampling(params, prompts), code_limits, math_timeout_s)
                     sink.write(json.dumps(record) + "\n")
@@ -434,17 +435,23 @@ def evaluate_problems(
     temperature: float,
     max_new_tokens: int,
     seed: int,
+    tokenizer=None,
 ) -> dict[str, float]:
     """Held-out accuracy of problems with a verifier `verifier(problems, completions) -> scores`:
     greedy, and avg@k / pass@k over k samples at `temperature` (used during training and by
     `gppo eval --task`), with the standard errors over problems of greedy and avg@k and the number
-    of problems ('eval/problems')."""
+    of problems ('eval/problems'). The verifier and eval/length_mean read the model's tokens alone
+    (`gppo.rewards.pipeline.model_text`, `model_tokens`): with tools, `tokenizer` decodes them."""
+
+    def texts(gens: list[Generation]) -> list[str]:
+        return [model_text(g.text, g.completion_ids, g.tool_mask, tokenizer) for g in gens]
+
     greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed))
-    greedy_scores = list(verifier(problems, [g.text for g in greedy]))
+    greedy_scores = list(verifier(problems, texts(greedy)))
     sampled = engine.generate(
         prompts, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=k, seed=seed)
     )
-    scores = verifier([problems[g.prompt_index] for g in sampled], [g.text for g in sampled])
+    scores = verifier([problems[g.prompt_index] for g in sampled], texts(sampled))
     per_problem = [scores[i * k : (i + 1) * k] for i in range(len(problems))]
     correct = [sum(s >= 1.0 for s in row) for row in per_problem]
     return {
@@ -453,7 +460,7 @@ def evaluate_problems(
         "eval/avg@k": avg_at_k(per_problem),
         "eval/avg@k_se": standard_error([sum(r) / k for r in per_problem]),
         f"eval/pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(problems),
-        "eval/length_mean": sum(len(g.completion_ids) for g in sampled) / len(sampled),
+        "eval/length_mean": sum(model_tokens(g.completion_ids, g.tool_mask) for g in sampled) / len(sampled),
         "eval/problems": len(problems),
         **tool_stats(sampled, "eval/"),
     }

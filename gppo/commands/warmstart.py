@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from gppo.models.embedded import build_model, build_tokenizer
 from gppo.options import CLI, ArgumentParser, add_arguments, check, option
+from gppo.rewards.pipeline import model_text
 from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
 from gppo.rollout.tools import TOOLS, ToolEngine
@@ -127,7 +128,10 @@ def evaluate_accuracy(model, tokenizer, task_name: str, n: int = 1024, seed: int
             [p.prompt for p in problems],
             SamplingParams(temperature=temperature, max_new_tokens=64 if tools else 32, seed=seed),
         )
-        result[name] = sum(task.score(p, g.text) for p, g in zip(problems, gens)) / n
+        texts = [
+            model_text(g.text, g.completion_ids, g.tool_mask, tokenizer) for g in gens
+        ]  # the tools' text is no answer
+        result[name] = sum(task.score(p, text) for p, text in zip(problems, texts)) / n
         if tools:
             result[name.replace("accuracy", "tool_call_frac")] = sum(g.tool_calls > 0 for g in gens) / n
     return result

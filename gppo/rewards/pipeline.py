@@ -10,6 +10,13 @@ directory too): see `load_function`. `prompts` are the data's prompts (text or c
 before the prompt template, `answer` the reference answers, and `columns` every other data column
 (from `problem.metadata["columns"]`; None for a problem without that column).
 
+Tool tokens (`--tools`: a tool's output spliced into the completion, `Generation.tool_mask` 0) are
+neither the model's answer nor its length. The verifier and the format pattern read `model_text`,
+the completion with its tool spans cut out, so that a tool output imitating an answer scores
+nothing; the overlong penalty counts `model_tokens`. User functions get the whole completion, as
+TRL gives it (`completions`, `completion_ids`, tool outputs included), and with tool tokens also
+`tool_mask` (1 at the model's tokens, 0 at a tool's, per completion).
+
 None is TRL's "this function does not apply to this sample" (e.g. a code reward on a math
 prompt): it adds 0 to that sample's reward (TRL's nansum over functions) and is no failure; a
 sample that no reward applies to (no verifier, every function None) gets 0 and a warning.
@@ -38,6 +45,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import itertools
 import math
 import os
 import re
@@ -162,6 +170,26 @@ def describe_function(name: str, fn: Callable) -> str:
     return f"{name} (defined in {source})" if source else name
 
 
+def model_tokens(completion_ids: Sequence[int], tool_mask: Sequence[int] | None) -> int:
+    """A completion's length: the tokens the model sampled (tool tokens, mask 0, are none of it)."""
+    return len(completion_ids) if tool_mask is None else sum(tool_mask)
+
+
+def model_text(text: str, completion_ids: Sequence[int], tool_mask: Sequence[int] | None, tokenizer=None) -> str:
+    """The text of the model's own tokens: the completion `text` with its tool spans cut out, each run
+    of model tokens decoded as the completion was (special tokens skipped), joined. `tokenizer` is
+    needed only where `tool_mask` marks tool tokens."""
+    if tool_mask is None or all(tool_mask):
+        return text
+    if tokenizer is None:
+        raise ValueError(
+            "tool_mask marks tool tokens, whose text is not the model's: give the tokenizer that decodes "
+            "the model's own tokens (tokenizer=...)"
+        )
+    runs = itertools.groupby(zip(completion_ids, tool_mask), key=lambda pair: pair[1])
+    return "".join(tokenizer.decode([t for t, _ in run], skip_special_tokens=True) for mine, run in runs if mine)
+
+
 def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     """DAPO's soft overlong punishment: 0 up to max - buffer, then linear down to -1 at max."""
     if buffer <= 0 or length <= max_length - buffer:
@@ -201,7 +229,8 @@ class RewardResult:
 
 @dataclass
 class RewardPipeline:
-    """Scores completions of `Problem`s. `verifier(problems, completions) -> list[float]`, or None."""
+    """Scores completions of `Problem`s. `verifier(problems, texts) -> list[float]` (the texts of the
+    model's tokens: `model_text`), or None."""
 
     verifier: Callable[[Sequence[Problem], Sequence[str]], list[float]] | None
     user_functions: list[tuple[str, Callable]] = field(default_factory=list)
@@ -236,12 +265,21 @@ class RewardPipeline:
         self._failures = {name: 0 for name, _ in self.user_functions}  # failing calls in a row
 
     def __call__(
-        self, problems: Sequence[Problem], completions: Sequence[str], completion_ids: Sequence[Sequence[int]]
+        self,
+        problems: Sequence[Problem],
+        completions: Sequence[str],
+        completion_ids: Sequence[Sequence[int]],
+        tool_mask: Sequence[Sequence[int] | None] | None = None,
+        tokenizer=None,
     ) -> RewardResult:
+        """Score each completion. `tool_mask` (per completion; None: no tool tokens) marks the model's
+        tokens; `tokenizer` decodes them where a tool's tokens are cut out (module docstring)."""
         n = len(completions)
+        masks = list(tool_mask) if tool_mask is not None else [None] * n
+        own = [model_text(c, ids, m, tokenizer) for c, ids, m in zip(completions, completion_ids, masks)]
         user_weights = self.weights[1:] if self.verifier is not None else self.weights
         if self.verifier is not None:
-            accuracy = [float(v) for v in self.verifier(problems, completions)]
+            accuracy = [float(v) for v in self.verifier(problems, own)]
             totals = [self.weights[0] * a for a in accuracy]
             result = RewardResult(totals, accuracy, {"verifier": accuracy})
         else:
@@ -258,6 +296,8 @@ class RewardPipeline:
                 "answer": [p.answer for p in problems],
             }
         )
+        if any(m is not None for m in masks):
+            columns["tool_mask"] = [None if m is None else list(m) for m in masks]
         applies = [self.verifier is not None] * n  # some reward applies to sample i
         for (name, fn), weight in zip(self.user_functions, user_weights):
             values, bad, first, applied = self._call_user(name, fn, columns, n)
@@ -284,11 +324,14 @@ class RewardPipeline:
                 stacklevel=2,
             )
         if self._format is not None:
-            bonus = [self.format_reward * bool(self._format.fullmatch(c.strip())) for c in completions]
+            bonus = [self.format_reward * bool(self._format.fullmatch(c.strip())) for c in own]
             result.components["format"] = bonus
             totals = [t + b for t, b in zip(totals, bonus)]
         if self.overlong_buffer > 0:
-            penalty = [overlong_penalty(len(ids), self.max_length, self.overlong_buffer) for ids in completion_ids]
+            penalty = [
+                overlong_penalty(model_tokens(ids, m), self.max_length, self.overlong_buffer)
+                for ids, m in zip(completion_ids, masks)
+            ]
             result.components["overlong"] = penalty
             totals = [t + p for t, p in zip(totals, penalty)]
         bad = next((i for i, t in enumerate(totals) if not abs(t) <= MAX_REWARD), None)

@@ -9,7 +9,10 @@ from gppo.problem import Problem
 
 
 class Task(Protocol):
-    """A family of synthetic problems with an exact verifier and an imperfect teacher."""
+    """A family of synthetic problems with an exact verifier and an imperfect teacher.
+
+    A task may carry `defaults`: `gppo train` settings it needs (e.g. {"max_new_tokens": 64}),
+    taken where the run leaves them unset (`TrainConfig`)."""
 
     name: str
 

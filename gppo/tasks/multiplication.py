@@ -3,8 +3,9 @@ numbers is beyond what the embedded model computes in its head. With `--tools py
 write a block and read the answer in the interpreter's output (the format: `gppo.tool_format`),
 then write it again: `287663` after the output block.
 
-The answer is the text after the last ``` fence, so it must be the model's own tokens: the tool's
-output block alone does not count.
+The answer is the text after the last ``` fence of the model's own text: rewards read the
+completion with its tool spans cut out (`gppo.rewards.pipeline.model_text`), so the output block
+alone does not count, nor an output that imitates an answer.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class MultiplicationTask:
     name = "multiplication"
     tools = ("python",)  # the tool the task is built for: its warm start writes the block format
     extra_chars = "`"  # beyond the embedded tokenizer's characters: the fences
+    # room for a call, its output and the answer (57 tokens with EOS), with or without --tools: the warm
+    # start writes the call either way
+    defaults = {"max_new_tokens": 64}
 
     def __init__(self, digits: int = 3, p_tool: float = 0.5):
         if digits < 2:

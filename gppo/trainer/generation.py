@@ -9,12 +9,17 @@ anchored on mu's whole distribution ('full') the rollout also carries that distr
 
 Round r of step k samples with seed derived_seed(seed, k) * 64 + r, so that a resumed run draws
 the completions an uninterrupted one would.
+
+Lengths count the model's tokens (`model_tokens`): a tool's output is context, not length. The
+first step in which more than TRUNCATION_WARNING of the completions hit max_new_tokens warns once
+per run, naming the flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -23,13 +28,15 @@ import gppo
 from gppo.advantages import group_advantages, informative_groups
 from gppo.models.forward import policy_outputs
 from gppo.prompts import PromptBuilder
-from gppo.rewards.pipeline import RewardPipeline
+from gppo.rewards.pipeline import RewardPipeline, model_tokens
 from gppo.rollout import Generation, RolloutEngine, SamplingParams
 from gppo.rollout.tools import tool_stats
 from gppo.trainer.batch import Rollout, on_device, pad_to, rollout_from_generations
 from gppo.trainer.config import TrainConfig
 from gppo.trainer.data import DatasetSource, TaskSource, derived_seed
 from gppo.trainer.rollout_policy import RolloutPolicy
+
+TRUNCATION_WARNING = 0.5  # share of a step's completions cut at max_new_tokens beyond which the run warns
 
 
 @dataclass
@@ -47,10 +54,10 @@ class SampledGroups:
 
 def rollout_stats(sampled: SampledGroups, seconds: float) -> dict:
     """The rollout/ metrics of a step, over every group sampled (kept or not), and the sampling
-    speed in completion tokens per second of the `seconds` it took."""
+    speed in sampled tokens per second of the `seconds` it took; lengths are the model's tokens."""
     rewards = torch.cat(sampled.rewards)
     gens = sampled.generations
-    lengths = torch.tensor([len(g.completion_ids) for g in gens], dtype=torch.float)
+    lengths = torch.tensor([model_tokens(g.completion_ids, g.tool_mask) for g in gens], dtype=torch.float)
     return {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std().item(),
@@ -87,12 +94,14 @@ class RolloutGenerator:
         self.engine, self.rewards, self.tokenizer = engine, rewards, tokenizer
         self.rollout_policy, self.device = rollout_policy, device
         self.top_k = loss_config.rollout_top_k
+        self.warned_truncation = False
 
     def __call__(self, step: int) -> tuple[Rollout | None, dict]:
         """Step `step`'s batch (None when no group was kept) and its rollout metrics."""
         start = time.time()
         sampled = self._sample_groups(step)
         stats = rollout_stats(sampled, time.time() - start)
+        self._warn_truncation(step, stats["rollout/truncated_frac"])
         if not sampled.kept_rewards:
             return None, stats
         advantages = group_advantages(torch.stack(sampled.kept_rewards), self.config.advantage).flatten()
@@ -102,6 +111,22 @@ class RolloutGenerator:
         if self.loss_config.anchor_distribution == "logp_behavior_full":
             rollout = dataclasses.replace(rollout, logp_behavior_full=self._behavior_distribution(rollout))
         return rollout, stats
+
+    def _warn_truncation(self, step: int, truncated: float) -> None:
+        """Once per run: most of a step's completions were cut at max_new_tokens (no answer, and
+        with tools no room for a call), so the run may learn nothing."""
+        if truncated <= TRUNCATION_WARNING or self.warned_truncation:
+            return
+        self.warned_truncation = True
+        c = self.config
+        tools = " (tool calls and their outputs count against it)" if c.tools else ""
+        warnings.warn(
+            f"{truncated:.0%} of the completions of step {step + 1} hit --max_new_tokens {c.max_new_tokens}{tools}: "
+            f"a cut completion has no answer to reward (rollout/truncated_frac); raise --max_new_tokens, "
+            f"e.g. --max_new_tokens {2 * c.max_new_tokens} (said once per run)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def _sample_groups(self, step: int) -> SampledGroups:
         """Sample and reward groups until prompts_per_step are kept: every group, or with dynamic
@@ -113,7 +138,13 @@ class RolloutGenerator:
             problems = self.source.take(need)
             gens = self._generate(problems, seed=derived_seed(c.seed, step) * 64 + sampled.rounds)
             repeated = [problems[g.prompt_index] for g in gens]
-            scored = self.rewards(repeated, [g.text for g in gens], [g.completion_ids for g in gens])
+            scored = self.rewards(
+                repeated,
+                [g.text for g in gens],
+                [g.completion_ids for g in gens],
+                [g.tool_mask for g in gens],
+                self.tokenizer,
+            )
             sampled.reward_fn_warnings += scored.warnings
             rewards = torch.tensor(scored.rewards).view(need, c.group_size)
             sampled.rewards.append(rewards)

@@ -111,7 +111,7 @@ PLOTS = [
     ("trust region", ["loss/masked_frac"]),
     ("entropy", ["loss/entropy"]),
     ("divergence", ["loss/divergence/mean", "loss/kl_ref"]),
-    ("response length", ["rollout/length_mean"]),
+    ("response length", ["rollout/length_mean", "rollout/tool_tokens_mean"]),  # the model's tokens, a tool's
     ("mismatch: KL(mu || pi_old)", ["mismatch/kl_k3", "mismatch/kl_sample"]),
     ("mismatch: |pi_old(a) - mu(a)|", ["mismatch/prob_diff/mean", "mismatch/prob_diff/max"]),
     ("mismatch: pi_old(a) / mu(a)", ["mismatch/ratio/q0.01", "mismatch/ratio/q0.5", "mismatch/ratio/q0.99"]),
