@@ -2,8 +2,9 @@
 
 Independent references: the base model itself (a fresh adapter has B = 0), the full weight's
 gradient (the adapter's gradient is its chain rule: W' = W + s B A gives dL/dB = s dL/dW' A^T and
-dL/dA = s B^T dL/dW'), the merged model (W + s B A written into a plain model), and an
-uninterrupted run (resume is bit-identical).
+dL/dA = s B^T dL/dW'), the merged model (W + s B A written into a plain model), an uninterrupted
+run (resume is bit-identical), the same files loaded in another dtype by from_pretrained and peft
+(rollout copies), and a given adapter loaded on its own (the KL reference).
 """
 
 import copy
@@ -14,7 +15,15 @@ import pytest
 import torch
 
 import gppo
-from gppo.models.adapters import AdapterError, LoraOptions, add_adapter, linear_layer_names, merged_parameters
+from gppo.models.adapters import (
+    REFERENCE,
+    AdapterError,
+    LoraOptions,
+    add_adapter,
+    linear_layer_names,
+    merged_parameters,
+    set_adapter_base,
+)
 from gppo.models.embedded import build_model, build_tokenizer
 from gppo.models.forward import policy_outputs
 from gppo.models.loading import load_model_and_tokenizer
@@ -22,6 +31,7 @@ from gppo.rollout import SamplingParams
 from gppo.rollout.hf import HFEngine
 from gppo.trainer import ConfigError, Trainer
 from gppo.trainer.batch import rollout_from_generations, token_batch
+from gppo.trainer.rollout_policy import RolloutPolicy
 from tests.test_trainer import micro_config
 
 pytest.importorskip("peft", reason='the LoRA tests need peft: pip install "gppo[peft]"')
@@ -254,3 +264,153 @@ def test_checkpointing_and_bf16_autocast_run_through_the_adapter(adapted_micro):
     assert drops_cache_in_backward(model.train())  # checkpointing reached the decoder layers inside peft
     checkpointed = adapter_gradient(model, rollout, ForwardOptions(share_prompt=False))
     torch.testing.assert_close(checkpointed, reference, rtol=1e-4, atol=1e-6 * reference.abs().max().item())
+
+
+# ------------------------------------------------------------------------------ rollout copy
+@pytest.fixture
+def saved_adapter(micro_model, tmp_path):
+    """An adapter directory on the micro model (r 4, alpha 8, every linear layer, B random: its
+    policy is not the base's), its base recorded in adapter_config.json."""
+    model, _ = load_model_and_tokenizer(micro_model)
+    model = add_adapter(model, LoraOptions(r=4, alpha=8.0, dropout=0.0, target_modules=("all-linear",)), seed=0)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    set_adapter_base(model, micro_model)
+    model.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "adapter"
+
+
+def samples(model, tokenizer):
+    """(tokens, log-probs) of 4 completions of 3 prompts sampled by the hf engine, seed fixed."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=4, seed=3)
+    return [
+        (g.completion_ids, g.logprobs)
+        for g in HFEngine(model, tokenizer).generate(["1+2=", "345+678=", "9+99="], params)
+    ]
+
+
+@pytest.mark.parametrize("adapted", [False, True], ids=["full", "lora"])
+def test_a_rollout_copy_in_the_training_dtype_samples_exactly_as_the_model(adapted, micro_model, saved_adapter):
+    model, tokenizer = load_model_and_tokenizer(saved_adapter if adapted else micro_model, trainable_adapter=True)
+    copy = RolloutPolicy(model, torch.float32, separate=True).model
+    assert copy is not model
+    assert samples(copy, tokenizer) == samples(model, tokenizer)
+
+
+def not_the_base(model):
+    """name -> dtype of the buffers and LoRA weights: what a rollout copy leaves as it is."""
+    return {n: b.dtype for n, b in model.named_buffers()} | {
+        n: p.dtype for n, p in model.named_parameters() if ".lora_" in n
+    }
+
+
+@pytest.mark.parametrize("adapted", [False, True], ids=["full", "lora"])
+def test_a_bf16_rollout_copy_is_the_model_loaded_in_bf16(adapted, micro_model, saved_adapter):
+    """The bfloat16 copy of a float32 model samples exactly (tokens and log-probs) as the same files
+    loaded in bfloat16 by from_pretrained (and peft): the base's weights rounded, while the rotary
+    inv_freq buffers and a LoRA adapter stay float32, as such a load keeps them. Casting the whole
+    copy rounded them too, a difference that is not the base's rounding."""
+    path = saved_adapter if adapted else micro_model
+    model, tokenizer = load_model_and_tokenizer(path, torch.float32, trainable_adapter=True)
+    copy = RolloutPolicy(model, torch.bfloat16).model
+    loaded, _ = load_model_and_tokenizer(path, torch.bfloat16)
+    kept = not_the_base(loaded)
+    assert any(n.endswith("inv_freq") for n in kept) and set(kept.values()) == {torch.float32}
+    assert not_the_base(copy) == kept
+    assert samples(copy, tokenizer) == samples(loaded, tokenizer)
+    assert samples(copy, tokenizer) != samples(model, tokenizer)  # the base's rounding is there
+
+
+# ------------------------------------------------------------------------------ KL reference of a given adapter
+KL = dict(use_peft=True, kl_coef=0.1, reward_funcs=["tests.reward_fns:length_bonus"])
+
+
+def adapter_weights(model, name):
+    """The LoRA weights of adapter `name`, under names without it."""
+    return {
+        n.replace(f".{name}.", "."): p
+        for n, p in model.named_parameters()
+        if f".lora_A.{name}." in n or f".lora_B.{name}." in n
+    }
+
+
+def test_an_adapter_given_as_model_is_its_own_kl_reference(saved_adapter, micro_model, tmp_path):
+    """--model ADAPTER --use_peft: as full fine-tuning's reference is --model, the reference is the
+    given adapter, frozen: at step 0 its log-probs are the policy's exactly (pi_old, and the update's
+    own: loss/kl_ref is 0) and the adapter's loaded on its own; the base is far from them. Training
+    moves the trained adapter and never the reference, which no optimizer state covers."""
+    config = micro_config(saved_adapter, tmp_path / "run", anchor="old", mini_batch_size=16, epochs=1, steps=2, **KL)
+    trainer = Trainer(config)
+    assert trainer.lora_reference == "adapter" and trainer.ref_model is None
+    rollout, _ = trainer.rollout(0)
+    prepared = trainer.prepare(rollout)
+    valid = prepared.response_mask.bool()
+    assert torch.equal(prepared.logp_ref[valid], prepared.logp_old[valid])
+    given, _ = load_model_and_tokenizer(saved_adapter)
+    base, _ = load_model_and_tokenizer(micro_model)
+    with torch.no_grad():
+        alone = policy_outputs(given, rollout, 1.0).logp[valid]
+        bare = policy_outputs(base, rollout, 1.0).logp[valid]
+    torch.testing.assert_close(prepared.logp_ref[valid], alone, rtol=0, atol=1e-6)
+    assert (prepared.logp_ref[valid] - bare).abs().max() > 0.05
+
+    frozen = {n: p.clone() for n, p in adapter_weights(trainer.model, REFERENCE).items()}
+    assert frozen.keys() == adapter_weights(given, "default").keys()
+    assert all(
+        torch.equal(p, given_p) for p, given_p in zip(frozen.values(), adapter_weights(given, "default").values())
+    )
+    assert not any(p.requires_grad for p in adapter_weights(trainer.model, REFERENCE).values())
+    trainable = {id(p) for p in trainer.trainable}
+    assert trainable == {id(p) for p in adapter_weights(trainer.model, "default").values()}
+    trainer.train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[1]["loss/kl_ref"] == 0 and records[2]["loss/kl_ref"] > 0  # one update per step
+    for name, p in adapter_weights(trainer.model, REFERENCE).items():
+        assert torch.equal(p, frozen[name]) and not p.requires_grad, name
+    assert any(not torch.equal(p, frozen[n]) for n, p in adapter_weights(trainer.model, "default").items())
+    assert all(p.requires_grad for p in adapter_weights(trainer.model, "default").values())
+    assert {id(p) for p in trainer.optimizer.param_groups[0]["params"]} == trainable
+
+
+def test_lora_reference_base_keeps_the_base_as_reference(saved_adapter, micro_model, tmp_path):
+    trainer = Trainer(micro_config(saved_adapter, tmp_path / "run", lora_reference="base", **KL))
+    assert REFERENCE not in trainer.model.peft_config
+    rollout, _ = trainer.rollout(0)
+    prepared = trainer.prepare(rollout)
+    base, _ = load_model_and_tokenizer(micro_model)
+    valid = prepared.response_mask.bool()
+    with torch.no_grad():
+        bare = policy_outputs(base, rollout, 1.0).logp[valid]
+    torch.testing.assert_close(prepared.logp_ref[valid], bare, rtol=0, atol=1e-6)
+    trainer.close()
+
+
+def test_training_on_against_the_given_adapter_resumes_bit_identically(saved_adapter, tmp_path):
+    """Checkpoints and final/ hold the trained adapter alone (not the frozen reference); a resumed
+    run reloads the reference from --model and reaches the uninterrupted run's weights bit for bit."""
+    full = Trainer(micro_config(saved_adapter, tmp_path / "full", **KL))
+    full.train()
+    interrupted = Trainer(micro_config(saved_adapter, tmp_path / "resumed", **KL))
+    assert interrupted.train(stop_after=1) is None
+    for saved in (tmp_path / "resumed" / "checkpoints" / "step_000001", tmp_path / "full" / "final"):
+        assert not (saved / REFERENCE).exists() and (saved / "adapter_model.safetensors").is_file()
+    resumed = Trainer.resume(tmp_path / "resumed", {"progress": False})
+    resumed.train()
+    for (name, a), (_, b) in zip(resumed.model.named_parameters(), full.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    given, reference = load_model_and_tokenizer(saved_adapter)[0], adapter_weights(resumed.model, REFERENCE)
+    assert reference.keys() == adapter_weights(given, "default").keys()
+    for p, q in zip(reference.values(), adapter_weights(given, "default").values()):
+        assert torch.equal(p, q)
+
+
+def test_lora_reference_is_refused_where_it_means_nothing(micro_model, saved_adapter, tmp_path):
+    with pytest.raises(ConfigError, match="--lora_reference base would be ignored: it applies with --use_peft"):
+        micro_config(saved_adapter, tmp_path / "a", kl_coef=0.1, lora_reference="base")
+    with pytest.raises(ConfigError, match=r"--lora_reference adapter would be ignored: it applies with a KL term"):
+        micro_config(saved_adapter, tmp_path / "b", use_peft=True, lora_reference="adapter")
+    with pytest.raises(ConfigError, match="--lora_reference base would be ignored: it applies when --model is a LoRA"):
+        Trainer(micro_config(micro_model, tmp_path / "c", lora_reference="base", **KL))

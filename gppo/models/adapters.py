@@ -9,6 +9,10 @@ An adapter directory is what `PeftModel.save_pretrained` writes (adapter_config.
 adapter's weights); `gppo` records the base it needs in adapter_config.json's
 `base_model_name_or_path`, so that `load_model_and_tokenizer` (and with it `gppo eval`, `probe`
 and `--resume`) loads base and adapter from the adapter directory alone.
+
+A run that trains an adapter given as --model on keeps that adapter, frozen, as its KL reference:
+a second peft adapter named REFERENCE in the same model (`add_reference_adapter`), active only
+inside `reference_adapter`, and never saved (`save_model`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 PEFT_INSTALL = 'pip install "gppo[peft]"'
 ADAPTER_CONFIG = "adapter_config.json"
 ALL_LINEAR = "all-linear"  # peft's name for every Linear of the decoder, the output layer excepted
+REFERENCE = "reference"  # the frozen adapter of the KL reference, beside the trained one
 
 
 class AdapterError(ValueError):
@@ -139,8 +144,49 @@ def load_adapter(base_model, path: str | Path, trainable: bool = False):
         raise AdapterError(f"cannot load the adapter in {str(path)!r}: {type(err).__name__}: {err}") from None
 
 
+def add_reference_adapter(model, path: str | Path) -> None:
+    """Load the adapter saved in `path` into the adapted `model` once more, frozen and inactive, as
+    REFERENCE (adapter-sized: the base is shared); `reference_adapter` computes under it."""
+    require_peft()
+    try:
+        with _peft_deprecations_hidden():
+            model.load_adapter(str(path), adapter_name=REFERENCE, is_trainable=False, torch_device="cpu")
+    except Exception as err:  # as in load_adapter
+        raise AdapterError(f"cannot load the adapter in {str(path)!r}: {type(err).__name__}: {err}") from None
+
+
+@contextlib.contextmanager
+def reference_adapter(model):
+    """`model` computing with its REFERENCE adapter instead of the trained one; on exit the trained
+    adapter is active again and every parameter's requires_grad is as before (peft's set_adapter
+    changes them)."""
+    trained = model.active_adapter
+    requires_grad = [p.requires_grad for p in model.parameters()]
+    model.set_adapter(REFERENCE, inference_mode=True)
+    try:
+        yield model
+    finally:
+        model.set_adapter(trained)
+        for p, flag in zip(model.parameters(), requires_grad):
+            p.requires_grad_(flag)
+
+
+def save_model(model, directory: str | Path) -> None:
+    """`model.save_pretrained(directory)`; of an adapted model its active (trained) adapter alone, not
+    the REFERENCE, which peft would write to a subfolder."""
+    if is_adapted(model):
+        model.save_pretrained(directory, selected_adapters=[model.active_adapter])
+    else:
+        model.save_pretrained(directory)
+
+
 def is_adapted(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether the parameter named `name` is a LoRA adapter's (A or B), not the base's."""
+    return ".lora_" in name
 
 
 def adapter_parameters(model) -> int:
@@ -161,7 +207,7 @@ def merged_parameters(model):
     into an engine that holds the base alone needs."""
     base = model.get_base_model()
     for name, p in base.named_parameters():
-        if ".lora_" in name:
+        if is_adapter_parameter(name):
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         if not owner:

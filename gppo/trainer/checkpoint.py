@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gppo.models.adapters import save_model
+
 TEMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
 MANIFEST = "manifest.json"
@@ -265,7 +267,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, kee
     kept = f"; the last good checkpoint {previous} is intact" if previous else "; no checkpoint was written yet"
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        save_model(model, tmp)
         tokenizer.save_pretrained(tmp)
         with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: torch then keeps the OSError's errno
             torch.save({**state, "step": step, "rng": rng_state()}, f)
@@ -286,7 +288,7 @@ def save_final(run_dir: Path, model, tokenizer, name: str = "final") -> Path:
     """Write RUN_DIR/<name>/ (model, or a LoRA adapter, and tokenizer) whole, replacing an earlier one."""
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        save_model(model, tmp)
         tokenizer.save_pretrained(tmp)
 
     return write_dir(run_dir / name, write, "; the checkpoints are intact, resume to write final/ again")

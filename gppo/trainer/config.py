@@ -1,6 +1,7 @@
 """`TrainConfig`: every knob of `gppo train`, documented once and exposed to YAML and the CLI.
 
-Precedence: dataclass defaults < YAML file (`--config x.yaml`) < command-line `--key value`.
+Precedence: dataclass defaults < the built-in task's `defaults` (for settings left unset, None:
+UNSET_DEFAULTS) < YAML file (`--config x.yaml`) < command-line `--key value`.
 The objective is `preset` plus optional overrides of any `GPPOConfig` field (`--divergence kl`),
 kept in `loss`. Every value, from any source, passes the one validation of `gppo.options`
 (types, ranges, choices); unknown keys are errors that name the closest valid key.
@@ -52,6 +53,14 @@ _opt = option
 PYTHON = Source("python", "TrainConfig")
 VLLM_COMPILE_TOKENS = 50_000  # sampled tokens beyond which compiling vLLM's model pays off (docs/vllm.md)
 NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau")  # transformers' get_scheduler ignores warmup there
+# settings a built-in task may set (its `defaults`): their values where neither the run nor the task does
+UNSET_DEFAULTS = {"max_new_tokens": 24}
+
+
+def _unset_default_text(name: str) -> str:
+    """'24, or the built-in task's own (multiplication 64)': setting `name`'s value when unset."""
+    own = [f"{task} {cls.defaults[name]}" for task, cls in TASKS.items() if name in getattr(cls, "defaults", {})]
+    return f"{UNSET_DEFAULTS[name]}" + (f", or the built-in task's own ({', '.join(own)})" if own else "")
 
 
 def check_lr_schedule(name: str) -> None:
@@ -144,7 +153,14 @@ class TrainConfig:
         gt=0,
         why="RL samples from the policy (greedy decoding has no log-probs to train)",
     )
-    max_new_tokens: int = _opt(24, "maximum completion length", "rollout", ge=1)
+    max_new_tokens: int | None = _opt(
+        None,
+        "maximum completion length in tokens, the model's and its tool calls' (each length metric and the "
+        f"overlong penalty count the model's alone); unset: {_unset_default_text('max_new_tokens')}",
+        "rollout",
+        ge=1,
+        example=64,
+    )
     rollout_top_p: float = _opt(
         1.0,
         "nucleus sampling of training rollouts (TRL's and verl's rollout top_p; "
@@ -196,7 +212,7 @@ class TrainConfig:
         [],
         "extra reward functions as path/to/file.py:function or module:function "
         "(the working directory is importable), called like TRL's (prompts=, "
-        "completions=, completion_ids=, answer=, **columns)",
+        "completions=, completion_ids=, answer=, **columns; with --tools also tool_mask=, 0 at tool tokens)",
         "rewards and advantages",
         example=["my_rewards.py:length_bonus"],
     )
@@ -215,7 +231,8 @@ class TrainConfig:
     )
     format_pattern: str | None = _opt(
         None,
-        "regular expression a well-formed completion matches (re.fullmatch on the stripped text)",
+        "regular expression a well-formed completion matches (re.fullmatch on the stripped text of the model's "
+        "tokens: tool outputs cut out)",
         "rewards and advantages",
         check=compile_format_pattern,
         example=r"\\d+",
@@ -315,8 +332,8 @@ class TrainConfig:
         False,
         "train a LoRA adapter on the frozen base model instead of every weight (peft, pip install "
         "'gppo[peft]'): the optimizer holds the adapter alone, checkpoints and final/ hold it in peft's "
-        "format, the KL reference is the base with the adapter disabled; --dtype bfloat16 keeps the base "
-        "in bfloat16 and the adapter in float32",
+        "format, the KL reference is the base with the adapter disabled (--model's adapter, frozen, when "
+        "--model is one: --lora_reference); --dtype bfloat16 keeps the base in bfloat16 and the adapter in float32",
         "LoRA adapters",
     )
     lora_r: int = _opt(16, "LoRA rank r", "LoRA adapters", ge=1)
@@ -343,6 +360,13 @@ class TrainConfig:
         "after 25 sampled tokens (docs/results.md §17)",
         "LoRA adapters",
     )
+    lora_reference: Literal["adapter", "base"] | None = _opt(
+        None,
+        "the KL reference when --model is a LoRA adapter trained on: adapter (that adapter, frozen, as full "
+        "fine-tuning's reference is --model) or base (the base with the adapter disabled); unset: adapter. A new "
+        "adapter's reference is the base, its first policy",
+        "LoRA adapters",
+    )
     merge_lora: bool = _opt(
         False,
         "at the end, also write the base with the adapter merged into it (W + alpha/r B A) to "
@@ -359,8 +383,18 @@ class TrainConfig:
         "tools",
     )
     max_tool_calls: int = _opt(4, "tool calls per completion at most; later blocks are not run", "tools", ge=1)
-    tool_output_tokens: int = _opt(128, "tokens of a tool's output kept (the rest is cut)", "tools", ge=1)
+    tool_output_tokens: int = _opt(
+        128, "tokens of a tool's output kept, before its fence or tool turn is added (the rest is cut)", "tools", ge=1
+    )
     tool_timeout_s: float = _opt(5.0, "wall-clock limit of one tool call, in seconds", "tools", gt=0)
+    tool_workers: int | None = _opt(
+        None,
+        "tool calls run at once, each in its own sandboxed process (unset: the tool engine's default, one per CPU "
+        "core)",
+        "tools",
+        ge=1,
+        example=2,
+    )
 
     # evaluation
     eval_every: int = _opt(
@@ -395,6 +429,10 @@ class TrainConfig:
     def __post_init__(self):
         for name, value in check(TrainConfig, {k: getattr(self, k) for k in TRAIN_FIELDS}, PYTHON).items():
             setattr(self, name, value)
+        task = {} if self.data is not None else getattr(TASKS[self.task], "defaults", {})
+        for name, value in {**UNSET_DEFAULTS, **task}.items():  # what the run leaves unset
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         self.loss = gppo_overrides(dict(self.loss), Source("mapping", "TrainConfig.loss"))
         try:
             check_reward_weights(self.reward_weights, len(self.reward_funcs), verifier=None if self.data else True)
@@ -432,16 +470,28 @@ class TrainConfig:
 
     def _check_tool_knobs(self) -> None:
         if not self.tools:
-            refuse_ignored(self, ["max_tool_calls", "tool_output_tokens", "tool_timeout_s"], "with --tools python")
+            refuse_ignored(
+                self, ["max_tool_calls", "tool_output_tokens", "tool_timeout_s", "tool_workers"], "with --tools python"
+            )
 
     def _check_adapter_knobs(self) -> None:
         if not self.use_peft:
             refuse_ignored(
                 self,
-                ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync", "merge_lora"],
+                [
+                    "lora_r",
+                    "lora_alpha",
+                    "lora_dropout",
+                    "lora_target_modules",
+                    "lora_sync",
+                    "lora_reference",
+                    "merge_lora",
+                ],
                 "with --use_peft",
             )
             return
+        if self._objective.kl_coef == 0:
+            refuse_ignored(self, ["lora_reference"], "with a KL term (--kl_coef > 0)")
         if self.engine != "vllm":
             refuse_ignored(self, ["lora_sync"], "with --engine vllm")
         if self.rollout_quantization != "none":

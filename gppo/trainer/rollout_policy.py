@@ -6,7 +6,9 @@ weights) and trains on rollouts a few updates old (one-step-off-policy and async
 systems). Three `gppo train` knobs reproduce that (docs/design.md section 1, anchors):
 
 - `rollout_dtype`: the engine samples from a copy of the weights in that dtype; the copy is
-  allocated once and refreshed by `copy_` after every update.
+  allocated once and refreshed by `copy_` after every update. Only the base's weights change
+  dtype: a LoRA adapter (float32, as peft keeps it on a bfloat16 base) and the float32 buffers
+  (the rotary `inv_freq`) stay as they are, as in a model loaded in that dtype.
 - `rollout_quantization='int8'`: the copy's `torch.nn.Linear` weights are fake-quantized
   per output channel (`fake_quantize_int8`); the token embeddings and the output head keep the
   rollout dtype, as weight-only INT8 recipes usually leave them (tied to the embeddings in
@@ -27,6 +29,7 @@ from dataclasses import fields
 
 import torch
 
+from gppo.models.adapters import is_adapter_parameter
 from gppo.trainer.batch import Rollout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,7 +61,11 @@ class RolloutPolicy:
         # requires_grad stays as in `model` (never used: the engine samples under inference_mode):
         # with it off, some CPU kernels round the last bit differently, and an overlap copy in the
         # training dtype must sample exactly as the training model would.
-        self.model = copy.deepcopy(model).to(dtype).eval()
+        self.model = copy.deepcopy(model).eval()
+        with torch.no_grad():  # the base's weights alone: a LoRA adapter and the buffers keep their dtype
+            for name, p in self.model.named_parameters():
+                if not is_adapter_parameter(name):
+                    p.data = p.data.to(dtype)
         if quantization == "int8":
             head = model.get_output_embeddings()
             self._quantized = {

@@ -32,7 +32,9 @@ from gppo.models.adapters import (
     adapter_parameters,
     adapter_rank,
     add_adapter,
+    add_reference_adapter,
     is_adapter_dir,
+    reference_adapter,
     set_adapter_base,
 )
 from gppo.models.assets import embedded_checkpoint
@@ -162,12 +164,15 @@ class Trainer:
             timeout_s=config.reward_fn_timeout,
         )
         self.model, self.tokenizer = self._load_policy(checkpoint)
+        self.lora_reference = self._lora_reference()
+        if self.loss_config.kl_coef > 0 and self.lora_reference == "adapter":
+            add_reference_adapter(self.model, self.base_model_path)  # frozen: never in self.trainable
         self.model.to(self.device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapter alone with LoRA
         if config.gradient_checkpointing:
             enable_activation_checkpointing(self.model)
         self.forward_options = config.forward_options(self.device)
-        self.ref_model = None  # with LoRA the reference is the model with its adapter disabled
+        self.ref_model = None  # with LoRA the reference is an adapter of the model itself (_reference_model)
         if self.loss_config.kl_coef > 0 and not config.use_peft:
             self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
             self.ref_model.to(self.device).requires_grad_(False)
@@ -206,7 +211,13 @@ class Trainer:
             tool = TOOLS[config.tools[0]](timeout_s=config.tool_timeout_s)
             turn = template_tool_turn(self.tokenizer) if self.prompts.uses_chat_template else None
             self.engine = ToolEngine(
-                self.engine, self.tokenizer, tool, config.max_tool_calls, config.tool_output_tokens, turn
+                self.engine,
+                self.tokenizer,
+                tool,
+                config.max_tool_calls,
+                config.tool_output_tokens,
+                turn,
+                workers=config.tool_workers,
             )
         if top_k > self.engine.max_top_k_logprobs:
             raise ConfigError(
@@ -290,6 +301,12 @@ class Trainer:
             refuse_ignored(
                 c, ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"], "to a new adapter, not to --model's"
             )
+        if c.use_peft and not is_adapter_dir(self.base_model_path):
+            refuse_ignored(
+                c,
+                ["lora_reference"],
+                "when --model is a LoRA adapter (a new adapter's KL reference is the base, its first policy)",
+            )
         if checkpoint is not None or not c.use_peft or is_adapter_dir(self.base_model_path):
             return load_model_and_tokenizer(checkpoint or self.base_model_path, dtype, trainable_adapter=True)
         model, tokenizer = load_model_and_tokenizer(self.base_model_path, dtype)
@@ -297,12 +314,24 @@ class Trainer:
         set_adapter_base(model, c.model or self.base_model_path)
         return model, tokenizer
 
+    def _lora_reference(self) -> str | None:
+        """With LoRA, what the KL reference is: 'adapter' (--model's adapter, frozen) or 'base' (the
+        model with its adapter disabled); --lora_reference, unset: 'adapter' when --model is an
+        adapter, else 'base' (a new adapter starts as the base). None without LoRA."""
+        if not self.config.use_peft:
+            return None
+        return self.config.lora_reference or ("adapter" if is_adapter_dir(self.base_model_path) else "base")
+
     @contextlib.contextmanager
     def _reference_model(self):
-        """The KL term's reference policy: the frozen copy of the base, or with LoRA the model itself
-        with its adapter disabled (peft's disable_adapter, as TRL does: no second copy)."""
+        """The KL term's reference policy: the frozen copy of --model, or with LoRA the model itself
+        under its frozen REFERENCE adapter or with its adapter disabled (peft's disable_adapter, as
+        TRL does): no second copy of the base."""
         if self.ref_model is not None:
             yield self.ref_model
+        elif self.lora_reference == "adapter":
+            with reference_adapter(self.model):
+                yield self.model
         else:
             with self.model.disable_adapter():
                 yield self.model
@@ -543,6 +572,7 @@ class Trainer:
             c.temperature,
             c.max_new_tokens,
             seed=derived_seed(c.seed, 7_777_777),
+            tokenizer=self.tokenizer,
         )
 
     # ------------------------------------------------------------------------------ main loop
