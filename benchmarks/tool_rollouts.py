@@ -8,10 +8,14 @@ speed      The multiplication warm start (embedded model, the shipped asset or `
            tokens per second, the model's tokens per second, tool calls, and accuracy.
 smollm2    SmolLM2-135M-Instruct, asked to multiply with a one-shot example of the block format in
            the system prompt, greedy, with the tool: does it call it, and how often is it right.
+calls      The sandbox's calls per second: `--calls` runs of `print(6*7)` from `--workers` threads,
+           with `run_program` (a bootstrap and an interpreter started per call) and through a
+           `ProgramPool` of as many workers (a fork of a server per call), and the ratio.
 
     python benchmarks/tool_rollouts.py speed --repeats 2
     python benchmarks/tool_rollouts.py speed --repeats 2 --engine vllm
     python benchmarks/tool_rollouts.py smollm2 --prompts 32
+    python benchmarks/tool_rollouts.py calls --calls 200 --workers 2 4
 """
 
 from __future__ import annotations
@@ -97,17 +101,41 @@ def smollm2(args) -> None:
         print(f"--- {p.prompt}\n{g.text}")
 
 
+def calls(args) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gppo.rewards.code import Limits, ProgramPool, run_program
+
+    limits = Limits(timeout_s=10)
+    print("| workers | run_program calls/s | ProgramPool calls/s | ratio |\n|---|---|---|---|")
+    for workers in args.workers:
+        with ProgramPool(workers) as pool, ThreadPoolExecutor(workers) as threads:
+            list(threads.map(lambda _: pool.run("print(1)", limits), range(workers)))  # the servers have started
+            rates, isolation = {}, {}
+            for name, run in (("run_program", run_program), ("pool", pool.run)):
+                start = time.perf_counter()
+                runs = list(threads.map(lambda _, run=run: run("print(6*7)", limits), range(args.calls)))
+                rates[name] = args.calls / (time.perf_counter() - start)
+                assert all(r.stdout == "42\n" for r in runs), runs[0]
+                isolation[name] = runs[0].isolation
+            assert pool.servers == workers, "the pool fell back to run_program"
+        print(f"| {workers} | {rates['run_program']:.1f} ({isolation['run_program']}) | {rates['pool']:.1f} "
+              f"({isolation['pool']}) | {rates['pool'] / rates['run_program']:.1f}x |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=["speed", "smollm2"])
+    parser.add_argument("part", choices=["speed", "smollm2", "calls"])
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="speed: the rollout engine")
     parser.add_argument("--model", help="speed: a multiplication warm start (default: the shipped one)")
+    parser.add_argument("--calls", type=int, default=200, help="calls: programs run per way and worker count")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="calls: threads (and pool workers)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    (speed if args.part == "speed" else smollm2)(args)
+    {"speed": speed, "smollm2": smollm2, "calls": calls}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -1071,3 +1071,97 @@ def test_the_sandbox_starts_from_a_venv_in_a_private_directory(isolation, tmp_pa
         assert out.stdout.split()[:2] == ["passed", isolation], out.stdout + out.stderr
     finally:
         shutil.rmtree(private)
+
+
+# ---------------------------------------------------------------------------------------------
+# Programs run as scripts (the python tool): run_program, and the pool's servers
+
+AS_SCRIPTS = {
+    "print": "print(6 * 7)",
+    "exception": "print('partial')\nraise ValueError('bad value')",
+    "exit-status": "import sys\nprint('x')\nsys.exit(3)",
+    "exit-message": "raise SystemExit('bye')",
+    "exit-zero": "import os, sys\nprint(1)\nsys.stdout.flush()\nos._exit(0)",
+    "stdin": "print(input())",
+    "thread": "import threading\nthreading.Thread(target=lambda: print('from a thread')).start()",
+    "atexit": "import atexit\natexit.register(print, 'at exit')",
+    "unclosed": "import os\nout = os.fdopen(os.dup(1), 'w')\nout.write('unflushed')",
+    "timeout": "while True:\n    pass",
+    "memory": "x = bytearray(10 * 1024 ** 3)",
+    "output": "while True:\n    print('x' * 1000)",
+    "fork-bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+}
+SCRIPT_LIMITS = Limits(timeout_s=2, memory_mb=512, max_output_bytes=1 << 16, max_processes=32)
+
+
+@pytest.fixture(scope="module")
+def program_pool():
+    with sandbox.ProgramPool(workers=2) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("program", AS_SCRIPTS.values(), ids=AS_SCRIPTS.keys())
+def test_the_pool_runs_programs_as_run_program_does(program, program_pool, monkeypatch):
+    monkeypatch.setattr(sandbox, "_isolation", lambda: ("namespaces", None))
+    alone = sandbox.run_program(program, SCRIPT_LIMITS)
+    pooled = program_pool.run(program, SCRIPT_LIMITS)
+    assert pooled.isolation == alone.isolation == "namespaces" and program_pool.servers == 2
+    assert (pooled.status, pooled.stdout[:100], pooled.reason) == (alone.status, alone.stdout[:100], alone.reason)
+
+
+def test_a_failed_run_gives_its_reason_apart_from_its_output():
+    """What the tool layer shows after the output, and makes room for."""
+    failed = sandbox.run_program(AS_SCRIPTS["exception"], SCRIPT_LIMITS)
+    assert (failed.status, failed.stdout, failed.reason) == (
+        CaseStatus.RUNTIME_ERROR,
+        "partial\n",
+        "ValueError: bad value",
+    )
+    slow = sandbox.run_program(AS_SCRIPTS["timeout"], Limits(timeout_s=1))
+    assert slow.reason == "timeout: wall-clock limit of 1 s"
+    assert sandbox.run_program("print('fine')", SCRIPT_LIMITS).reason == ""
+    long = sandbox.ProgramRun(CaseStatus.RUNTIME_ERROR, "", "Error: " + "x " * 400 + "\n\n")
+    assert len(long.reason) == 300 and "\n" not in long.reason
+
+
+def test_each_call_in_the_pool_starts_fresh(program_pool):
+    """A call is a fork of the server, not of the previous call: nothing a program changed,
+    wrote or seeded is there for the next."""
+    program = (
+        "import builtins, json, os, random\n"
+        "print(random.random(), os.listdir('.'), os.listdir('/tmp'), hasattr(json, 'mark'), hasattr(builtins, 'mark'))\n"
+        "json.mark = builtins.mark = True\n"
+        "open('left', 'w').close()\nopen('/tmp/left', 'w').close()\n"
+    )
+    outputs = [program_pool.run(program, FAST).stdout.split() for _ in range(4)]
+    assert len({o[0] for o in outputs}) == 4, outputs  # the random module is seeded afresh
+    assert all(o[1:] == ["[]", "[]", "False", "False"] for o in outputs), outputs
+
+
+def test_the_pool_is_thread_safe_and_closes_cleanly():
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = sandbox_processes()
+    with sandbox.ProgramPool(workers=3) as pool, ThreadPoolExecutor(8) as threads:
+        outputs = list(
+            threads.map(lambda i: pool.run(f"import time\ntime.sleep(0.05)\nprint({i} ** 2)", FAST), range(24))
+        )
+        assert [o.stdout for o in outputs] == [f"{i**2}\n" for i in range(24)] and pool.servers == 3
+    assert sandbox_processes() - before == set()
+    assert zombie_children() == []
+    assert not os.path.exists(pool._directory)
+    with pytest.raises(RuntimeError, match="the pool is closed"):
+        pool.run("print(1)")
+
+
+def test_the_pool_falls_back_to_run_program_when_a_server_fails(monkeypatch):
+    def broken(self, files, backstop_s):
+        raise OSError("no namespaces here")
+
+    monkeypatch.setattr(sandbox._Server, "call", broken)
+    with sandbox.ProgramPool(workers=2) as pool:
+        with pytest.warns(RuntimeWarning, match="no namespaces here"):
+            first = pool.run("print(6 * 7)", FAST)
+        assert first.stdout == "42\n" and first.isolation == sandbox._isolation()[0] and pool.servers == 1
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        sandbox.ProgramPool(workers=0)

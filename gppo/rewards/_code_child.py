@@ -1,29 +1,26 @@
 """The sandboxed side of `gppo.rewards.code` (design and threat model: docs/sandbox.md).
 
-Run inside the sandbox as
-`python -I -B -S _code_child.py REQUEST_FD REPLY_FD WIRE_DIR SITE_PACKAGES [drop-root]`.
-It holds no test and decides nothing. It says it is ready, reads the program, installs the audit
-hook (defence in depth), then either runs the program as `__main__` (stdin/stdout tests: the
-caller reads its output and the bootstrap its exit status), or loads it and answers the judge's
-calls with plain data (`_wire`) until the judge closes the channel.
+Run inside the sandbox as `python -I -B -S _code_child.py REQUEST_FD REPLY_FD SITE_PACKAGES [UID]`,
+or, in a `ProgramPool`'s server, called in a fork of that server (`main_in_process`: no new
+interpreter starts). It holds no test and decides nothing. It says it is ready, reads the
+program, installs the audit hook (defence in depth), then either runs the program as `__main__`
+(stdin/stdout tests: the caller reads its output and the bootstrap its exit status), or loads it
+and answers the judge's calls with plain data (`_wire`) until the judge closes the channel.
 """
 
+import atexit
 import builtins
 import importlib.machinery
 import os
+import stat
 import sys
 import types
 
-sys.path.insert(0, sys.argv[3])
-import _wire  # noqa: E402  (found through WIRE_DIR only)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _wire  # noqa: E402  (this directory is on sys.path only for this import)
 
 del sys.path[0]
-_SITE_PACKAGES = [p for p in sys.argv[4].split(os.pathsep) if p]
-sys.path += _SITE_PACKAGES  # started with -S (40 ms less per start): no .pth file runs
-for _name in ("exit", "quit"):  # the builtins `site` would add, which programs call
-    setattr(builtins, _name, __import__("_sitebuiltins").Quitter(_name, "Ctrl-D (i.e. EOF)"))
 
-_NOBODY = 65534
 _MESSAGE_LIMIT = 64 << 20
 
 # Audit events refused: network, processes, signals, native code, links, and the ways to the
@@ -74,28 +71,31 @@ _REFUSED_MODULES = frozenset(
     }
 )
 _PROCESS_MODULE = "_posixsubprocess"
-# audit event -> indices of the path arguments that must stay inside the working directory
+# audit event -> the paths that must stay inside the working directory, as (index of the path,
+# index of the directory descriptor it is relative to, or None) in the event's arguments
 _PATH_EVENTS = {
-    "os.remove": (0,),
-    "os.rmdir": (0,),
-    "os.mkdir": (0,),
-    "os.rename": (0, 1),
-    "os.link": (1,),
-    "os.chmod": (0,),
-    "os.chown": (0,),
-    "os.truncate": (0,),
-    "os.utime": (0,),
-    "os.mkfifo": (0,),
-    "os.mknod": (0,),
+    "os.remove": ((0, 1),),
+    "os.rmdir": ((0, 1),),
+    "os.mkdir": ((0, 2),),
+    "os.rename": ((0, 2), (1, 3)),
+    "os.link": ((1, 3),),
+    "os.chmod": ((0, 2),),
+    "os.chown": ((0, 3),),
+    "os.truncate": ((0, None),),
+    "os.utime": ((0, 3),),
 }
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
-def main(request_fd: int, reply_fd: int, drop_root: bool) -> None:
-    if drop_root and os.geteuid() == 0:
+def main(request_fd: int, reply_fd: int, site_packages: list[str], uid: int | None) -> None:
+    """Become the program's process (as `uid` when given and root) and run or serve the program."""
+    sys.path += site_packages  # started with -S (40 ms less per start): no .pth file runs
+    for name in ("exit", "quit"):  # the builtins `site` would add, which programs call
+        setattr(builtins, name, __import__("_sitebuiltins").Quitter(name, "Ctrl-D (i.e. EOF)"))
+    if uid is not None and os.geteuid() == 0:
         os.setgroups([])
-        os.setgid(_NOBODY)
-        os.setuid(_NOBODY)
+        os.setgid(uid)
+        os.setuid(uid)
     _wire.send(reply_fd, {"ready": True})
     hello = _wire.receive(request_fd, _MESSAGE_LIMIT)
     kind, source = hello["kind"], hello["source"]
@@ -104,7 +104,14 @@ def main(request_fd: int, reply_fd: int, drop_root: bool) -> None:
             del sys.modules[name]
     __import__(_PROCESS_MODULE).fork_exec = _refused_fork_exec
     sys.addaudithook(
-        _guard(os.getcwd(), _REFUSED_EVENTS, _FRAME_ATTRIBUTES, _PATH_EVENTS, _REFUSED_MODULES | {_PROCESS_MODULE})
+        _guard(
+            os.getcwd(),
+            site_packages,
+            _REFUSED_EVENTS,
+            _FRAME_ATTRIBUTES,
+            _PATH_EVENTS,
+            _REFUSED_MODULES | {_PROCESS_MODULE},
+        )
     )
     if kind == "stdio":
         os.close(request_fd)
@@ -181,26 +188,57 @@ def _refused_fork_exec(*args, **kwargs):
     raise PermissionError("sandbox: starting processes is not allowed")
 
 
-def _guard(workdir: str, refused_events, frame_attributes, path_events, refused_modules):
+def _guard(workdir: str, site_packages: list[str], refused_events, frame_attributes, path_events, refused_modules):
     """The audit hook (defence in depth: the verdict does not depend on it). Its settings are
     bound here, not read from module globals that the program could change."""
     root = os.path.realpath(workdir)
-    trees = frozenset(os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, *_SITE_PACKAGES))
+    trees = frozenset(os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, *site_packages))
     extensions = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     realpath, fsdecode, basename, harness = os.path.realpath, os.fsdecode, os.path.basename, globals()
-    write_flags = _WRITE_FLAGS
+    join, isdir, fstat, readlink, getcwd = os.path.join, os.path.isdir, os.fstat, os.readlink, os.getcwd
+    write_flags, directory_flags, is_directory = _WRITE_FLAGS, os.O_DIRECTORY | os.O_PATH, stat.S_ISDIR
+    descriptors = range(os.sysconf("SC_OPEN_MAX"))  # RLIMIT_NOFILE, whose hard limit is set: no fd lies beyond
+    opened_directory = False  # until the program opens a directory, no path can be relative to one
 
-    def inside(path) -> bool:
-        if isinstance(path, int):  # an open descriptor
-            return True
-        real = realpath(fsdecode(path))  # relative paths resolve against the current directory
+    def descriptor(fd: int) -> str:
+        """Where an open descriptor leads (the directory a path relative to it starts from)."""
+        try:
+            return readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            raise PermissionError(f"sandbox: descriptor {fd} cannot be resolved") from None
+
+    def directories() -> list[str]:
+        """The directories the program holds open as descriptors."""
+        found = []
+        for fd in descriptors:
+            try:
+                if is_directory(fstat(fd).st_mode):
+                    found.append(descriptor(fd))
+            except OSError:
+                pass  # not open
+        return found
+
+    def locations(path, dir_fd: int | None) -> list[str]:
+        """Where `path` may lead: relative to `dir_fd` (negative: the current directory), or, for
+        "open", whose event does not say which directory descriptor the path is relative to (as in
+        `os.open(name, flags, dir_fd=fd)`), relative to the current directory and to each one held
+        (once the program has opened a directory: before, it holds none)."""
+        text = fsdecode(path)
+        if os.path.isabs(text):
+            return [text]
+        if dir_fd is None:
+            bases = [getcwd(), *(directories() if opened_directory else [])]
+        else:
+            bases = [getcwd() if dir_fd < 0 else descriptor(dir_fd)]
+        return [join(base, text) for base in bases]
+
+    def inside(location: str) -> bool:
+        real = realpath(location)
         return real == root or real.startswith(root + os.sep)
 
-    def in_proc(path) -> bool:
-        """Whether `path` reaches into /proc, by its resolved location (not its text)."""
-        if isinstance(path, int) or path is None:
-            return False
-        full = os.path.abspath(fsdecode(path))
+    def in_proc(location: str) -> bool:
+        """Whether `location` reaches into /proc, by where it resolves (not its text)."""
+        full = os.path.abspath(location)
         for candidate in (full, realpath(full), realpath(os.path.dirname(full))):
             if candidate == "/proc" or candidate.startswith("/proc/"):
                 return True
@@ -217,6 +255,7 @@ def _guard(workdir: str, refused_events, frame_attributes, path_events, refused_
             raise ImportError(f"sandbox: importing {name} is not allowed")
 
     def hook(event: str, args: tuple) -> None:
+        nonlocal opened_directory
         if event in refused_events:
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "sys._getframe":  # ValueError: what the standard library expects without frames
@@ -227,20 +266,83 @@ def _guard(workdir: str, refused_events, frame_attributes, path_events, refused_
             raise PermissionError("sandbox: replacing the code of the harness is not allowed")
         if event == "import":
             refused_import(str(args[0]), args[1])
-        elif event == "open":
+        elif event == "open" and not isinstance(args[0], int) and args[0] is not None:  # an int: an open descriptor
             path, mode, flags = args
-            if in_proc(path):
+            places = locations(path, None)
+            if any(in_proc(p) for p in places):
                 raise PermissionError(f"sandbox: opening {path!r} (under /proc) is not allowed")
             writes = flags & write_flags or (isinstance(mode, str) and any(c in mode for c in "wax+"))
-            if writes and path is not None and not inside(path):
+            if writes and not all(inside(p) for p in places):
                 raise PermissionError(f"sandbox: writing {path!r} outside the working directory")
-        elif event in ("os.listdir", "os.scandir", "os.chdir") and in_proc(args[0]):
-            raise PermissionError(f"sandbox: {event} {args[0]!r} (under /proc) is not allowed")
-        elif event in path_events and not all(inside(args[i]) for i in path_events[event]):
-            raise PermissionError(f"sandbox: {event} outside the working directory")
+            opened_directory = opened_directory or bool(flags & directory_flags) or any(map(isdir, places))
+        elif event in ("os.listdir", "os.scandir", "os.chdir"):
+            path = "." if args[0] is None else args[0]
+            places = [descriptor(path)] if isinstance(path, int) else locations(path, -1)
+            if any(in_proc(p) for p in places):
+                raise PermissionError(f"sandbox: {event} {path!r} (under /proc) is not allowed")
+        elif event in path_events:
+            for index, fd_index in path_events[event]:
+                path, dir_fd = args[index], -1 if fd_index is None else args[fd_index]
+                if not isinstance(path, int) and not all(inside(p) for p in locations(path, dir_fd)):
+                    raise PermissionError(f"sandbox: {event} {path!r} outside the working directory")
 
     return hook
 
 
+def main_in_process(request_fd: int, reply_fd: int, site_packages: list[str]) -> None:
+    """`main` in a fork of a `ProgramPool`'s server, which then ends this process as the interpreter
+    ends after a script (no interpreter of its own runs its shutdown): the exit status of an
+    uncaught `SystemExit` or exception (printed), non-daemon threads joined, `atexit` handlers, the
+    program's globals released (its unclosed files flushed), standard streams flushed."""
+    try:
+        main(request_fd, reply_fd, site_packages, None)
+        status = 0
+    except SystemExit as error:
+        status = _exit_status(error.code)
+    except BaseException:  # noqa: BLE001  (printed, as the interpreter does)
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    for finish in (_join_threads, atexit._run_exitfuncs, _release_globals):
+        try:
+            finish()
+        except BaseException:  # noqa: BLE001
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001  (the interpreter's status for a failed flush)
+            status = 120
+    os._exit(status)
+
+
+def _exit_status(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001
+        pass
+    return 1
+
+
+def _join_threads() -> None:
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        threading._shutdown()
+
+
+def _release_globals() -> None:
+    main_module = sys.modules.get("__main__")
+    if main_module is not None:
+        main_module.__dict__.clear()
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[5:] == ["drop-root"])
+    main(
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        [p for p in sys.argv[3].split(os.pathsep) if p],
+        int(sys.argv[4]) if len(sys.argv) > 4 else None,
+    )

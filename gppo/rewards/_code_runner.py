@@ -7,9 +7,14 @@ caller's temporary directory on the host's filesystem. It then judges through th
 that process: a call test calls the function, an assert test runs here with the program's names
 as proxies, and a stdin/stdout test only waits. It reports on STATUS_FD, which the program's
 process never holds, and kills and reaps everything the program left behind.
+
+Run as `python -I -B -S _code_runner.py serve SOCKET_FD`, it is one slot of a `ProgramPool`: a
+server that, for each request on the socket, forks a bootstrap as above (namespaces only) whose
+program's process is a fork too, running `_code_child` without starting an interpreter.
 """
 
 import builtins
+import gc
 import json
 import os
 import resource
@@ -23,8 +28,8 @@ import _wire  # noqa: E402  (this directory is on sys.path only for this import)
 
 del sys.path[0]
 
-_NOBODY = 65534
-_CLONE_NEWNS, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x20000, 0x04000000, 0x08000000
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT = 0x1, 0x2, 0x4, 0x8, 0x20
 _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 0x1000, 0x4000, 0x40000, 0x200000
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
@@ -88,12 +93,15 @@ def _bootstrap(config_fd: int, status_fd: int) -> None:
 
 def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[str, int]:
     """Fork the process that becomes the program's (through bwrap, or set up here, then exec'd:
-    none of this process's memory stays with it); returns (isolation, its pid)."""
+    none of this process's memory stays with it; in a pool's server, not exec'd); returns
+    (isolation, its pid)."""
     env = {**config["env"], "HOME": _WORKDIR, "TMPDIR": _WORKDIR}
-    drop_root = os.geteuid() == 0
+    uid = config["uid"] if os.geteuid() == 0 else None  # as root, the caller chose one for this call
     bwrap = config["isolation"] == "bwrap"
     namespaces = not bwrap and config["isolation"] == "namespaces" and _enter_namespaces(libc)
-    drop_root = drop_root and (bwrap or namespaces or not _unreachable_dirs(config["prefixes"]))
+    if config["in_process"] and not namespaces:
+        raise RuntimeError("a pool's server runs programs only in namespaces, and none could be made here")
+    uid = uid if bwrap or namespaces or not _unreachable_dirs(config["prefixes"]) else None
     pid = os.fork()
     if pid == 0:
         try:
@@ -103,7 +111,7 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
                 os.set_inheritable(fd, True)
             if bwrap:  # it drops root in the program's process, after its own setup
                 _set_limits(config)
-                command = _bwrap_command(config, fds, drop_root)
+                command = _bwrap_command(config, fds, uid)
                 os.execve(command[0], command, env)
             wire_dir = _HARNESS_DIR
             if namespaces:
@@ -111,12 +119,14 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
                 wire_dir = _WIRE_DIR
             else:
                 env.update(HOME=os.getcwd(), TMPDIR=os.getcwd())
-            if drop_root:
+            if uid is not None:
                 os.setgroups([])
-                os.setgid(_NOBODY)
-                os.setuid(_NOBODY)
+                os.setgid(uid)
+                os.setuid(uid)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
             _set_limits(config)
+            if config["in_process"]:
+                _become_program(config, fds, env)
             os.execve(
                 sys.executable,
                 [
@@ -125,7 +135,7 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
                     "-B",
                     "-S",
                     os.path.join(wire_dir, "_code_child.py"),
-                    *_child_arguments(config, fds, wire_dir, drop_root=False),
+                    *_child_arguments(config, fds, None),
                 ],
                 env,
             )
@@ -137,8 +147,24 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
     return "bwrap" if bwrap else "namespaces" if namespaces else "guard", pid
 
 
+def _become_program(config: dict, fds: tuple[int, int], env: dict) -> None:
+    """In a pool's server: this fork becomes the program's process as the exec'd `_code_child.py`
+    would (its descriptors, environment, arguments and signal handlers), without a new
+    interpreter's start-up; it never returns. It holds the server's memory: nothing secret
+    (docs/sandbox.md)."""
+    keep = sorted({0, 1, 2, *fds})
+    for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+        os.closerange(low + 1, high)
+    os.environ.clear()
+    os.environ.update(env)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    sys.argv = [f"{_WIRE_DIR}/_code_child.py"]
+    sys.path[:] = [p for p in sys.path if p not in config["site_packages"]]  # the bootstrap's own additions
+    sys.modules["_code_child"].main_in_process(fds[0], fds[1], config["site_packages"])
+
+
 def _enter_namespaces(libc) -> bool:
-    flags = _CLONE_NEWNET | _CLONE_NEWNS | _CLONE_NEWPID
+    flags = _CLONE_NEWNET | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWIPC | _CLONE_NEWUTS
     if _unshare(libc, flags):
         return True
     uid, gid = os.getuid(), os.getgid()
@@ -167,10 +193,11 @@ def _runtime_paths(prefixes: list[str]) -> list[str]:
     for path in prefixes:
         paths |= {os.path.abspath(path), os.path.realpath(path)}
     paths.add(os.path.realpath(sys.executable))
-    return sorted(p for p in paths if not any(p.startswith(q + os.sep) for q in paths if not os.path.islink(q)))
+    directories = [q for q in paths if not os.path.islink(q)]
+    return sorted(p for p in paths if not any(p.startswith(q + os.sep) for q in directories))
 
 
-def _bwrap_command(config: dict, fds: tuple[int, int], drop_root: bool) -> list[str]:
+def _bwrap_command(config: dict, fds: tuple[int, int], uid: int | None) -> list[str]:
     """The same private root as `_private_root`, built by bubblewrap, in the same order."""
     command = [
         config["bwrap"],
@@ -199,6 +226,8 @@ def _bwrap_command(config: dict, fds: tuple[int, int], drop_root: bool) -> list[
         "--proc",
         "/proc",
         "--remount-ro",
+        "/proc",
+        "--remount-ro",
         "/",
         "--chdir",
         _WORKDIR,
@@ -209,12 +238,13 @@ def _bwrap_command(config: dict, fds: tuple[int, int], drop_root: bool) -> list[
         "-S",
         f"{_WIRE_DIR}/_code_child.py",
     ]
-    return command + _child_arguments(config, fds, _WIRE_DIR, drop_root)
+    return command + _child_arguments(config, fds, uid)
 
 
-def _child_arguments(config: dict, fds: tuple[int, int], wire_dir: str, drop_root: bool) -> list[str]:
-    arguments = [str(fds[0]), str(fds[1]), wire_dir, os.pathsep.join(config["site_packages"])]
-    return arguments + (["drop-root"] if drop_root else [])
+def _child_arguments(config: dict, fds: tuple[int, int], uid: int | None) -> list[str]:
+    """`_code_child.py`'s arguments: the channel, the site-packages, and the uid to become."""
+    arguments = [str(fds[0]), str(fds[1]), os.pathsep.join(config["site_packages"])]
+    return arguments + ([str(uid)] if uid is not None else [])
 
 
 def _ancestors(path: str) -> list[str]:
@@ -249,7 +279,7 @@ def _private_root(libc, prefixes: list[str], mount_point: str) -> None:
         os.symlink(target, root + link)
     os.mkdir(root + "/proc")
     try:
-        _mount(libc, "proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        _mount(libc, "proc", root + "/proc", "proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     except OSError:
         pass  # refused where the host's /proc is partly masked (containers): no /proc inside then
     _mount(libc, None, root, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
@@ -489,5 +519,68 @@ def _reap_orphans(wait_s: float = 1.0) -> None:
             return
 
 
+# ---------------------------------------------------------------------------------------------
+# A pool's server
+
+
+def _serve(socket_fd: int) -> None:
+    """One slot of a `ProgramPool`, until the caller closes its end of the socket. For each request
+    (a backstop in seconds, and the call's config, status, stdin, stdout and stderr descriptors),
+    fork a bootstrap; answer whether the backstop had to kill it. Imported once here: what every
+    fork would otherwise import."""
+    import ctypes  # noqa: F401  (for the bootstraps)
+    import socket
+
+    sys.path.insert(0, _HARNESS_DIR)
+    import _code_child  # noqa: F401  (the program's processes run it from sys.modules)
+
+    del sys.path[0]
+    __import__("_posixsubprocess")
+    gc.freeze()  # the forks' collections then skip (and copy) none of this process's objects
+    server = socket.socket(fileno=socket_fd)
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(server, 1024, 5)
+        except OSError:
+            return
+        if not message or len(fds) != 5:
+            return  # the pool was closed (or sent something else: the caller is gone)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _serve_call(server, fds)
+        for fd in fds:
+            os.close(fd)
+        deadline = _Deadline(pid, json.loads(message)["backstop_s"])
+        deadline.wait()
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        try:
+            server.send(json.dumps({"killed": deadline.timed_out}).encode())
+        except OSError:
+            return  # the caller is gone
+
+
+def _serve_call(server, fds: list[int]) -> None:
+    """In the fork of a pool's server: the bootstrap of one call, on the call's standard streams."""
+    try:
+        server.close()
+        config_fd, status_fd, *streams = fds
+        for target, fd in enumerate(streams):
+            os.dup2(fd, target)
+            os.close(fd)
+        _bootstrap(config_fd, status_fd)
+        code = 0
+    except BaseException:  # noqa: BLE001  (no "ready" follows: the caller shows this)
+        import traceback
+
+        traceback.print_exc()
+        code = 70
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    _bootstrap(int(sys.argv[1]), int(sys.argv[2]))
+    if sys.argv[1] == "serve":
+        _serve(int(sys.argv[2]))
+    else:
+        _bootstrap(int(sys.argv[1]), int(sys.argv[2]))

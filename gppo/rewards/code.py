@@ -19,19 +19,24 @@ needing a special checker (several valid answers) are not supported.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import json
 import math
 import os
+import pwd
 import re
 import shutil
 import signal
 import site
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Context, Decimal, InvalidOperation, localcontext
@@ -94,8 +99,9 @@ class CaseResult:
 class Limits:
     """Per-test-case limits. `timeout_s` bounds wall-clock time and, rounded up, CPU seconds;
     `memory_mb` is address space (RLIMIT_AS); `max_processes` (RLIMIT_NPROC) counts the processes
-    and threads of the user the program runs as, so programs running at the same time share it
-    (each holds one to start with)."""
+    and threads of the user the program runs as (its main thread is one): as root, each program
+    running at the same time runs as a uid of its own, so none can use up another's
+    (docs/sandbox.md, "Processes")."""
 
     timeout_s: float = 6.0
     memory_mb: int = 1024
@@ -198,7 +204,9 @@ def extract_code(completion: str) -> str | None:
 # Running (caller side)
 
 _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_runner.py")
-_NOBODY = 65534
+# As root, each program runs as a uid of its own among these (below systemd's dynamic users, above
+# Debian's and Ubuntu's regular ones, inside the 65536 uids a container's user namespace maps).
+_PROGRAM_UIDS = range(60000, 61024)
 _GRACE_S = 5.0  # the caller's backstop beyond the bootstrap's own wall clock
 _ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -242,17 +250,33 @@ def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult
 class ProgramRun:
     """A program run as a script: `status` PASSED when it exited normally (whatever it printed),
     else why not (timeout, memory, output limit, runtime error, with `detail`); its stdout (at
-    most `Limits.max_output_bytes`) and the tail of its stderr."""
+    most `Limits.max_output_bytes`), the tail of its stderr, and the isolation it ran in."""
 
     status: CaseStatus
     stdout: str
     stderr: str
     detail: str = ""
+    isolation: str = ""
+
+    @property
+    def reason(self) -> str:
+        """Why the run failed, in one line of at most 300 characters, apart from its stdout; ""
+        when it exited normally. A runtime error's is the last line of its stderr (the
+        exception), else its detail; a limit's names it ("timeout: wall-clock limit of 5 s")."""
+        if self.status is CaseStatus.PASSED:
+            return ""
+        if self.status is CaseStatus.RUNTIME_ERROR:
+            lines = self.stderr.strip().splitlines()
+            reason = lines[-1] if lines else self.detail
+        else:
+            reason = f"{self.status.value}: {self.detail}"
+        return " ".join(reason.split())[:300]
 
 
 def run_program(code: str, limits: Limits = Limits()) -> ProgramRun:
     """Run `code` as a script with an empty stdin, in the sandbox of `run_test`, and return what
-    it printed (a code interpreter's output: `gppo.rollout.tools`)."""
+    it printed (a code interpreter's output: `gppo.rollout.tools`). `ProgramPool` runs it the same
+    way at a fraction of the fixed cost."""
     return _sandboxed(code, StdioTest("", ""), limits, _program_output)
 
 
@@ -264,7 +288,85 @@ def _program_output(test: StdioTest, files: dict, limits: Limits, killed: bool, 
     files["stderr"].seek(0)
     stdout = files["stdout"].read(limits.max_output_bytes).decode(errors="replace")
     stderr = files["stderr"].read()[-2000:].decode(errors="replace")
-    return ProgramRun(CaseStatus.PASSED if ran else verdict.status, stdout, stderr, "" if ran else verdict.detail)
+    status, detail = (CaseStatus.PASSED, "") if ran else (verdict.status, verdict.detail)
+    return ProgramRun(status, stdout, stderr, detail, verdict.isolation)
+
+
+@contextlib.contextmanager
+def _program_uid() -> Iterator[int | None]:
+    """As root, a uid from `_PROGRAM_UIDS` that no other program running now has (in any process
+    here: each is held as an abstract socket's name, which the kernel frees when its holder ends),
+    so that the per-user limits (RLIMIT_NPROC) bound each program alone; else None."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    for uid in _PROGRAM_UIDS:
+        if not _unknown_uid(uid):
+            continue
+        holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            holder.bind(f"\0gppo-sandbox-uid-{uid}")
+        except OSError:
+            holder.close()
+            continue
+        with holder:
+            yield uid
+        return
+    raise SandboxError(f"more than {len(_PROGRAM_UIDS)} sandboxed programs at once: no uid is left for another")
+
+
+@functools.cache
+def _unknown_uid(uid: int) -> bool:
+    """Whether no account has `uid` (a program must not get an account's files or processes)."""
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return True
+    return False
+
+
+def _config(code: str, test: CodeTest, limits: Limits, uid: int | None, in_process: bool) -> dict:
+    """What the bootstrap gets: the program, the test's inputs (never an expected output), limits."""
+    isolation, bwrap = ("namespaces", None) if in_process else _isolation()
+    config = {
+        "source": code,
+        "timeout_s": limits.timeout_s,
+        "memory_mb": limits.memory_mb,
+        "max_output_bytes": limits.max_output_bytes,
+        "max_processes": limits.max_processes,
+        "max_open_files": limits.max_open_files,
+        "env": _ENV,
+        "isolation": isolation,
+        "bwrap": bwrap,
+        "uid": uid,
+        "in_process": in_process,
+        **_runtime(),
+    }
+    if isinstance(test, CallTest):  # the inputs only: the expected value stays here
+        config.update(kind="call", fn_name=test.fn_name, args=test.args)
+    elif isinstance(test, AssertTest):  # run by the bootstrap, never by the program's process
+        config.update(kind="assert", test_code=test.code)
+    else:
+        config.update(kind="stdio")
+    return config
+
+
+@contextlib.contextmanager
+def _call_files(config: dict, test: CodeTest, directory: str) -> Iterator[dict]:
+    """The call's files, unnamed in `directory` (nothing of the harness is on disk for a program to
+    find): its config, stdin, stdout, stderr, and the status only the bootstrap writes."""
+    files = {name: tempfile.TemporaryFile(dir=directory) for name in ("stdin", "stdout", "stderr", "status", "config")}
+    try:
+        os.fchmod(files["stdin"].fileno(), 0o644)  # the program may reopen it (/dev/stdin)
+        if isinstance(test, StdioTest):
+            files["stdin"].write(test.input.encode())
+            files["stdin"].seek(0)
+        files["config"].write(json.dumps(config).encode())
+        files["config"].seek(0)
+        yield files
+    finally:
+        for f in files.values():
+            f.close()
 
 
 def _sandboxed(code: str, test: CodeTest, limits: Limits, judge):
@@ -272,64 +374,177 @@ def _sandboxed(code: str, test: CodeTest, limits: Limits, judge):
     elapsed)` reads the outcome from the process's files before they are closed."""
     workdir = tempfile.mkdtemp(prefix="gppo-sandbox-")
     try:
-        if os.geteuid() == 0:
-            os.chown(workdir, _NOBODY, _NOBODY)  # the program's directory where there is no private root
-        isolation, bwrap = _isolation()
-        config = {
-            "source": code,
-            "timeout_s": limits.timeout_s,
-            "memory_mb": limits.memory_mb,
-            "max_output_bytes": limits.max_output_bytes,
-            "max_processes": limits.max_processes,
-            "max_open_files": limits.max_open_files,
-            "env": _ENV,
-            "isolation": isolation,
-            "bwrap": bwrap,
-            **_runtime(),
-        }
-        if isinstance(test, CallTest):  # the inputs only: the expected value stays here
-            config.update(kind="call", fn_name=test.fn_name, args=test.args)
-        elif isinstance(test, AssertTest):  # run by the bootstrap, never by the program's process
-            config.update(kind="assert", test_code=test.code)
-        else:
-            config.update(kind="stdio")
-        # No file has a name: nothing of the harness is on disk for a program to find.
-        files = {
-            name: tempfile.TemporaryFile(dir=workdir) for name in ("stdin", "stdout", "stderr", "status", "config")
-        }
-        try:
-            os.fchmod(files["stdin"].fileno(), 0o644)  # the program may reopen it (/dev/stdin)
-            if isinstance(test, StdioTest):
-                files["stdin"].write(test.input.encode())
-                files["stdin"].seek(0)
-            files["config"].write(json.dumps(config).encode())
-            files["config"].seek(0)
-            fds = (files["config"].fileno(), files["status"].fileno())
-            start = time.monotonic()
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-S", _RUNNER, str(fds[0]), str(fds[1])],
-                stdin=files["stdin"],
-                stdout=files["stdout"],
-                stderr=files["stderr"],
-                pass_fds=fds,
-                cwd=workdir,
-                env=_ENV,
-                start_new_session=True,
-            )
-            try:
-                proc.wait(timeout=limits.timeout_s + _GRACE_S)
-                killed = False
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                killed = True
-            elapsed = time.monotonic() - start
-            return judge(test, files, limits, killed, elapsed)
-        finally:
-            for f in files.values():
-                f.close()
+        with _program_uid() as uid:
+            if uid is not None:
+                os.chown(workdir, uid, uid)  # the program's directory where there is no private root
+            config = _config(code, test, limits, uid, in_process=False)
+            with _call_files(config, test, workdir) as files:
+                fds = (files["config"].fileno(), files["status"].fileno())
+                start = time.monotonic()
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-B", "-S", _RUNNER, str(fds[0]), str(fds[1])],
+                    stdin=files["stdin"],
+                    stdout=files["stdout"],
+                    stderr=files["stderr"],
+                    pass_fds=fds,
+                    cwd=workdir,
+                    env=_ENV,
+                    start_new_session=True,
+                )
+                try:
+                    proc.wait(timeout=limits.timeout_s + _GRACE_S)
+                    killed = False
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    killed = True
+                return judge(test, files, limits, killed, time.monotonic() - start)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+class ProgramPool:
+    """Runs programs as `run_program` does, with the same isolation, at a fixed cost of a few
+    milliseconds instead of two interpreters' start-up (docs/sandbox.md, "The pool").
+
+    `workers` servers, one per slot, each started once with the harness imported; a call forks
+    one of them into fresh namespaces (PID, mount, network, IPC, UTS), a fresh private root with
+    empty tmpfs and a read-only /proc, its slot's uid (as root), the limits and the audit hook.
+    `run` is thread-safe: up to `workers` calls run at once; more wait for a free slot. Where a
+    server cannot run programs (no namespaces here), its calls fall back to `run_program`, with a
+    warning. Close it (`close`, or use it as a context manager) to end the servers; a pool does not
+    survive `fork`."""
+
+    def __init__(self, workers: int = 4):
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"ProgramPool: workers must be a positive int, got {workers!r}")
+        self._directory = tempfile.mkdtemp(prefix="gppo-pool-")  # the servers' mount point: stays empty
+        self._changed = threading.Condition()
+        self._free: list[_Server | None] = []  # None: a slot whose calls go to run_program
+        self._size = self._fallen = 0  # slots, and those whose server failed
+        self._closed = self._warned = False
+        try:
+            for _ in range(workers):
+                self._free.append(self._start_server())
+                self._size += 1
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def servers(self) -> int:
+        """How many slots have a server (the others' calls go to `run_program`)."""
+        return self._size - self._fallen
+
+    def run(self, code: str, limits: Limits = Limits()) -> ProgramRun:
+        """`run_program(code, limits)`, in a free slot (waiting for one)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._free or self._closed)
+            if self._closed:
+                raise RuntimeError("ProgramPool.run: the pool is closed")
+            server = self._free.pop()
+        try:
+            if server is not None:
+                try:
+                    return self._run_in(server, code, limits)
+                except (OSError, SandboxError) as error:  # the server failed, not the program: run it again
+                    server.close()
+                    server = None
+                    self._fall_back(error)
+            return run_program(code, limits)
+        finally:
+            with self._changed:
+                self._free.append(server)
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Wait for the calls running, then end the servers; later calls raise."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: len(self._free) == self._size)
+            servers, self._free, self._size = self._free, [], 0
+        for server in servers:
+            if server is not None:
+                server.close()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+    def __enter__(self) -> ProgramPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start_server(self) -> _Server | None:
+        try:
+            return _Server(self._directory)
+        except OSError as error:
+            self._fall_back(error)
+            return None
+
+    def _fall_back(self, error: BaseException) -> None:
+        with self._changed:
+            self._fallen += 1
+            warn, self._warned = not self._warned, True
+        if warn:
+            warnings.warn(
+                f"ProgramPool: a sandbox server could not run programs ({str(error)[:300]}); its calls run "
+                "with run_program instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _run_in(self, server: _Server, code: str, limits: Limits) -> ProgramRun:
+        test = StdioTest("", "")
+        config = _config(code, test, limits, server.uid, in_process=True)
+        with _call_files(config, test, self._directory) as files:
+            start = time.monotonic()
+            killed = server.call(files, limits.timeout_s + _GRACE_S)
+            return _program_output(test, files, limits, killed, time.monotonic() - start)
+
+
+class _Server:
+    """One slot of a `ProgramPool`: a server process (`_code_runner.py serve`) on one end of a
+    socket, and the uid its programs run as (as root; held while the server lives)."""
+
+    def __init__(self, directory: str):
+        self._held = contextlib.ExitStack()
+        self.uid = self._held.enter_context(_program_uid())
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._socket = self._held.enter_context(ours)
+        with theirs:
+            try:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-I", "-B", "-S", _RUNNER, "serve", str(theirs.fileno())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    pass_fds=(theirs.fileno(),),
+                    cwd=directory,
+                    env=_ENV,
+                    start_new_session=True,
+                )
+            except BaseException:
+                self._held.close()
+                raise
+
+    def call(self, files: dict, backstop_s: float) -> bool:
+        """Run the call the files describe; whether the server's backstop had to kill it."""
+        fds = [files[name].fileno() for name in ("config", "status", "stdin", "stdout", "stderr")]
+        socket.send_fds(self._socket, [json.dumps({"backstop_s": backstop_s}).encode()], fds)
+        self._socket.settimeout(backstop_s + _GRACE_S)  # past the server's own backstop: it is stuck
+        reply = self._socket.recv(1024)
+        if not reply:
+            raise OSError(f"the sandbox server ended (exit status {self._process.poll()})")
+        return json.loads(reply)["killed"]
+
+    def close(self) -> None:
+        self._socket.close()  # the server reads the end of its socket and exits
+        try:
+            self._process.wait(timeout=_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+        self._held.close()
 
 
 def run_tests(

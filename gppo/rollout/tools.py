@@ -17,7 +17,7 @@ block, the tool's message follows, and the model continues in a new assistant tu
 tool tokens.
 
 `ToolEngine` wraps any engine. It samples until EOS, the budget, or a closed ```python block
-(`SamplingParams.stop_at_code_block`). It then runs the block (`PythonTool`: `run_program`, the
+(`SamplingParams.stop_at_code_block`). It then runs the block (`PythonTool`: a `ProgramPool` of the
 code reward's sandbox and limits; `workers` calls at once), appends the answer as tokens, and
 continues the completion from its whole token sequence: on vLLM as soon as its tool answers, while
 the others decode; on the HF engine, which decodes in batches, together with the others that
@@ -45,6 +45,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -72,27 +74,49 @@ class ToolOutput:
         return stdout, f"\n{reason}" if stdout and reason else reason
 
 
-@dataclass(frozen=True)
 class PythonTool:
-    """Runs a block with `gppo.rewards.code.run_program` (fresh sandboxed process: no network,
-    private file system, `timeout_s`, `memory_mb`), and answers with its stdout; a failure adds
-    its reason (the exception's last line, the time, memory or output limit)."""
+    """Runs a block in the code sandbox (`gppo.rewards.code`: a fresh process in fresh namespaces,
+    no network, a private file system, `timeout_s`, `memory_mb`) and answers with its stdout; a
+    failure adds its reason (the exception's last line, the time, memory or output limit). Calls go
+    through a `ProgramPool` of `workers` pre-started sandbox servers (default: one per CPU core),
+    started at the first call, ended by `close` or when the tool is collected: a few milliseconds
+    a call where a fresh interpreter costs about 0.1 s (docs/sandbox.md, "The pool")."""
 
-    timeout_s: float = 5.0
-    memory_mb: int = 512
+    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, workers: int | None = None):
+        self.timeout_s, self.memory_mb, self.workers = timeout_s, memory_mb, default_workers(workers)
+        self._pool = None
+        self._starting = threading.Lock()
 
     def __call__(self, code: str) -> ToolOutput:
-        from gppo.rewards.code import CaseStatus, Limits, run_program
+        from gppo.rewards.code import Limits
 
-        run = run_program(code, Limits(timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output_bytes=1 << 16))
-        if run.status is CaseStatus.PASSED:
-            return ToolOutput(run.stdout)
-        if run.status is CaseStatus.RUNTIME_ERROR:
-            lines = run.stderr.strip().splitlines()
-            reason = lines[-1] if lines else run.detail
-        else:
-            reason = f"{run.status.value}: {run.detail}"
-        return ToolOutput(run.stdout, reason)
+        limits = Limits(timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output_bytes=1 << 16)
+        run = self._programs().run(code, limits)
+        return ToolOutput(run.stdout, run.reason or None)
+
+    def close(self) -> None:
+        """End the sandbox servers (a later call starts them again)."""
+        with self._starting:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def _programs(self):
+        with self._starting:
+            if self._pool is None:
+                from gppo.rewards.code import ProgramPool
+
+                self._pool = ProgramPool(self.workers)
+                weakref.finalize(self, self._pool.close)
+            return self._pool
+
+
+def default_workers(workers: int | None) -> int:
+    """Tool calls at once: `workers`, or one per CPU core where it is None."""
+    workers = workers if workers is not None else os.cpu_count() or 1
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    return workers
 
 
 TOOLS = {"python": PythonTool}
@@ -203,9 +227,7 @@ class ToolEngine:
         tool_turn: ToolTurn | None = None,
         workers: int | None = None,
     ):
-        workers = workers if workers is not None else os.cpu_count() or 1
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+        workers = default_workers(workers)
         self.engine, self.tokenizer, self.tool = engine, tokenizer, tool
         self.max_tool_calls, self.output_tokens, self.workers = max_tool_calls, output_tokens, workers
         self.tool_turn = tool_turn or output_block
@@ -223,6 +245,11 @@ class ToolEngine:
                 f"this tokenizer keeps {kept} special when it tokenizes text with split_special_tokens=True: "
                 "a program could write them into the policy's context, so it cannot sample with tools"
             )
+
+    def close(self) -> None:
+        """End the tool's sandbox servers, then the wrapped engine's resources."""
+        getattr(self.tool, "close", lambda: None)()
+        getattr(self.engine, "close", lambda: None)()
 
     def __getattr__(self, name):  # max_top_k_logprobs, separate_weights, update_weights, close, ...
         return getattr(self.engine, name)

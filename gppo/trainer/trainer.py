@@ -208,7 +208,7 @@ class Trainer:
             self.engine.update_weights(self.model)  # a resumed or given adapter (a no-op for the hf engine)
         self.prompts = self._prompt_builder()
         if config.tools:  # training rollouts and evaluation call the tools alike; a chat template's tool role answers
-            tool = TOOLS[config.tools[0]](timeout_s=config.tool_timeout_s)
+            tool = TOOLS[config.tools[0]](timeout_s=config.tool_timeout_s, workers=config.tool_workers)
             turn = template_tool_turn(self.tokenizer) if self.prompts.uses_chat_template else None
             self.engine = ToolEngine(
                 self.engine,
