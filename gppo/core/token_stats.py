@@ -17,12 +17,14 @@ p log p stays 0 rather than NaN; a given logit may be -inf). Per token:
 and, without gradient, the exact D_f(pi || anchor) of a gppo Divergence over the vocabulary,
 pi's own K most probable tokens and, on request, the whole log-distribution. Backward recomputes
 each chunk's logits from the saved inputs and applies the closed forms above (masked-out entries
-get 0); the output layer's weight gradient is summed over chunks in float32 (float64), each
-chunk's product included, whatever the weight's dtype (a bfloat16 product per chunk would round
-each part before the sum and bias the gradient). Autograd keeps the inputs themselves and [n]
-vectors (each row's max and log-normaliser, its entropy and KL), so the memory beyond the inputs
-is O(chunk rows x V) while a chunk is processed plus O(n x K) for the outputs; only `log_probs`,
-when asked for, is [n, V].
+get 0). The gradient wrt a chunk's logits is rounded to the weight's dtype, as autograd of the
+full logits rounds it, and the weight and bias gradients are summed over chunks in float32
+(float64), each chunk's product included (a bfloat16 product per chunk would round each part
+before the sum and bias the gradient): with a bfloat16 head every gradient is the full-logits
+computation's up to float32 summation order, draw by draw, hence as accurate. Autograd keeps
+the inputs themselves and [n] vectors (each row's max and log-normaliser, its entropy and KL), so
+the memory beyond the inputs is O(chunk rows x V) while a chunk is processed plus O(n x K) for the
+outputs; only `log_probs`, when asked for, is [n, V].
 """
 
 from __future__ import annotations
@@ -345,9 +347,11 @@ class _VocabularyPass(torch.autograd.Function):
                 elif need_source:
                     grad_source.index_copy_(0, inputs.rows[start:end], g.to(source.dtype))
                 continue
+            if g.dtype != weight.dtype:  # rounded to the weight's dtype, as autograd of the full logits rounds it
+                g.copy_(g.to(weight.dtype))
             if need_source:
                 grad_source[start:end] = g.to(weight.dtype) @ weight
-            if need_weight:  # float32 accumulation of the chunk's product, whatever the weight's dtype
+            if need_weight:  # the chunk's product summed in float32 (float64), not rounded to bfloat16 first
                 grad_weight.addmm_(g.T, h.to(g.dtype))
             if need_bias:
                 grad_bias += g.sum(0)
