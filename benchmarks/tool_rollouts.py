@@ -10,7 +10,8 @@ smollm2    SmolLM2-135M-Instruct, asked to multiply with a one-shot example of t
            the system prompt, greedy, with the tool: does it call it, and how often is it right.
 calls      The sandbox's calls per second: `--calls` runs of `print(6*7)` from `--workers` threads,
            with `run_program` (a bootstrap and an interpreter started per call) and through a
-           `ProgramPool` of as many workers (a fork of a server per call), and the ratio.
+           `ProgramPool` of as many workers (a fork of a server per call), the ratio, and the pool's
+           milliseconds per call of one worker (workers / rate).
 
     python benchmarks/tool_rollouts.py speed --repeats 2
     python benchmarks/tool_rollouts.py speed --repeats 2 --engine vllm
@@ -107,7 +108,7 @@ def calls(args) -> None:
     from gppo.rewards.code import Limits, ProgramPool, run_program
 
     limits = Limits(timeout_s=10)
-    print("| workers | run_program calls/s | ProgramPool calls/s | ratio |\n|---|---|---|---|")
+    print("| workers | run_program calls/s | ProgramPool calls/s | ratio | pool ms per call |\n|---|---|---|---|---|")
     for workers in args.workers:
         with ProgramPool(workers) as pool, ThreadPoolExecutor(workers) as threads:
             list(threads.map(lambda _: pool.run("print(1)", limits), range(workers)))  # the servers have started
@@ -120,7 +121,8 @@ def calls(args) -> None:
                 isolation[name] = runs[0].isolation
             assert pool.servers == workers, "the pool fell back to run_program"
         print(f"| {workers} | {rates['run_program']:.1f} ({isolation['run_program']}) | {rates['pool']:.1f} "
-              f"({isolation['pool']}) | {rates['pool'] / rates['run_program']:.1f}x |", flush=True)  # fmt: skip
+              f"({isolation['pool']}) | {rates['pool'] / rates['run_program']:.1f}x | {1000 * workers / rates['pool']:.1f} |",
+              flush=True)  # fmt: skip
 
 
 def main() -> None:

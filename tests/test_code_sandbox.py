@@ -34,8 +34,8 @@ SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
 def sandbox_processes() -> set[int]:
-    """Live processes running the sandbox (bootstraps, bwrap and the programs' processes)."""
-    markers = (str(Path(sandbox._RUNNER).resolve()).encode(), b"_code_child.py")
+    """Live processes running the sandbox (bootstraps, bwrap, pools' servers and the programs' processes)."""
+    markers = (str(Path(sandbox._RUNNER).resolve()).encode(), b"_code_child.py", b"_code_server.py")
     pids = set()
     for entry in os.listdir("/proc"):
         try:
@@ -1165,3 +1165,26 @@ def test_the_pool_falls_back_to_run_program_when_a_server_fails(monkeypatch):
         assert first.stdout == "42\n" and first.isolation == sandbox._isolation()[0] and pool.servers == 1
     with pytest.raises(ValueError, match="workers must be a positive int"):
         sandbox.ProgramPool(workers=0)
+
+
+def test_a_server_that_cannot_start_leaves_its_slot_to_run_program(monkeypatch):
+    """The server answers once its namespaces, private root and disabled IPC are made; a slot whose
+    server does not (here: its starter cannot be run) goes to run_program from the start."""
+    runner = sandbox._RUNNER
+    monkeypatch.setattr(sandbox, "_RUNNER", "/nonexistent/_code_runner.py")
+    with pytest.warns(RuntimeWarning, match="did not start: .*nonexistent"):
+        pool = sandbox.ProgramPool(workers=2)
+    monkeypatch.setattr(sandbox, "_RUNNER", runner)
+    with pool:
+        assert pool.servers == 0 and pool.run("print(6 * 7)", FAST).stdout == "42\n"
+
+
+def test_a_pool_without_root_leaves_every_call_to_run_program(monkeypatch):
+    """Not root, the pool's programs would be forks of a process holding a user namespace's
+    capabilities (no exec drops them): it starts no server, says why once, and still runs programs."""
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    with pytest.warns(RuntimeWarning, match="not root"):
+        pool = sandbox.ProgramPool(workers=2)
+    monkeypatch.undo()
+    with pool:
+        assert pool.servers == 0 and pool.run("print(6 * 7)", FAST).stdout == "42\n"

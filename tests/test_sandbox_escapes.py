@@ -135,9 +135,11 @@ print(json.dumps({
 
 
 @needs_nsenter
-def test_sysv_ipc_objects_are_not_shared_with_the_host_or_the_next_call(run):
+def test_sysv_ipc_objects_are_not_shared_with_the_host_or_the_next_call(run, request):
     """A program with native code (it had reached it through /proc/self/mem) saw the host's SysV
-    semaphores and left one for a later call: each call needs its own IPC namespace."""
+    semaphores and left one for a later call: each call needs its own IPC namespace (a pool's server
+    keeps one for all its calls, where none can be made, not even by root)."""
+    created = request.node.callspec.params["run"] != "pool"
     host_key, own_key = random.sample(range(1 << 20, 1 << 30), 2)
     semaphore = SYSV.semget(host_key, 1, _IPC_CREAT | _IPC_EXCL | 0o600)
     memory = SYSV.shmget(host_key, 4096, _IPC_CREAT | _IPC_EXCL | 0o600)
@@ -147,7 +149,10 @@ def test_sysv_ipc_objects_are_not_shared_with_the_host_or_the_next_call(run):
             probe = as_native_code(pid, IPC_PROBE, "--ipc", args=(host_key, own_key))
             namespaces = {kind: os.readlink(f"/proc/{pid}/ns/{kind}") for kind in ("ipc", "uts")}
         assert probe.returncode == 0, probe.stderr
-        assert probe.stdout.strip() == '{"semget": false, "shmget": false, "listed": false, "created": true}'
+        assert (
+            probe.stdout.strip()
+            == f'{{"semget": false, "shmget": false, "listed": false, "created": {str(created).lower()}}}'
+        )
         assert all(namespaces[kind] != os.readlink(f"/proc/self/ns/{kind}") for kind in namespaces)
         assert SYSV.semget(own_key, 0, 0) == -1  # not on the host
         with held(run) as pid:
@@ -294,3 +299,132 @@ def test_the_private_root_holds_only_the_runtime(run):
     )
     result = run(program, FAST)
     assert result.stdout == "[] [] True True\nFalse True\n", result
+
+
+# ---------------------------------------------------------------------------------------------
+# ctypes: no process the program descends from has loaded it
+
+CTYPES_PROBE = """
+def walk(cls, seen):
+    for sub in type.__subclasses__(cls):
+        if sub not in seen:
+            seen.add(sub)
+            walk(sub, seen)
+seen = set()
+walk(object, seen)
+print(sorted(c.__name__ for c in seen if c.__module__ in ("_ctypes", "ctypes")))
+"""
+
+
+def test_no_ctypes_type_is_within_reach(run):
+    """A pool's program process once descended from a process that had imported ctypes: its types
+    stayed reachable through `object.__subclasses__()`, and subclasses of `_SimpleCData` and
+    `_Pointer` read and wrote memory out of bounds with no audit event."""
+    result = run(CTYPES_PROBE, FAST)
+    assert (result.status, result.stdout) == (CaseStatus.PASSED, "[]\n"), result
+
+
+def mapped(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as maps:
+        return maps.read()
+
+
+@needs_nsenter
+def test_neither_the_program_nor_the_pools_server_has_ctypes_in_memory(run, request):
+    with held(run) as pid:
+        images = {"program": mapped(pid)}
+        if request.node.callspec.params["run"] == "pool":
+            images["server"] = mapped(status_field(pid, "PPid"))
+    assert images and all("_ctypes" not in image and "libffi" not in image for image in images.values()), [
+        name for name, image in images.items() if "_ctypes" in image
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool: what a call leaves behind is gone before the next call on its slot
+
+LEAVE = """
+import os, threading, time
+open("left", "w").close()
+os.mkdir("deep")
+for _ in range(1500):  # nested deeper than the recursion limit, with short paths
+    os.mkdir("above")
+    os.rename("deep", "above/deep")
+    os.rename("above", "deep")
+os.chmod("deep", 0)
+
+def late(name):
+    time.sleep(0.3)
+    open(name, "w").close()
+
+threading.Thread(target=late, args=("/sandbox/from-a-thread",), daemon=True).start()
+if os.fork() == 0:
+    late("/sandbox/from-a-child")
+    os._exit(0)
+print("left")
+"""
+LOOK = "import os, time\ntime.sleep(0.6)\nprint(os.listdir('.'), os.listdir('/tmp'))"
+
+
+def test_a_pool_call_leaves_nothing_for_the_next_on_its_slot():
+    """The server's namespaces serve every call of its slot: after a call, every process of it is
+    killed (a forked child, the daemon threads with their process), and /sandbox and /tmp are
+    emptied, however deep the program nested its directories."""
+    with ProgramPool(workers=1) as pool:
+        (server,) = pool._free
+        assert pool.run(LEAVE, FAST).stdout == "left\n"
+        left = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if status_field(int(entry), "Uid") == server.uid:
+                    left.append(int(entry))
+        assert left == []
+        later = pool.run(LOOK, FAST)
+        assert (later.status, later.stdout, pool.servers) == (CaseStatus.PASSED, "[] []\n", 1), later
+        if os.geteuid() == 0 and shutil.which("nsenter"):  # /tmp, which only native code can write
+            with held(pool.run) as pid:
+                uid = status_field(pid, "Uid")
+                namespaces = ("--mount", "--root", "--wd", f"--setuid={uid}", f"--setgid={uid}")
+                wrote = as_native_code(pid, "open('/tmp/left', 'w').close()\nprint('wrote')", *namespaces)
+            assert wrote.stdout == "wrote\n", wrote.stderr
+            later = pool.run(LOOK, FAST)
+            assert (later.status, later.stdout, pool.servers) == (CaseStatus.PASSED, "[] []\n", 1), later
+
+
+IPC_CREATE = """
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+key = int(sys.argv[1])
+made = {
+    "sem": libc.semget(key, 1, 0o1600),
+    "shm": libc.shmget(key, 4096, 0o1600),
+    "msg": libc.msgget(key, 0o1600),
+    "mq": libc.mq_open(b"/gppo-probe", os.O_CREAT | os.O_RDWR, 0o600, None),
+}
+print(json.dumps({kind: result != -1 for kind, result in made.items()}))
+"""
+
+
+@needs_nsenter
+def test_system_v_ipc_and_message_queues_cannot_be_made_in_the_pool(pool):
+    """A pool's server keeps its IPC namespace for all its calls, so none of its programs may make
+    an IPC object there that a later call could read."""
+    with held(pool.run) as pid:
+        uid = status_field(pid, "Uid")
+        namespaces = ("--ipc", "--mount", "--root", "--wd", f"--setuid={uid}", f"--setgid={uid}")
+        made = as_native_code(pid, IPC_CREATE, *namespaces, args=(1234,))
+    assert made.stdout.strip() == '{"sem": false, "shm": false, "msg": false, "mq": false}', made.stdout + made.stderr
+
+
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        "from multiprocessing import shared_memory\nshared_memory.SharedMemory(create=True, size=16)",
+        "import multiprocessing\nmultiprocessing.Lock()",
+    ],
+    ids=["shared-memory", "semaphore"],
+)
+def test_shared_memory_and_semaphores_fail_cleanly(attempt, run):
+    result = run(f"{attempt}\nprint('reached')", FAST)
+    assert result.status is CaseStatus.RUNTIME_ERROR and "reached" not in result.stdout, result
+    assert "Error" in result.reason, result

@@ -1,8 +1,8 @@
 """The sandboxed side of `gppo.rewards.code` (design and threat model: docs/sandbox.md).
 
 Run inside the sandbox as `python -I -B -S _code_child.py REQUEST_FD REPLY_FD SITE_PACKAGES [UID]`,
-or, in a `ProgramPool`'s server, called in a fork of that server (`main_in_process`: no new
-interpreter starts). It holds no test and decides nothing. It says it is ready, reads the
+or, in a `ProgramPool`, called in a fork of the pool's server (`_code_server.py`: `main_in_process`,
+no new interpreter starts). It holds no test and decides nothing. It says it is ready, reads the
 program, installs the audit hook (defence in depth), then either runs the program as `__main__`
 (stdin/stdout tests: the caller reads its output and the bootstrap its exit status), or loads it
 and answers the judge's calls with plain data (`_wire`) until the judge closes the channel.
@@ -12,6 +12,7 @@ import atexit
 import builtins
 import importlib.machinery
 import os
+import resource
 import stat
 import sys
 import types
@@ -89,16 +90,32 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 def main(request_fd: int, reply_fd: int, site_packages: list[str], uid: int | None) -> None:
     """Become the program's process (as `uid` when given and root) and run or serve the program."""
-    sys.path += site_packages  # started with -S (40 ms less per start): no .pth file runs
-    for name in ("exit", "quit"):  # the builtins `site` would add, which programs call
-        setattr(builtins, name, __import__("_sitebuiltins").Quitter(name, "Ctrl-D (i.e. EOF)"))
+    _prepare(site_packages)
     if uid is not None and os.geteuid() == 0:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
     _wire.send(reply_fd, {"ready": True})
     hello = _wire.receive(request_fd, _MESSAGE_LIMIT)
-    kind, source = hello["kind"], hello["source"]
+    _guard_interpreter(site_packages)
+    if hello["kind"] == "stdio":
+        os.close(request_fd)
+        os.close(reply_fd)
+        _run_as_main(hello["source"])  # its exceptions and exit status are the outcome
+        return
+    _serve(hello["source"], request_fd, reply_fd)
+
+
+def _prepare(site_packages: list[str]) -> None:
+    """What `site` would have done that programs rely on."""
+    sys.path += site_packages  # started with -S (40 ms less per start): no .pth file runs
+    for name in ("exit", "quit"):  # the builtins `site` would add, which programs call
+        setattr(builtins, name, __import__("_sitebuiltins").Quitter(name, "Ctrl-D (i.e. EOF)"))
+
+
+def _guard_interpreter(site_packages: list[str]) -> None:
+    """Just before the program runs: the refused modules forgotten, the process launcher replaced,
+    the audit hook installed."""
     for name in list(sys.modules):  # imported already, so importing them again raises no event
         if name.partition(".")[0] in _REFUSED_MODULES:
             del sys.modules[name]
@@ -113,12 +130,23 @@ def main(request_fd: int, reply_fd: int, site_packages: list[str], uid: int | No
             _REFUSED_MODULES | {_PROCESS_MODULE},
         )
     )
-    if kind == "stdio":
-        os.close(request_fd)
-        os.close(reply_fd)
-        _run_as_main(source)  # its exceptions and exit status are the outcome
-        return
-    _serve(source, request_fd, reply_fd)
+
+
+def set_limits(limits: dict) -> None:
+    """The resource limits of the program's process, from `Limits`' fields (the bootstrap sets them
+    before it starts that process, a pool's server in its fork)."""
+    cpu = max(1, -(-limits["timeout_s"] // 1))  # soft = hard: SIGKILL, which even a PID 1 obeys
+    for limit, value in (
+        (resource.RLIMIT_CPU, int(cpu)),
+        (resource.RLIMIT_AS, limits["memory_mb"] << 20),
+        (resource.RLIMIT_NPROC, limits["max_processes"]),
+        (resource.RLIMIT_FSIZE, limits["max_output_bytes"] + 1),
+        (resource.RLIMIT_NOFILE, limits["max_open_files"]),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        hard = resource.getrlimit(limit)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(limit, (value, value))
 
 
 def _run_as_main(source: str) -> None:
@@ -289,13 +317,16 @@ def _guard(workdir: str, site_packages: list[str], refused_events, frame_attribu
     return hook
 
 
-def main_in_process(request_fd: int, reply_fd: int, site_packages: list[str]) -> None:
-    """`main` in a fork of a `ProgramPool`'s server, which then ends this process as the interpreter
-    ends after a script (no interpreter of its own runs its shutdown): the exit status of an
-    uncaught `SystemExit` or exception (printed), non-daemon threads joined, `atexit` handlers, the
-    program's globals released (its unclosed files flushed), standard streams flushed."""
+def main_in_process(source: str, site_packages: list[str]) -> None:
+    """`main` for a stdin/stdout program in a fork of a `ProgramPool`'s server (which has made this
+    process the program's: its uid, descriptors and limits), then the end of the process as the
+    interpreter ends after a script (no interpreter of its own runs its shutdown): the exit status
+    of an uncaught `SystemExit` or exception (printed), non-daemon threads joined, `atexit`
+    handlers, the program's globals released (its unclosed files flushed), streams flushed."""
     try:
-        main(request_fd, reply_fd, site_packages, None)
+        _prepare(site_packages)
+        _guard_interpreter(site_packages)
+        _run_as_main(source)
         status = 0
     except SystemExit as error:
         status = _exit_status(error.code)

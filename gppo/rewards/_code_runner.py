@@ -8,23 +8,22 @@ that process: a call test calls the function, an assert test runs here with the 
 as proxies, and a stdin/stdout test only waits. It reports on STATUS_FD, which the program's
 process never holds, and kills and reaps everything the program left behind.
 
-Run as `python -I -B -S _code_runner.py serve SOCKET_FD`, it is one slot of a `ProgramPool`: a
-server that, for each request on the socket, forks a bootstrap as above (namespaces only) whose
-program's process is a fork too, running `_code_child` without starting an interpreter.
+Run as `python -I -B -S _code_runner.py serve SOCKET_FD CONFIG`, it starts one slot of a
+`ProgramPool`: the namespaces and private root above, made once, in which a fresh interpreter runs
+the slot's server (`_code_server.py`), which forks a program's process per call.
 """
 
 import builtins
-import gc
 import json
 import os
-import resource
 import signal
 import stat
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _wire  # noqa: E402  (this directory is on sys.path only for this import)
+import _code_child  # noqa: E402  (this directory is on sys.path only for these imports)
+import _wire  # noqa: E402
 
 del sys.path[0]
 
@@ -35,7 +34,7 @@ _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RELATIME = 0x1000, 0x4000, 0x40000, 0x200000
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 
 # What the private root holds, besides the interpreter's prefixes: system programs' libraries
-# (read-only), a few devices, the two harness files, /proc, and two empty tmpfs.
+# (read-only), a few devices, the harness files, /proc, and two empty tmpfs.
 _SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _DEVICE_LINKS = {
@@ -45,10 +44,18 @@ _DEVICE_LINKS = {
     "/dev/stderr": "/proc/self/fd/2",
 }
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
-_HARNESS_FILES = ("_wire.py", "_code_child.py")
+_HARNESS_FILES = ("_wire.py", "_code_child.py", "_code_server.py")
 _WORKDIR, _WIRE_DIR = "/sandbox", "/harness"  # inside the private root
 _TMPFS = ((_WORKDIR, "0777"), ("/tmp", "1777"))  # empty, writable by the program: (mount point, mode)
-_TMPFS_BYTES = 64 << 20
+_TMPFS_BYTES, _TMPFS_INODES = 64 << 20, 16384  # each; the inodes bound what a pool's server has to remove
+# A pool's server keeps its IPC namespace for all its calls, so nothing of System V IPC or POSIX
+# message queues can be made there (the limits of the namespace, written in its /proc).
+_IPC_DISABLED = (
+    ("kernel/shmmni", "0"),
+    ("kernel/msgmni", "0"),
+    ("kernel/sem", "0 0 0 0"),
+    ("fs/mqueue/queues_max", "0"),
+)
 
 
 def _bootstrap(config_fd: int, status_fd: int) -> None:
@@ -70,7 +77,7 @@ def _bootstrap(config_fd: int, status_fd: int) -> None:
     outcome = None
     try:
         if channel.receive() == {"ready": True}:  # the sandboxed interpreter started
-            _record(status_fd, {"setup": {"isolation": isolation}})
+            _wire.record(status_fd, {"setup": {"isolation": isolation}})
             channel.send({"kind": config["kind"], "source": config["source"]})
             outcome = _judge(config, channel)
     except (_wire.ChannelClosed, OSError):
@@ -84,7 +91,7 @@ def _bootstrap(config_fd: int, status_fd: int) -> None:
     if isolation == "bwrap" and code > 128:  # bwrap reports a signal as 128 + its number
         code = 128 - code
     code = None if stopped else code  # None: it was still serving when the judge was done
-    _record(status_fd, {"outcome": outcome, "exit": {"code": code, "timed_out": deadline.timed_out}})
+    _wire.record(status_fd, {"outcome": outcome, "exit": {"code": code, "timed_out": deadline.timed_out}})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,14 +100,11 @@ def _bootstrap(config_fd: int, status_fd: int) -> None:
 
 def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[str, int]:
     """Fork the process that becomes the program's (through bwrap, or set up here, then exec'd:
-    none of this process's memory stays with it; in a pool's server, not exec'd); returns
-    (isolation, its pid)."""
-    env = {**config["env"], "HOME": _WORKDIR, "TMPDIR": _WORKDIR}
+    none of this process's memory stays with it); returns (isolation, its pid)."""
+    env = _sandbox_env(config)
     uid = config["uid"] if os.geteuid() == 0 else None  # as root, the caller chose one for this call
     bwrap = config["isolation"] == "bwrap"
     namespaces = not bwrap and config["isolation"] == "namespaces" and _enter_namespaces(libc)
-    if config["in_process"] and not namespaces:
-        raise RuntimeError("a pool's server runs programs only in namespaces, and none could be made here")
     uid = uid if bwrap or namespaces or not _unreachable_dirs(config["prefixes"]) else None
     pid = os.fork()
     if pid == 0:
@@ -110,12 +114,12 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
             for fd in fds:
                 os.set_inheritable(fd, True)
             if bwrap:  # it drops root in the program's process, after its own setup
-                _set_limits(config)
+                _code_child.set_limits(config)
                 command = _bwrap_command(config, fds, uid)
                 os.execve(command[0], command, env)
             wire_dir = _HARNESS_DIR
             if namespaces:
-                _private_root(libc, config["prefixes"], os.getcwd())
+                _private_root(libc, config["prefixes"], os.getcwd(), disable_ipc=False)
                 wire_dir = _WIRE_DIR
             else:
                 env.update(HOME=os.getcwd(), TMPDIR=os.getcwd())
@@ -124,9 +128,7 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
                 os.setgid(uid)
                 os.setuid(uid)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
-            _set_limits(config)
-            if config["in_process"]:
-                _become_program(config, fds, env)
+            _code_child.set_limits(config)
             os.execve(
                 sys.executable,
                 [
@@ -147,20 +149,9 @@ def _start(config: dict, libc, fds: tuple[int, int], status_fd: int) -> tuple[st
     return "bwrap" if bwrap else "namespaces" if namespaces else "guard", pid
 
 
-def _become_program(config: dict, fds: tuple[int, int], env: dict) -> None:
-    """In a pool's server: this fork becomes the program's process as the exec'd `_code_child.py`
-    would (its descriptors, environment, arguments and signal handlers), without a new
-    interpreter's start-up; it never returns. It holds the server's memory: nothing secret
-    (docs/sandbox.md)."""
-    keep = sorted({0, 1, 2, *fds})
-    for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
-        os.closerange(low + 1, high)
-    os.environ.clear()
-    os.environ.update(env)
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    sys.argv = [f"{_WIRE_DIR}/_code_child.py"]
-    sys.path[:] = [p for p in sys.path if p not in config["site_packages"]]  # the bootstrap's own additions
-    sys.modules["_code_child"].main_in_process(fds[0], fds[1], config["site_packages"])
+def _sandbox_env(config: dict) -> dict:
+    """The program's environment: its home and temporary directory are its working directory."""
+    return {**config["env"], "HOME": _WORKDIR, "TMPDIR": _WORKDIR}
 
 
 def _enter_namespaces(libc) -> bool:
@@ -209,7 +200,7 @@ def _bwrap_command(config: dict, fds: tuple[int, int], uid: int | None) -> list[
         "--die-with-parent",
         "--new-session",
     ]
-    for directory, mode in _TMPFS:
+    for directory, mode in _TMPFS:  # bwrap has no option for a tmpfs's inodes
         command += ["--size", str(_TMPFS_BYTES), "--perms", mode, "--tmpfs", directory]
     paths = _runtime_paths(config["prefixes"])
     bound = [p for p in paths if not os.path.islink(p)] + [f"{_WIRE_DIR}/{_HARNESS_FILES[0]}"]
@@ -253,18 +244,21 @@ def _ancestors(path: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(2, len(parts))]
 
 
-def _private_root(libc, prefixes: list[str], mount_point: str) -> None:
+def _private_root(libc, prefixes: list[str], mount_point: str, disable_ipc: bool) -> None:
     """Build the private root on a tmpfs at `mount_point` (the caller's fresh temporary
     directory, in this mount namespace only) and chroot into its working directory. Its empty
     tmpfs come first and the host's paths are bound after, into them where they lie below (a venv
-    under /tmp): nothing of the host is ever covered, so no source can become unreachable."""
+    under /tmp): nothing of the host is ever covered, so no source can become unreachable. With
+    `disable_ipc` (a pool's server), /proc must mount, and System V IPC and POSIX message queues
+    are switched off in this IPC namespace through it before it becomes read-only."""
     _mount(libc, "none", "/", None, _MS_REC | _MS_PRIVATE)
     os.umask(0o022)
     root = mount_point
     _mount(libc, "tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,mode=755")
     for directory, mode in _TMPFS:
         os.mkdir(root + directory)
-        _mount(libc, "tmpfs", root + directory, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={_TMPFS_BYTES},mode={mode}")
+        options = f"size={_TMPFS_BYTES},nr_inodes={_TMPFS_INODES},mode={mode}"
+        _mount(libc, "tmpfs", root + directory, "tmpfs", _MS_NOSUID | _MS_NODEV, options)
     for path in _runtime_paths(prefixes):
         if os.path.islink(path):
             os.makedirs(os.path.dirname(root + path), exist_ok=True)
@@ -278,10 +272,19 @@ def _private_root(libc, prefixes: list[str], mount_point: str) -> None:
     for link, target in _DEVICE_LINKS.items():
         os.symlink(target, root + link)
     os.mkdir(root + "/proc")
+    proc_flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     try:
-        _mount(libc, "proc", root + "/proc", "proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+        _mount(libc, "proc", root + "/proc", "proc", proc_flags | (0 if disable_ipc else _MS_RDONLY))
     except OSError:
-        pass  # refused where the host's /proc is partly masked (containers): no /proc inside then
+        if disable_ipc:
+            raise
+        # else refused where the host's /proc is partly masked (containers): no /proc inside then
+    else:
+        if disable_ipc:
+            for name, value in _IPC_DISABLED:
+                with open(f"{root}/proc/sys/{name}", "w") as f:
+                    f.write(value)
+            _mount(libc, None, root + "/proc", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | proc_flags)
     _mount(libc, None, root, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     os.chdir(root)
     os.chroot(".")
@@ -323,21 +326,6 @@ def _closed_ancestor(path: str) -> str | None:
 def _unreachable_dirs(prefixes: list[str]) -> list[str]:
     """Interpreter directories `nobody` cannot enter (without a private root, root stays root)."""
     return [a for a in (_closed_ancestor(os.path.realpath(p)) for p in prefixes) if a]
-
-
-def _set_limits(config: dict) -> None:
-    cpu = max(1, -(-config["timeout_s"] // 1))  # soft = hard: SIGKILL, which even a PID 1 obeys
-    for limit, value in (
-        (resource.RLIMIT_CPU, int(cpu)),
-        (resource.RLIMIT_AS, config["memory_mb"] << 20),
-        (resource.RLIMIT_NPROC, config["max_processes"]),
-        (resource.RLIMIT_FSIZE, config["max_output_bytes"] + 1),
-        (resource.RLIMIT_NOFILE, config["max_open_files"]),
-        (resource.RLIMIT_CORE, 0),
-    ):
-        hard = resource.getrlimit(limit)[1]
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(limit, (value, value))
 
 
 class _Deadline:
@@ -505,10 +493,6 @@ def _assert_test(channel: _Channel, names: dict, test_code: str) -> None:
         raise ProgramFailure(channel.failure)
 
 
-def _record(fd: int, record: dict) -> None:
-    os.write(fd, (json.dumps(record) + "\n").encode())
-
-
 def _reap_orphans(wait_s: float = 1.0) -> None:
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
@@ -523,64 +507,39 @@ def _reap_orphans(wait_s: float = 1.0) -> None:
 # A pool's server
 
 
-def _serve(socket_fd: int) -> None:
-    """One slot of a `ProgramPool`, until the caller closes its end of the socket. For each request
-    (a backstop in seconds, and the call's config, status, stdin, stdout and stderr descriptors),
-    fork a bootstrap; answer whether the backstop had to kill it. Imported once here: what every
-    fork would otherwise import."""
-    import ctypes  # noqa: F401  (for the bootstraps)
-    import socket
+def _serve(socket_fd: int, config: dict) -> None:
+    """Start one slot of a `ProgramPool` (docs/sandbox.md, "The pool"): its namespaces and private
+    root, made once, then, as the first process of its PID namespace, a fresh interpreter running
+    `_code_server.py` on the socket, so that none of this process's memory (its `ctypes`) reaches
+    the programs. Waits for it: the caller's process is this one, and ending it ends the server."""
+    import ctypes  # a local name of the trusted process; the server and its programs never have it
 
-    sys.path.insert(0, _HARNESS_DIR)
-    import _code_child  # noqa: F401  (the program's processes run it from sys.modules)
-
-    del sys.path[0]
-    __import__("_posixsubprocess")
-    gc.freeze()  # the forks' collections then skip (and copy) none of this process's objects
-    server = socket.socket(fileno=socket_fd)
-    while True:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not _enter_namespaces(libc):
+        raise RuntimeError("a pool's server runs programs only in namespaces, and none could be made here")
+    pid = os.fork()
+    if pid == 0:
         try:
-            message, fds, _, _ = socket.recv_fds(server, 1024, 5)
-        except OSError:
-            return
-        if not message or len(fds) != 5:
-            return  # the pool was closed (or sent something else: the caller is gone)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _serve_call(server, fds)
-        for fd in fds:
-            os.close(fd)
-        deadline = _Deadline(pid, json.loads(message)["backstop_s"])
-        deadline.wait()
-        signal.signal(signal.SIGALRM, signal.SIG_DFL)
-        try:
-            server.send(json.dumps({"killed": deadline.timed_out}).encode())
-        except OSError:
-            return  # the caller is gone
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            _private_root(libc, config["prefixes"], os.getcwd(), disable_ipc=True)
+            served = {
+                "uid": config["uid"] if os.geteuid() == 0 else None,
+                "site_packages": config["site_packages"],
+                "emptied": [directory for directory, _ in _TMPFS],
+            }
+            server = [sys.executable, "-I", "-B", "-S", f"{_WIRE_DIR}/_code_server.py", str(socket_fd)]
+            os.execve(sys.executable, server + [json.dumps(served)], _sandbox_env(config))
+        except BaseException:  # noqa: BLE001  (the caller shows this)
+            import traceback
 
-
-def _serve_call(server, fds: list[int]) -> None:
-    """In the fork of a pool's server: the bootstrap of one call, on the call's standard streams."""
-    try:
-        server.close()
-        config_fd, status_fd, *streams = fds
-        for target, fd in enumerate(streams):
-            os.dup2(fd, target)
-            os.close(fd)
-        _bootstrap(config_fd, status_fd)
-        code = 0
-    except BaseException:  # noqa: BLE001  (no "ready" follows: the caller shows this)
-        import traceback
-
-        traceback.print_exc()
-        code = 70
-    os._exit(code)
+            traceback.print_exc()
+        os._exit(70)
+    os.close(socket_fd)  # the server's alone: the caller sees its end
+    sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 0xFF)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        _serve(int(sys.argv[2]))
+        _serve(int(sys.argv[2]), json.loads(sys.argv[3]))
     else:
         _bootstrap(int(sys.argv[1]), int(sys.argv[2]))

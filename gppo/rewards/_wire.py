@@ -119,6 +119,13 @@ def receive(fd: int, limit: int) -> dict:
     return message
 
 
+def record(fd: int, entry: dict) -> None:
+    """Append one line to a call's status file, which only the trusted side writes (the bootstrap,
+    or a pool's server) and the caller reads: `{"setup": ...}` once the program's process is
+    ready, then `{"outcome": ..., "exit": {"code", "timed_out"}}`."""
+    os.write(fd, (json.dumps(entry) + "\n").encode())
+
+
 def _read_exactly(fd: int, size: int) -> bytes:
     parts, left = [], size
     while left:

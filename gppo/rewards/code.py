@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -208,6 +209,7 @@ _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_runner
 # Debian's and Ubuntu's regular ones, inside the 65536 uids a container's user namespace maps).
 _PROGRAM_UIDS = range(60000, 61024)
 _GRACE_S = 5.0  # the caller's backstop beyond the bootstrap's own wall clock
+_START_S = 30.0  # for a pool's server to make its namespaces and start
 _ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -325,21 +327,16 @@ def _unknown_uid(uid: int) -> bool:
     return False
 
 
-def _config(code: str, test: CodeTest, limits: Limits, uid: int | None, in_process: bool) -> dict:
+def _config(code: str, test: CodeTest, limits: Limits, uid: int | None) -> dict:
     """What the bootstrap gets: the program, the test's inputs (never an expected output), limits."""
-    isolation, bwrap = ("namespaces", None) if in_process else _isolation()
+    isolation, bwrap = _isolation()
     config = {
         "source": code,
-        "timeout_s": limits.timeout_s,
-        "memory_mb": limits.memory_mb,
-        "max_output_bytes": limits.max_output_bytes,
-        "max_processes": limits.max_processes,
-        "max_open_files": limits.max_open_files,
+        **dataclasses.asdict(limits),
         "env": _ENV,
         "isolation": isolation,
         "bwrap": bwrap,
         "uid": uid,
-        "in_process": in_process,
         **_runtime(),
     }
     if isinstance(test, CallTest):  # the inputs only: the expected value stays here
@@ -377,7 +374,7 @@ def _sandboxed(code: str, test: CodeTest, limits: Limits, judge):
         with _program_uid() as uid:
             if uid is not None:
                 os.chown(workdir, uid, uid)  # the program's directory where there is no private root
-            config = _config(code, test, limits, uid, in_process=False)
+            config = _config(code, test, limits, uid)
             with _call_files(config, test, workdir) as files:
                 fds = (files["config"].fileno(), files["status"].fileno())
                 start = time.monotonic()
@@ -407,9 +404,11 @@ class ProgramPool:
     """Runs programs as `run_program` does, with the same isolation, at a fixed cost of a few
     milliseconds instead of two interpreters' start-up (docs/sandbox.md, "The pool").
 
-    `workers` servers, one per slot, each started once with the harness imported; a call forks
-    one of them into fresh namespaces (PID, mount, network, IPC, UTS), a fresh private root with
-    empty tmpfs and a read-only /proc, its slot's uid (as root), the limits and the audit hook.
+    `workers` servers, one per slot, each started once in namespaces of its own (PID, mount,
+    network, IPC with System V IPC and message queues switched off, UTS) and a private root with a
+    read-only /proc, as a fresh interpreter; a call forks the program's process there, as its slot's
+    uid (as root), with the limits and the audit hook, and after it every other process of the
+    namespace is killed and the writable directories are emptied.
     `run` is thread-safe: up to `workers` calls run at once; more wait for a free slot. Where a
     server cannot run programs (no namespaces here), its calls fall back to `run_program`, with a
     warning. Close it (`close`, or use it as a context manager) to end the servers; a pool does not
@@ -477,6 +476,11 @@ class ProgramPool:
 
     def _start_server(self) -> _Server | None:
         try:
+            if os.geteuid() != 0:
+                raise OSError(
+                    "not root: in a user namespace a forked program would keep the capabilities that made it "
+                    "(only an exec drops them); run as root for the pool"
+                )
             return _Server(self._directory)
         except OSError as error:
             self._fall_back(error)
@@ -496,28 +500,31 @@ class ProgramPool:
 
     def _run_in(self, server: _Server, code: str, limits: Limits) -> ProgramRun:
         test = StdioTest("", "")
-        config = _config(code, test, limits, server.uid, in_process=True)
-        with _call_files(config, test, self._directory) as files:
+        with _call_files({"source": code}, test, self._directory) as files:  # the server never reads it
             start = time.monotonic()
-            killed = server.call(files, limits.timeout_s + _GRACE_S)
-            return _program_output(test, files, limits, killed, time.monotonic() - start)
+            server.call(files, limits)
+            return _program_output(test, files, limits, False, time.monotonic() - start)
 
 
 class _Server:
-    """One slot of a `ProgramPool`: a server process (`_code_runner.py serve`) on one end of a
-    socket, and the uid its programs run as (as root; held while the server lives)."""
+    """One slot of a `ProgramPool`: a server (started by `_code_runner.py serve`, running
+    `_code_server.py` in its own namespaces) on one end of a socket, and the uid its programs run as
+    (as root; held while the server lives). `OSError` when it cannot start."""
 
     def __init__(self, directory: str):
         self._held = contextlib.ExitStack()
         self.uid = self._held.enter_context(_program_uid())
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket = self._held.enter_context(ours)
+        self._errors = self._held.enter_context(tempfile.TemporaryFile())  # why it could not start
+        config = json.dumps({"uid": self.uid, "env": _ENV, **_runtime()})
         with theirs:
             try:
                 self._process = subprocess.Popen(
-                    [sys.executable, "-I", "-B", "-S", _RUNNER, "serve", str(theirs.fileno())],
+                    [sys.executable, "-I", "-B", "-S", _RUNNER, "serve", str(theirs.fileno()), config],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
+                    stderr=self._errors,
                     pass_fds=(theirs.fileno(),),
                     cwd=directory,
                     env=_ENV,
@@ -526,16 +533,24 @@ class _Server:
             except BaseException:
                 self._held.close()
                 raise
+        self._socket.settimeout(_START_S)
+        try:
+            started = self._socket.recv(16) == b"ready"
+        except OSError:
+            started = False
+        if not started:
+            self._errors.seek(0)
+            errors = self._errors.read()[-300:].decode(errors="replace").strip()
+            self.close()
+            raise OSError(f"the sandbox server did not start: {errors or 'no answer'}")
 
-    def call(self, files: dict, backstop_s: float) -> bool:
-        """Run the call the files describe; whether the server's backstop had to kill it."""
+    def call(self, files: dict, limits: Limits) -> None:
+        """Run the call the files describe (the server writes its outcome to the status file)."""
         fds = [files[name].fileno() for name in ("config", "status", "stdin", "stdout", "stderr")]
-        socket.send_fds(self._socket, [json.dumps({"backstop_s": backstop_s}).encode()], fds)
-        self._socket.settimeout(backstop_s + _GRACE_S)  # past the server's own backstop: it is stuck
-        reply = self._socket.recv(1024)
-        if not reply:
+        socket.send_fds(self._socket, [json.dumps(dataclasses.asdict(limits)).encode()], fds)
+        self._socket.settimeout(limits.timeout_s + _GRACE_S)  # past the server's own wall clock: it is stuck
+        if not self._socket.recv(16):
             raise OSError(f"the sandbox server ended (exit status {self._process.poll()})")
-        return json.loads(reply)["killed"]
 
     def close(self) -> None:
         self._socket.close()  # the server reads the end of its socket and exits
