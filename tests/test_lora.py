@@ -80,11 +80,7 @@ def adapted_micro():
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0, hidden=32, layers=2, heads=2).float()
     model = add_adapter(model, LoraOptions(r=4, alpha=8.0, dropout=0.0, target_modules=("all-linear",)), seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    _randomize_lora_b(model, seed=1)
     params = SamplingParams(temperature=1.0, max_new_tokens=6, n=3, seed=1)
     gens = HFEngine(model.eval(), tokenizer).generate(["1+2=", "345+678=", "9+99="], params)
     rollout = rollout_from_generations(gens, torch.linspace(-1, 1, len(gens)), tokenizer.pad_token_id, 0)
@@ -273,11 +269,7 @@ def saved_adapter(micro_model, tmp_path):
     policy is not the base's), its base recorded in adapter_config.json."""
     model, _ = load_model_and_tokenizer(micro_model)
     model = add_adapter(model, LoraOptions(r=4, alpha=8.0, dropout=0.0, target_modules=("all-linear",)), seed=0)
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    _randomize_lora_b(model, seed=2)
     set_adapter_base(model, micro_model)
     model.save_pretrained(tmp_path / "adapter")
     return tmp_path / "adapter"
@@ -414,3 +406,12 @@ def test_lora_reference_is_refused_where_it_means_nothing(micro_model, saved_ada
         micro_config(saved_adapter, tmp_path / "b", use_peft=True, lora_reference="adapter")
     with pytest.raises(ConfigError, match="--lora_reference base would be ignored: it applies when --model is a LoRA"):
         Trainer(micro_config(micro_model, tmp_path / "c", lora_reference="base", **KL))
+
+
+def _randomize_lora_b(model, seed: int) -> None:
+    """B drawn at 0.3 x N(0, 1) (peft starts it at 0): the adapted policy is not the base's."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
