@@ -188,6 +188,14 @@ def _runtime_paths(prefixes: list[str]) -> list[str]:
     return sorted(p for p in paths if not any(p.startswith(q + os.sep) for q in directories))
 
 
+def _runtime_entries(directory: str, prefixes: list[str]) -> list[str]:
+    """The names in `directory` (a tmpfs of the private root) that lead to runtime paths bound below
+    it (a venv under /tmp): root's, which a program cannot change, and kept when it is emptied."""
+    return sorted(
+        {p[len(directory) + 1 :].split(os.sep)[0] for p in _runtime_paths(prefixes) if p.startswith(directory + os.sep)}
+    )
+
+
 def _bwrap_command(config: dict, fds: tuple[int, int], uid: int | None) -> list[str]:
     """The same private root as `_private_root`, built by bubblewrap, in the same order."""
     command = [
@@ -525,7 +533,7 @@ def _serve(socket_fd: int, config: dict) -> None:
             served = {
                 "uid": config["uid"] if os.geteuid() == 0 else None,
                 "site_packages": config["site_packages"],
-                "emptied": [directory for directory, _ in _TMPFS],
+                "emptied": {directory: _runtime_entries(directory, config["prefixes"]) for directory, _ in _TMPFS},
             }
             server = [sys.executable, "-I", "-B", "-S", f"{_WIRE_DIR}/_code_server.py", str(socket_fd)]
             os.execve(sys.executable, server + [json.dumps(served)], _sandbox_env(config))

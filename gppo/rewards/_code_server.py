@@ -31,7 +31,8 @@ _timed_out = False
 
 def serve(server: socket.socket, config: dict) -> None:
     """Answer requests until the caller closes its end of the socket. `config`: the uid programs run
-    as (None: this one), the site-packages, and the writable directories to empty after each call."""
+    as (None: this one), the site-packages, and the writable directories to empty after each call,
+    each with the names in it to keep."""
     __import__("_posixsubprocess")  # what every program's process would otherwise import
     signal.signal(signal.SIGALRM, _expire)
     gc.freeze()  # the forks' collections then skip (and copy) none of this process's objects
@@ -70,8 +71,8 @@ def _call(limits: dict, fds: list[int], config: dict) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         os.close(ready_r)
     _end_processes()
-    for directory in config["emptied"]:
-        _empty(directory)
+    for directory, kept in config["emptied"].items():
+        _empty(directory, set(kept))
     _wire.record(status_fd, {"outcome": None, "exit": {"code": code, "timed_out": _timed_out}})
     os.close(status_fd)
 
@@ -100,14 +101,15 @@ def _end_processes() -> None:
             return
 
 
-def _empty(directory: str) -> None:
-    """Remove everything in `directory`, following no link: each directory's entries are moved up
-    into `directory` before it is removed, so that no depth of nesting needs a deeper stack or
-    more descriptors. Any failure ends the server (its slot falls back to `run_program`)."""
+def _empty(directory: str, kept: set[str]) -> None:
+    """Remove everything in `directory` but the `kept` names (root's: the runtime bound below it),
+    following no link: each directory's entries are moved up into `directory` before it is removed,
+    so that no depth of nesting needs a deeper stack or more descriptors. Any failure ends the
+    server (its slot falls back to `run_program`)."""
     top = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     moved = 0
     try:
-        while entries := list(os.scandir(top)):
+        while entries := [entry for entry in os.scandir(top) if entry.name not in kept]:
             for entry in entries:
                 if not entry.is_dir(follow_symlinks=False):
                     os.unlink(entry.name, dir_fd=top)
