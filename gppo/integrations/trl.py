@@ -31,6 +31,7 @@ tool_mask, and the top-K passes skip them (0 there).
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
@@ -129,22 +130,36 @@ class GPPOTrainerConfig(GRPOConfig):
 
     def gppo_config(self) -> gppo.GPPOConfig:
         """The preset with `gppo_overrides`, kl_coef = beta and norm_length = max_completion_length."""
-        overrides = dict(self.gppo_overrides or {})
-        if "kl_coef" in overrides:
-            raise gppo.GPPOConfigError(
-                "set the KL coefficient with TRL's beta, not gppo_overrides['kl_coef']: TRL computes "
-                "the reference log-probs only when beta != 0"
-            )
-        overrides.setdefault("norm_length", self.max_completion_length)
-        cfg = gppo.preset(self.gppo_preset, kl_coef=self.beta, **overrides)
-        missing = cfg.missing_fields(PROVIDED_FIELDS)
-        if missing or cfg.kl_estimator == "full":
-            what = f"estimator={cfg.estimator!r} (it reads {missing})" if missing else "kl_estimator='full'"
-            raise gppo.GPPOConfigError(
-                f"GPPOTrainer cannot run {what}: the old policy's full distribution [B,T,V] would have "
-                "to be kept for the whole generation batch; use topk"
-            )
-        return cfg
+        return resolve_gppo_config(
+            self.gppo_preset,
+            self.gppo_overrides,
+            self.max_completion_length,
+            PROVIDED_FIELDS,
+            kl_coef=self.beta,
+            kl_hint="set the KL coefficient with TRL's beta, not gppo_overrides['kl_coef']: TRL computes "
+            "the reference log-probs only when beta != 0",
+            trainer="GPPOTrainer",
+            hint="the old policy's full distribution [B,T,V] would have to be kept for the whole generation "
+            "batch; use topk",
+        )
+
+
+def resolve_gppo_config(
+    preset: str, overrides: dict | None, max_completion_length: int, provided, *, kl_coef: float, kl_hint: str,
+    trainer: str, hint: str,
+) -> gppo.GPPOConfig:  # fmt: skip
+    """The preset with `overrides`, `kl_coef` and norm_length = max_completion_length, refused when its
+    loss reads a TokenBatch field outside `provided` (the fields `trainer` fills)."""
+    overrides = dict(overrides or {})
+    if "kl_coef" in overrides:
+        raise gppo.GPPOConfigError(kl_hint)
+    overrides.setdefault("norm_length", max_completion_length)
+    cfg = gppo.preset(preset, kl_coef=kl_coef, **overrides)
+    missing = cfg.missing_fields(provided)
+    if missing or cfg.kl_estimator == "full":
+        what = f"estimator={cfg.estimator!r} (it reads {missing})" if missing else "kl_estimator='full'"
+        raise gppo.GPPOConfigError(f"{trainer} cannot run {what}: {hint}")
+    return cfg
 
 
 def parse_overrides(overrides: dict | str | None) -> dict:
@@ -356,16 +371,167 @@ class GPPOTrainer(GRPOTrainer):
                 num_tokens = num_tokens * accumulation / self.args.steps_per_generation
         else:
             num_sequences = mask.size(0) * accumulation
-        loss, metrics = gppo.policy_loss(batch, cfg, num_tokens=num_tokens, num_sequences=num_sequences)
-        self._log_gppo_metrics(mode, metrics, entropies, mask)
-        return loss
+        return gppo_loss_and_metrics(self, mode, batch, cfg, entropies, num_tokens, num_sequences)
 
-    def _log_gppo_metrics(self, mode: str, metrics: dict[str, float], entropies, mask) -> None:
-        """gppo's metrics averaged over processes (each over the processes that have it) and TRL's
-        token-mean entropy. loss/policy is left out: TRL logs the loss."""
-        gathered = gather_object([metrics])
-        for name in sorted({key for m in gathered for key in m} - {"loss/policy"}):
-            values = [m[name] for m in gathered if name in m]
-            self._metrics[mode][f"gppo/{name}"].append(sum(values) / len(values))
-        totals = self.accelerator.reduce(torch.stack([(entropies * mask).sum(), mask.sum().float()]), reduction="sum")
-        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+
+def gppo_loss_and_metrics(trainer, mode: str, batch: gppo.TokenBatch, cfg, entropies, num_tokens, num_sequences):
+    """gppo.policy_loss on `batch`, logging into `trainer._metrics[mode]` gppo's metrics averaged over
+    processes (each over the processes that have it) as gppo/<name>, and the token-mean `entropy`
+    [B,T] as TRL's entropy. loss/policy is left out: TRL logs the loss."""
+    loss, metrics = gppo.policy_loss(batch, cfg, num_tokens=num_tokens, num_sequences=num_sequences)
+    gathered = gather_object([metrics])
+    for name in sorted({key for m in gathered for key in m} - {"loss/policy"}):
+        values = [m[name] for m in gathered if name in m]
+        trainer._metrics[mode][f"gppo/{name}"].append(sum(values) / len(values))
+    mask = batch.mask
+    totals = trainer.accelerator.reduce(torch.stack([(entropies * mask).sum(), mask.sum().float()]), reduction="sum")
+    trainer._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+    return loss
+
+
+# TokenBatch fields GPPOAsyncTrainer fills: the rollout worker records the sampled token's log-prob
+# (mu) only, and there is no old-policy pass and no reference model.
+ASYNC_PROVIDED_FIELDS = ("logp", "logp_behavior", "logp_old", "advantages", "mask", "token_ids")
+
+
+def __getattr__(name: str):
+    """GPPOAsyncConfig / GPPOAsyncTrainer, built on first access: trl.experimental.async_grpo is
+    imported only then, so that this module imports without it."""
+    if name in ("GPPOAsyncConfig", "GPPOAsyncTrainer"):
+        return _async_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_ASYNC_CLASSES: dict = {}
+
+
+def _async_classes() -> dict:
+    if _ASYNC_CLASSES:
+        return _ASYNC_CLASSES
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    @dataclass
+    class GPPOAsyncConfig(AsyncGRPOConfig):
+        """TRL's AsyncGRPOConfig plus `gppo_preset` and `gppo_overrides` (as GPPOTrainerConfig).
+        TRL's epsilon / epsilon_high (its clip) are refused when changed: the preset sets the loss."""
+
+        gppo_preset: str = field(default="gppo", metadata={"help": "GPPO preset: " + ", ".join(gppo.PRESETS)})
+        gppo_overrides: dict | str | None = field(
+            default=None, metadata={"help": "GPPOConfig fields that override the preset (JSON on the command line)"}
+        )
+
+        def __post_init__(self):
+            super().__post_init__()
+            self.gppo_overrides = parse_overrides(self.gppo_overrides)
+            defaults = {f.name: f.default for f in fields(AsyncGRPOConfig)}
+            changed = [name for name in ("epsilon", "epsilon_high") if getattr(self, name) != defaults[name]]
+            if changed:
+                raise gppo.GPPOConfigError(
+                    f"GPPOAsyncTrainer replaces TRL's loss, so {changed} would be ignored: choose the loss with "
+                    "gppo_preset and gppo_overrides"
+                )
+            self.gppo_config()
+
+        def gppo_config(self) -> gppo.GPPOConfig:
+            """The preset with `gppo_overrides` and norm_length = max_completion_length (no KL term)."""
+            return resolve_gppo_config(
+                self.gppo_preset,
+                self.gppo_overrides,
+                self.max_completion_length,
+                ASYNC_PROVIDED_FIELDS,
+                kl_coef=0.0,
+                kl_hint="AsyncGRPOTrainer has no reference model: gppo_overrides['kl_coef'] cannot be set",
+                trainer="GPPOAsyncTrainer",
+                hint="AsyncGRPOTrainer's rollout worker records the sampled token's log-prob only; use a binary "
+                "estimator (e.g. dppo-binary-tv)",
+            )
+
+    class GPPOAsyncTrainer(AsyncGRPOTrainer):
+        """TRL's AsyncGRPOTrainer with the GPPO loss. Takes AsyncGRPOTrainer's arguments, with
+        `args=GPPOAsyncConfig(...)`; metrics are logged as gppo/<name>.
+
+        Both anchors are the log-probs the rollout worker recorded for each sampled token (mu,
+        `old_log_probs`): there is no old-policy pass, so anchor='old' and anchor='behavior' agree and
+        the behavior weight pi_old / mu is 1. Aggregation normalisers reproduce TRL's: token-mean divides
+        by the micro-batch's trained tokens per process times the accumulation steps (TRL's
+        `global_n_tokens`), the sequence modes by the micro-batch's completions times the accumulation
+        steps, seq-mean-token-sum-norm's length defaults to max_completion_length."""
+
+        _tag_names = ["trl", "gppo", "async-grpo"]
+
+        def __init__(self, model, reward_funcs=None, args=None, **kwargs):
+            if not isinstance(args, GPPOAsyncConfig):
+                raise TypeError(f"GPPOAsyncTrainer needs args=GPPOAsyncConfig(...), got {type(args).__name__}")
+            super().__init__(model, reward_funcs, args=args, **kwargs)
+            self.gppo = args.gppo_config()
+            if self.aux_loss_enabled:
+                raise gppo.GPPOConfigError(
+                    "GPPOAsyncTrainer does not add the MoE router auxiliary loss; set router_aux_loss_coef=0"
+                )
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if return_outputs:
+                raise ValueError("GPPOAsyncTrainer.compute_loss returns the loss only")
+            # This rank's packed row (inter-rank padding stripped) and its loss terms, as TRL's own loss reads them.
+            row = inputs["attention_mask"].bool()
+            terms = inputs["token_index"] >= 0
+            token_index = inputs["token_index"][terms]
+            segment = inputs["segment_id"][terms]
+            tree = {key: inputs[key][inputs[key] >= 0] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}  # fmt: skip
+            tree["tree_max_seqlen_q"], tree["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
+            shift_labels = inputs["shift_labels"][row].unsqueeze(0)
+            start = time.time()
+            outputs = model(
+                input_ids=inputs["input_ids"][row].unsqueeze(0),
+                position_ids=inputs["position_ids"][row].unsqueeze(0),
+                shift_labels=shift_labels,
+                fused_lm_head=True,
+                **tree,
+            )
+            self._last_forward_time_s = time.time() - start
+
+            # Loss terms [M] -> [S,T]: completion s = segment_id, t = the term's rank within its completion.
+            num_seq = int(segment.max()) + 1
+            order = torch.sort(segment, stable=True).indices
+            counts = torch.bincount(segment, minlength=num_seq)
+            position = torch.empty_like(segment)
+            position[order] = torch.arange(segment.numel(), device=segment.device) - (counts.cumsum(0) - counts)[segment[order]]  # fmt: skip
+            where, shape = (segment, position), (num_seq, int(counts.max()))
+
+            def lay_out(values):
+                return values.new_zeros(shape).index_put(where, values)
+
+            logp_mu = lay_out(inputs["old_log_probs"][terms])
+            batch = gppo.TokenBatch(
+                logp=lay_out(outputs.log_probs.flatten()[token_index]),
+                logp_behavior=logp_mu,
+                logp_old=logp_mu,
+                advantages=lay_out(inputs["advantages"][terms]),
+                mask=lay_out(torch.ones_like(segment)),
+                token_ids=lay_out(shift_labels.flatten()[token_index]),
+            )
+            mode = "train" if self.model.training else "eval"
+            accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+            num_tokens = num_sequences = None
+            global_n_tokens = inputs["global_n_tokens"][0]
+            if self.gppo.loss_agg_mode == "token-mean":
+                num_tokens = (global_n_tokens / self.accelerator.num_processes).clamp(min=1.0) * accumulation
+            else:
+                num_sequences = num_seq * accumulation
+            entropy = lay_out(outputs.entropy.flatten()[token_index].detach())
+            loss = gppo_loss_and_metrics(self, mode, batch, self.gppo, entropy, num_tokens, num_sequences)
+
+            # TRL's per-step accounting (flushed by its step callback).
+            n_forward_tokens = float(inputs["global_n_forward_tokens"][0])
+            mean_seq_len = float(inputs["mean_seq_len"][0])
+            self._step_forward_tokens += n_forward_tokens
+            self._step_trained_tokens += float(global_n_tokens)
+            self._step_seq_len_weighted += mean_seq_len * n_forward_tokens
+            self._step_samples += n_forward_tokens / mean_seq_len
+            self._step_forward_s += self._last_forward_time_s
+            return loss
+
+    for cls in (GPPOAsyncConfig, GPPOAsyncTrainer):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    _ASYNC_CLASSES.update(GPPOAsyncConfig=GPPOAsyncConfig, GPPOAsyncTrainer=GPPOAsyncTrainer)
+    return _ASYNC_CLASSES
