@@ -105,8 +105,7 @@ def smollm2(args) -> None:
 def calls(args) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from gppo.rewards.code import Limits, run_program
-    from gppo.rewards.pool import ProgramPool
+    from gppo.rewards.code import Limits, ProgramPool, run_program
 
     limits = Limits(timeout_s=10)
     print("| workers | run_program calls/s | ProgramPool calls/s | ratio | pool ms per call |\n|---|---|---|---|---|")

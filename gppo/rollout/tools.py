@@ -104,7 +104,7 @@ class PythonTool:
     def _programs(self):
         with self._starting:
             if self._pool is None:
-                from gppo.rewards.pool import ProgramPool
+                from gppo.rewards.code import ProgramPool
 
                 self._pool = ProgramPool(self.workers)
                 weakref.finalize(self, self._pool.close)
