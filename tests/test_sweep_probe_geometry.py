@@ -19,8 +19,9 @@ import torch
 from gppo import theory
 from gppo.cli import main
 from gppo.commands.probe import average_ranks, faithfulness, spearman
-from gppo.commands.sweep import contrast_table, contrasts, plan, run_stats, run_sweep
+from gppo.commands.sweep import plan, run_sweep
 from gppo.commands.sweep_plots import cell_curve
+from gppo.commands.sweep_stats import contrast_table, contrasts, run_stats
 from gppo.stats import mean_ci, t_quantile_975
 from gppo.theory import matched_radii
 from gppo.trainer import ConfigError, Trainer
