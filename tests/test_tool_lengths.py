@@ -20,7 +20,7 @@ from gppo.rewards.pipeline import RewardPipeline, overlong_penalty
 from gppo.rollout import Generation, SamplingParams
 from gppo.tasks import TASKS, get_task, heldout_problems
 from gppo.tool_format import FENCE, output_block
-from gppo.trainer import config as train_config
+from gppo.trainer import config_rollout
 from gppo.trainer.config import PYTHON, TrainConfig, config_from_args, from_dict
 from gppo.trainer.data import TaskSource
 from gppo.trainer.generation import RolloutGenerator
@@ -243,9 +243,9 @@ def test_every_task_default_is_a_setting_a_run_can_leave_unset():
     defaults = {name: getattr(cls, "defaults", {}) for name, cls in TASKS.items()}
     assert defaults["multiplication"] == {"max_new_tokens": 64}
     for task, values in defaults.items():
-        assert set(values) <= set(train_config.UNSET_DEFAULTS), task
+        assert set(values) <= set(config_rollout.UNSET_DEFAULTS), task
         check(TrainConfig, values, PYTHON)
-    for name in train_config.UNSET_DEFAULTS:
+    for name in config_rollout.UNSET_DEFAULTS:
         assert TrainConfig.__dataclass_fields__[name].default is None
     assert "unset: 24, or the built-in task's own (multiplication 64)" in " ".join(parser().format_help().split())
 
