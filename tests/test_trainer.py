@@ -459,7 +459,7 @@ def test_memory_knobs_change_the_update_only_by_rounding(micro_model, tmp_path):
 
 
 def test_mini_batches_hold_whole_groups():
-    from gppo.trainer.trainer import shuffled_groups
+    from gppo.trainer.update_steps import shuffled_groups
 
     order = shuffled_groups(24, 4, torch.Generator().manual_seed(0))
     assert sorted(order.tolist()) == list(range(24))

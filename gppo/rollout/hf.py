@@ -136,24 +136,34 @@ class HFEngine:
             mask[row, L - len(ids) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        if all(type(layer) is DynamicLayer for layer in cache.layers):  # full attention everywhere
-            cache.layers = [InPlaceLayer(B, L + params.max_new_tokens) for _ in cache.layers]
+        version = params.policy_version() if params.policy_version is not None else None
+        cache = self._new_cache(B, L + params.max_new_tokens)
         logits = self._forward(input_ids, mask, positions, cache)
         group_sizes = torch.tensor([b - a for a, b in zip(starts, [*starts[1:], B])], device=self.device)
         expand = torch.repeat_interleave(torch.arange(len(unique), device=self.device), group_sizes)
         cache.batch_select_indices(expand)  # every row of a group starts from its prompt's cache
         logits, mask, step_pos = logits[expand], mask[expand], positions[expand][:, -1:]
+        sequences = input_ids[expand] if version is not None else None  # each row's ids, to recompute its cache
 
         active = torch.arange(B, device=self.device)  # rows still generating
         history = [[] for _ in range(B)] if params.stop_at_code_block else None  # tokens so far, per row
         at_block = torch.zeros(B, dtype=torch.bool, device=self.device)
         steps = []  # per step: (active rows, token, its log-prob, top-K ids, top-K log-probs, kept sets)
+        step_versions = []  # per step: the weights version that gave its logits (policy_version)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         token = None  # the previous step's sampled tokens
         for step in range(params.max_new_tokens):
             if step:
-                logits = self._forward(token[:, None], mask, step_pos, cache)
+                newer = version
+                if version is not None:
+                    sequences = torch.cat([sequences, token[:, None]], dim=-1)
+                    newer = params.policy_version()
+                if newer != version:  # new weights: every row's cache is recomputed under them
+                    version, cache = newer, self._new_cache(len(active), L + params.max_new_tokens)
+                    logits = self._forward(sequences, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
+                else:
+                    logits = self._forward(token[:, None], mask, step_pos, cache)
+            step_versions.append(version)
             draws = gen if isinstance(gen, torch.Generator) else [gen[row] for row in active.tolist()]
             token, lp_token, tk_ids, tk_lps, kept = self._sample(logits, params, draws, record_kept)
             steps.append((active, token, lp_token, tk_ids, tk_lps, kept))
@@ -174,6 +184,8 @@ class HFEngine:
                 order[done[: len(keep)]] = keep[keep >= len(keep)]
                 cache.batch_select_indices(order)
                 active, token, mask, step_pos = active[order], token[order], mask[order], step_pos[order]
+                if sequences is not None:
+                    sequences = sequences[order]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
             step_pos = step_pos + 1
 
@@ -207,9 +219,18 @@ class HFEngine:
                 topk_logprobs=topk_lps[row][:n] if K else None,
                 finish_reason=("tool" if at_block[row] else "stop") if finished[row] else "length",
                 kept_ids=kept_ids[row] if record_kept else None,
+                versions=step_versions[:n] if version is not None else None,
             )
             for row, ((i, ids), n) in enumerate(zip(jobs, lengths))
         ]
+
+    def _new_cache(self, rows: int, capacity: int) -> DynamicCache:
+        """An empty KV cache; in one preallocated buffer per layer (`InPlaceLayer`) when every layer
+        is full attention."""
+        cache = DynamicCache(config=self.model.config)
+        if all(type(layer) is DynamicLayer for layer in cache.layers):
+            cache.layers = [InPlaceLayer(rows, capacity) for _ in cache.layers]
+        return cache
 
     def _closes_code_block(self, active, token, history, params: SamplingParams, first: int) -> torch.Tensor:
         """Which active rows' completions now end by closing a ```python block (`history` gets this

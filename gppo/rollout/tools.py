@@ -187,6 +187,7 @@ class _Completion:
     topk_logprobs: list[list[float]] = field(default_factory=list)
     kept_ids: list[list[int]] = field(default_factory=list)
     tool_mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # with SamplingParams.policy_version
     calls: int = 0
     failures: int = 0
     finish: str = "stop"
@@ -199,6 +200,7 @@ class _Completion:
         self.topk_logprobs += g.topk_logprobs or []
         self.kept_ids += g.kept_ids or []
         self.tool_mask += [1] * len(g.completion_ids)
+        self.versions += g.versions or []
         self.finish = g.finish_reason
 
     def add_tool(self, ids: list[int], top_k: int) -> None:
@@ -209,6 +211,7 @@ class _Completion:
             self.topk_logprobs += [[0.0] * top_k for _ in ids]
         self.kept_ids += [[token] for token in ids]
         self.tool_mask += [0] * len(ids)
+        self.versions += self.versions[-1:] * len(ids)  # the call's version (a tool token is never trained)
 
 
 class ToolEngine:
@@ -419,4 +422,5 @@ class ToolEngine:
             tool_mask=c.tool_mask,
             tool_calls=c.calls,
             tool_failures=c.failures,
+            versions=c.versions or None,
         )

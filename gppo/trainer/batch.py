@@ -38,6 +38,7 @@ class Rollout:
     logp_ref_full: torch.Tensor | None = None
     kept_sizes: torch.Tensor | None = None  # [N, T] |S_t| of top-p rollouts (0 at padding)
     kept_ids: list[torch.Tensor] | None = None  # per sequence: its S_t ids concatenated over t
+    versions: torch.Tensor | None = None  # [N, T] long: the weights version (step) that sampled each token
 
     @property
     def size(self) -> int:
@@ -89,6 +90,7 @@ def rollout_from_generations(
     top_p = any(g.kept_ids is not None for g in generations)
     kept_sizes = torch.zeros((n, T), dtype=torch.long) if top_p else None
     kept_ids = [] if top_p else None
+    versions = torch.zeros((n, T), dtype=torch.long) if any(g.versions is not None for g in generations) else None
     for i, g in enumerate(generations):
         p, t = len(g.prompt_ids), len(g.completion_ids)
         input_ids[i, P - p : P] = torch.tensor(g.prompt_ids)
@@ -99,6 +101,8 @@ def rollout_from_generations(
             # the model's tokens count; a tool's (gppo.rollout.tools) are context, never a term of the loss
             response_mask[i, :t] = 1 if g.tool_mask is None else torch.tensor(g.tool_mask, dtype=torch.float)
             logp[i, :t] = torch.tensor(g.logprobs)
+            if versions is not None:
+                versions[i, :t] = torch.tensor(g.versions)
             if top_k:
                 topk_ids[i, :t] = torch.tensor(g.topk_ids)[:, :top_k]
                 topk_logp[i, :t] = torch.tensor(g.topk_logprobs)[:, :top_k]
@@ -122,6 +126,7 @@ def rollout_from_generations(
         topk_logp,
         kept_sizes=kept_sizes,
         kept_ids=kept_ids,
+        versions=versions,
     )
 
 

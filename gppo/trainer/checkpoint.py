@@ -358,3 +358,29 @@ def load_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
             f"no usable checkpoint in {run_dir / 'checkpoints'} ({'; '.join(skipped)})", RuntimeWarning, stacklevel=2
         )
     return None
+
+
+def continue_hint(run_dir: Path) -> str:
+    """How to continue a run that stopped: from its last checkpoint, or from scratch."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return (
+            f"no checkpoint was written yet: run the same command again (this attempt's files are then "
+            f"moved to {run_dir}/aborted/)"
+        )
+    return f"continue from {checkpoint.name} with `gppo train --resume {run_dir}`"
+
+
+def resume_with_lower_lr(run_dir: Path, lr: float) -> str:
+    """How to go on after training diverged: from the last good checkpoint, at a tenth of `lr`."""
+    lower = f"--lr {lr / 10:g}"
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return (
+            f"no checkpoint was written yet: start the run again with a lower learning rate (e.g. {lower}); "
+            f"the files of this attempt are then moved to {run_dir}/aborted/"
+        )
+    return (
+        f"the last good checkpoint is {checkpoint}: resume from it with a lower learning rate, "
+        f"e.g. `gppo train --resume {run_dir} {lower}`"
+    )

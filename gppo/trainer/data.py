@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from gppo.data.loaders import DataRecord, load_training_data
 from gppo.data.scoring import SCORED_KINDS, score
+from gppo.models.loading import check_positions
 from gppo.problem import Problem
 from gppo.tasks import get_task, heldout_problems
 from gppo.tasks.base import Task
@@ -172,3 +173,17 @@ def build_problem_set(
         heldout, problems = problems[:eval_size], problems[eval_size:]
     verified = any(p.metadata["kind"] != "reward" for p in problems + heldout)
     return ProblemSet(DatasetSource(problems, seed), heldout, record_verifier if verified else None, data)
+
+
+def check_prompt_lengths(problems: ProblemSet, prompts, tokenizer, model_config, max_new_tokens: int) -> None:
+    """Render and tokenize every prompt of the data (the held-out ones and a built-in task's
+    sample) before anything trains: a chat template that fails, or a prompt that with
+    max_new_tokens would run past the model's positions, is an error now, not mid-run."""
+    train = getattr(problems.train, "problems", [])  # a built-in task's are short and alike
+    for where, chosen in (
+        ("--data problem" if train else "training problem", train),
+        ("held-out problem", problems.heldout),
+    ):
+        texts = [prompts(p.prompt) for p in chosen]
+        lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]] if texts else []
+        check_positions(model_config, lengths, max_new_tokens, where)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ import gppo
 from gppo.advantages import group_advantages, informative_groups
 from gppo.models.forward import policy_outputs
 from gppo.prompts import PromptBuilder
-from gppo.rewards.pipeline import RewardPipeline, model_tokens
+from gppo.rewards.pipeline import RewardPipeline, load_function, model_tokens
 from gppo.rollout import Generation, RolloutEngine, SamplingParams
 from gppo.rollout.tools import tool_stats
 from gppo.trainer.batch import Rollout, on_device, pad_to, rollout_from_generations
@@ -52,6 +53,22 @@ class SampledGroups:
     kept_rewards: list[torch.Tensor] = field(default_factory=list)  # per kept group: [group_size]
 
 
+def reward_pipeline(config: TrainConfig, verifier) -> RewardPipeline:
+    """The run's rewards: the task's `verifier` (None with --reward_funcs alone), the user's reward
+    functions, the format reward and DAPO's overlong penalty."""
+    return RewardPipeline(
+        verifier=verifier,
+        user_functions=[(path, load_function(path)) for path in config.reward_funcs],
+        weights=list(config.reward_weights),
+        format_pattern=config.format_pattern,
+        format_reward=config.format_reward,
+        max_length=config.max_new_tokens,
+        overlong_buffer=config.overlong_buffer,
+        max_failures=config.reward_fn_max_failures,
+        timeout_s=config.reward_fn_timeout,
+    )
+
+
 def rollout_stats(sampled: SampledGroups, seconds: float) -> dict:
     """The rollout/ metrics of a step, over every group sampled (kept or not), and the sampling
     speed in sampled tokens per second of the `seconds` it took; lengths are the model's tokens."""
@@ -70,6 +87,7 @@ def rollout_stats(sampled: SampledGroups, seconds: float) -> dict:
         "rollout/rounds": sampled.rounds,
         "rollout/groups_kept": len(sampled.kept_rewards),
         "perf/rollout_tokens_per_s": lengths.sum().item() / max(seconds, 1e-9),
+        "perf/rollout_seconds": seconds,
         **tool_stats(gens, "rollout/"),
     }
 
@@ -96,10 +114,11 @@ class RolloutGenerator:
         self.top_k = loss_config.rollout_top_k
         self.warned_truncation = False
 
-    def __call__(self, step: int) -> tuple[Rollout | None, dict]:
-        """Step `step`'s batch (None when no group was kept) and its rollout metrics."""
+    def __call__(self, step: int, policy_version: Callable[[], int] | None = None) -> tuple[Rollout | None, dict]:
+        """Step `step`'s batch (None when no group was kept) and its rollout metrics. `policy_version`:
+        the engine may take new weights between decoding steps (SamplingParams.policy_version)."""
         start = time.time()
-        sampled = self._sample_groups(step)
+        sampled = self._sample_groups(step, policy_version)
         stats = rollout_stats(sampled, time.time() - start)
         self._warn_truncation(step, stats["rollout/truncated_frac"])
         if not sampled.kept_rewards:
@@ -128,7 +147,7 @@ class RolloutGenerator:
             stacklevel=2,
         )
 
-    def _sample_groups(self, step: int) -> SampledGroups:
+    def _sample_groups(self, step: int, policy_version: Callable[[], int] | None) -> SampledGroups:
         """Sample and reward groups until prompts_per_step are kept: every group, or with dynamic
         sampling the informative ones, for at most max_resample_rounds rounds after the first."""
         c = self.config
@@ -136,7 +155,7 @@ class RolloutGenerator:
         while True:
             need = c.prompts_per_step - len(sampled.kept_rewards)
             problems = self.source.take(need)
-            gens = self._generate(problems, seed=derived_seed(c.seed, step) * 64 + sampled.rounds)
+            gens = self._generate(problems, derived_seed(c.seed, step) * 64 + sampled.rounds, policy_version)
             repeated = [problems[g.prompt_index] for g in gens]
             scored = self.rewards(
                 repeated,
@@ -158,7 +177,7 @@ class RolloutGenerator:
             if len(sampled.kept_rewards) == c.prompts_per_step or sampled.rounds > c.max_resample_rounds:
                 return sampled
 
-    def _generate(self, problems, seed: int) -> list[Generation]:
+    def _generate(self, problems, seed: int, policy_version: Callable[[], int] | None) -> list[Generation]:
         """group_size completions of each problem, with mu's top-K log-probs when the estimator reads them."""
         c = self.config
         params = SamplingParams(
@@ -169,6 +188,7 @@ class RolloutGenerator:
             seed=seed,
             top_p=c.rollout_top_p,
             record_kept_ids=c.rollout_top_p < 1,
+            policy_version=policy_version,
         )
         return self.engine.generate([self.prompts(p.prompt) for p in problems], params)
 

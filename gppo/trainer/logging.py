@@ -115,6 +115,8 @@ PLOTS = [
     ("mismatch: KL(mu || pi_old)", ["mismatch/kl_k3", "mismatch/kl_sample"]),
     ("mismatch: |pi_old(a) - mu(a)|", ["mismatch/prob_diff/mean", "mismatch/prob_diff/max"]),
     ("mismatch: pi_old(a) / mu(a)", ["mismatch/ratio/q0.01", "mismatch/ratio/q0.5", "mismatch/ratio/q0.99"]),
+    ("staleness: versions behind", ["staleness/token_mean", "staleness/token_max", "staleness/sample_mean"]),
+    ("asynchronous: idle fraction", ["staleness/engine_idle_frac", "staleness/trainer_idle_frac"]),
 ]
 
 
@@ -194,4 +196,45 @@ def storage_note(run_dir: Path, trained: str = "the weights") -> str:
         f"each holds {trained} and the optimizer state (AdamW's two moments, twice {trained}) to resume from; "
         f"final/ holds {trained} alone, so checkpoints/ can be deleted once the run is done "
         "(--keep_checkpoints 0 deletes them then)"
+    )
+
+
+def progress_info(m: dict) -> str:
+    """The progress line's summary of a step's metrics."""
+    parts = [
+        f"reward {m.get('rollout/reward_mean', float('nan')):.3f}",
+        f"acc {m.get('rollout/accuracy', float('nan')):.3f}",
+    ]
+    if "loss/masked_frac" in m:
+        parts.append(f"masked {m['loss/masked_frac']:.3f}")
+    if "loss/kl_ref" in m:
+        parts.append(f"kl {m['loss/kl_ref']:.4f}")
+    if "loss/entropy" in m:
+        parts.append(f"ent {m['loss/entropy']:.3f}")
+    if "staleness/token_mean" in m:
+        parts.append(f"stale {m['staleness/token_mean']:.2f}")
+    if "perf/rollout_tokens_per_s" in m:
+        parts.append(f"{m['perf/rollout_tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+def print_final_report(console, run_dir: Path, summary: dict, samples: int, merged: bool) -> None:
+    """The end of a run on the console: held-out accuracy before and after, the adapter saved (with
+    LoRA), and what the run directory holds."""
+    if summary["before"]:
+        console.print(accuracy_summary(summary["before"], summary["after"], summary["steps"], samples), soft_wrap=True)
+    adapter = summary["adapter"]
+    if adapter:
+        console.print(
+            f"final/ holds a LoRA adapter of {adapter['parameters']:,} parameters "
+            f"({directory_size(run_dir / 'final') / 1e6:.1f} MB with the tokenizer) for the base "
+            f"{adapter['base_model']}, which loading it needs (gppo eval --model {run_dir / 'final'}, or "
+            f"peft's PeftModel.from_pretrained)"
+            + ("; merged/ holds base and adapter merged, a plain model" if merged else ""),
+            soft_wrap=True,
+        )
+    console.print(
+        f"run directory: {run_dir} (metrics.jsonl, curves.png, final/): "
+        f"{storage_note(run_dir, 'the adapter' if adapter else 'the weights')}",
+        soft_wrap=True,
     )

@@ -26,79 +26,48 @@ from transformers import get_scheduler
 import gppo
 from gppo.allocator import release_free_memory
 from gppo.evaluation import evaluate_problems
-from gppo.models.adapters import (
-    adapter_base,
-    adapter_base_of,
-    adapter_parameters,
-    adapter_rank,
-    add_adapter,
-    add_reference_adapter,
-    is_adapter_dir,
-    reference_adapter,
-    set_adapter_base,
-)
-from gppo.models.assets import embedded_checkpoint
+from gppo.models.adapters import adapter_base, adapter_base_of, adapter_parameters, add_reference_adapter
 from gppo.models.forward import enable_activation_checkpointing, policy_outputs
-from gppo.models.loading import check_positions, load_model_and_tokenizer
-from gppo.options import load_yaml, refuse_ignored
+from gppo.models.loading import load_model_and_tokenizer
+from gppo.options import load_yaml
 from gppo.prompts import PromptBuilder
-from gppo.rewards.pipeline import RewardPipeline, load_function
-from gppo.rollout import make_engine
 from gppo.rollout.options import resolve_device
-from gppo.rollout.tools import TOOLS, ToolEngine, template_tool_turn
 from gppo.threads import default_threads
+from gppo.trainer.async_rollouts import AsyncRollouts, EngineGate, mismatch_by_lag, staleness_metrics
 from gppo.trainer.batch import Rollout, on_device, pad_to, token_batch
 from gppo.trainer.checkpoint import (
     RunError,
     RunLock,
     atomic_write_text,
-    latest_checkpoint,
+    continue_hint,
     load_checkpoint,
     remove_stale_temps,
+    resume_with_lower_lr,
     save_checkpoint,
     save_final,
     set_aside,
     set_rng_state,
 )
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
-from gppo.trainer.data import build_problem_set, derived_seed
-from gppo.trainer.generation import RolloutGenerator
-from gppo.trainer.logging import MetricsLog, accuracy_summary, directory_size, plot_curves, storage_note
+from gppo.trainer.data import build_problem_set, check_prompt_lengths, derived_seed
+from gppo.trainer.generation import RolloutGenerator, reward_pipeline
+from gppo.trainer.logging import MetricsLog, plot_curves, print_final_report, progress_info
+from gppo.trainer.policy_loading import base_model_path, load_policy, lora_reference, reference_model
+from gppo.trainer.rollout_engine import build_engine
 from gppo.trainer.rollout_policy import DTYPES, OffPolicyQueue, RolloutPolicy, mismatch_metrics
-
-
-def _dtype(name: str) -> torch.dtype:
-    return DTYPES[name]  # the name is one of TrainConfig's dtype choices
-
-
-# An update that multiplies the weight norm by more than this has exploded: AdamW moves each weight
-# by about lr per step, so a healthy update changes ||theta|| by a small fraction (lr 1e-4 on weights
-# of scale 0.02: < 1 %), while lr 1e6 multiplies it by ~1e7 at the first step.
-WEIGHT_GROWTH_LIMIT = 10.0
-# RL steps in a row whose every update had an exactly zero gradient although the advantages were
-# not: the log-probs are saturated (blown-up weights) or every token is outside the trust region.
-ZERO_GRADIENT_STEPS_LIMIT = 3
+from gppo.trainer.update_steps import (
+    WEIGHT_GROWTH_LIMIT,
+    ZERO_GRADIENT_STEPS_LIMIT,
+    MeanOf,
+    shuffled_groups,
+    total_norm,
+)
 
 
 class UnstableTrainingError(RunError):
     """Training diverged: a non-finite loss, gradient norm or log-prob, an update that blew up the
     weights, or gradients stuck at exactly 0; the message names the step, the metric and the last
     good checkpoint."""
-
-
-class MeanOf:
-    """Weighted means of metric dicts (weights: tokens for per-token metrics)."""
-
-    def __init__(self):
-        self.sums, self.weights = defaultdict(float), defaultdict(float)
-
-    def add(self, metrics: dict, weight: float = 1.0) -> None:
-        for key, value in metrics.items():
-            self.sums[key] += value * weight
-            self.weights[key] += weight
-
-    def result(self, prefix: str = "") -> dict:
-        return {prefix + k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
 
 class Trainer:
@@ -120,7 +89,11 @@ class Trainer:
 
     def _start(self, resume: bool) -> None:
         config = self.config
-        torch.set_num_threads(config.threads or default_threads())
+        threads = config.threads or default_threads()
+        # sampling and training at once share the cores: each runs on half (torch's count is per process)
+        torch.set_num_threads(
+            max(1, threads // 2) if config.samples_while_training() and config.engine == "hf" else threads
+        )
         transformers.utils.logging.disable_progress_bar()
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":  # process-wide, as TRL's --tf32
@@ -139,9 +112,8 @@ class Trainer:
             )
 
         self.loss_config = config.gppo_config()
-        top_k = self.loss_config.rollout_top_k
 
-        self.base_model_path = self._base_model_path()
+        self.base_model_path = base_model_path(config)
         # data and reward functions first: a bad gold or reward file is named before the model loads
         self.problems = build_problem_set(
             config.task,
@@ -152,19 +124,9 @@ class Trainer:
             config.data_options(),
             need_answer=not config.reward_funcs,
         )
-        rewards = RewardPipeline(
-            verifier=self.problems.verifier,
-            user_functions=[(path, load_function(path)) for path in config.reward_funcs],
-            weights=list(config.reward_weights),
-            format_pattern=config.format_pattern,
-            format_reward=config.format_reward,
-            max_length=config.max_new_tokens,
-            overlong_buffer=config.overlong_buffer,
-            max_failures=config.reward_fn_max_failures,
-            timeout_s=config.reward_fn_timeout,
-        )
-        self.model, self.tokenizer = self._load_policy(checkpoint)
-        self.lora_reference = self._lora_reference()
+        rewards = reward_pipeline(config, self.problems.verifier)
+        self.model, self.tokenizer = load_policy(config, self.base_model_path, checkpoint)
+        self.lora_reference = lora_reference(config, self.base_model_path)
         if self.loss_config.kl_coef > 0 and self.lora_reference == "adapter":
             add_reference_adapter(self.model, self.base_model_path)  # frozen: never in self.trainable
         self.model.to(self.device)
@@ -174,59 +136,32 @@ class Trainer:
         self.forward_options = config.forward_options(self.device)
         self.ref_model = None  # with LoRA the reference is an adapter of the model itself (_reference_model)
         if self.loss_config.kl_coef > 0 and not config.use_peft:
-            self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=_dtype(config.dtype))
+            self.ref_model, _ = load_model_and_tokenizer(self.base_model_path, dtype=DTYPES[config.dtype])
             self.ref_model.to(self.device).requires_grad_(False)
         rollout_dtype = config.sampling_dtype(self.device)
         copy_dtype = rollout_dtype if config.engine == "hf" else config.dtype  # vLLM loads its own copy
         self.rollout_policy = RolloutPolicy(
             self.model,
-            _dtype(copy_dtype),
+            DTYPES[copy_dtype],
             config.rollout_quantization,
-            separate=config.overlaps_rollouts() and config.engine == "hf",
+            separate=(config.overlaps_rollouts() or config.samples_while_training()) and config.engine == "hf",
         )
         self.pending = OffPolicyQueue(config.off_policy_steps, background=config.overlaps_rollouts())
         # a resumed run rebuilds vLLM from the checkpoint's weights, which are the model's; with LoRA
         # vLLM loads the base and gets the adapter from update_weights
-        adapted = config.use_peft
-        self.engine = make_engine(
-            config.engine,
-            self.rollout_policy.model,
-            self.tokenizer,
-            model_path=adapter_base_of(self.model) if adapted else checkpoint or self.base_model_path,
-            device=self.device,
-            batch_size=config.rollout_batch_size,
-            seed=config.seed,
-            dtype=rollout_dtype,
-            kv_cache_gb=config.vllm_kv_cache_gb,
-            compile=config.compiles_vllm(),
-            max_logprobs=max(top_k, 1),
-            top_p_masks=config.rollout_top_p < 1,
-            lora_rank=adapter_rank(self.model) if config.resolved_lora_sync() == "adapter" else 0,
-            code_block_stops=bool(config.tools),
-        )
-        if adapted:
-            self.engine.update_weights(self.model)  # a resumed or given adapter (a no-op for the hf engine)
+        model_path = adapter_base_of(self.model) if config.use_peft else checkpoint or self.base_model_path
         self.prompts = self._prompt_builder()
-        if config.tools:  # training rollouts and evaluation call the tools alike; a chat template's tool role answers
-            tool = TOOLS[config.tools[0]](timeout_s=config.tool_timeout_s, workers=config.tool_workers)
-            turn = template_tool_turn(self.tokenizer) if self.prompts.uses_chat_template else None
-            self.engine = ToolEngine(
-                self.engine,
-                self.tokenizer,
-                tool,
-                config.max_tool_calls,
-                config.tool_output_tokens,
-                turn,
-                workers=config.tool_workers,
-            )
-        if top_k > self.engine.max_top_k_logprobs:
-            raise ConfigError(
-                f"preset {config.preset!r} (estimator {self.loss_config.estimator!r}) needs mu's top-{top_k} "
-                f"log-probs per token, but engine {config.engine!r} records at most "
-                f"{self.engine.max_top_k_logprobs}: lower --top_k or use another estimator"
-            )
-
-        self._check_prompts()
+        self.engine = build_engine(
+            config,
+            self.loss_config,
+            self.model,
+            self.rollout_policy,
+            self.tokenizer,
+            self.prompts,
+            self.device,
+            model_path,
+        )
+        check_prompt_lengths(self.problems, self.prompts, self.tokenizer, self.model.config, config.max_new_tokens)
         self.generator = RolloutGenerator(
             config,
             self.loss_config,
@@ -238,6 +173,16 @@ class Trainer:
             self.rollout_policy,
             self.device,
         )
+        self.async_rollouts = None
+        if config.async_rollouts:  # started by train(), at the run's step
+            self.async_rollouts = AsyncRollouts(
+                self.generator,
+                self.problems.train,
+                EngineGate(self.sync_rollout_weights),
+                config.max_staleness,
+                config.partial_rollouts,
+                last=config.steps,
+            )
 
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, weight_decay=config.weight_decay)
         sequences = config.prompts_per_step * config.group_size
@@ -247,7 +192,7 @@ class Trainer:
         )
         self.step = 0
         self.diverged: str | None = None  # what went wrong, set by the update that saw it
-        self.weight_norm = _total_norm(self.trainable)
+        self.weight_norm = total_norm(self.trainable)
         self.zero_gradient_steps = 0
         if checkpoint is None:
             aside = set_aside(self.run_dir)
@@ -274,68 +219,6 @@ class Trainer:
         values["output_dir"] = str(run_dir)
         return cls(from_dict(values), resume=True, console=console)
 
-    # ------------------------------------------------------------------------------ set-up
-    def _base_model_path(self) -> Path:
-        if self.config.model is not None:
-            return Path(self.config.model)
-        if self.config.data is not None:
-            raise ConfigError("--data needs --model: the embedded tiny model only knows the built-in tasks")
-        return embedded_checkpoint(self.config.task)
-
-    def _load_policy(self, checkpoint: Path | None):
-        """(model, tokenizer): the checkpoint's or the base's weights; with --use_peft the base
-        (in --dtype) with the checkpoint's adapter, or a fresh one (B = 0: the base's policy)."""
-        c, dtype = self.config, _dtype(self.config.dtype)
-        if checkpoint is not None and is_adapter_dir(checkpoint) != c.use_peft:
-            held = "a LoRA adapter" if is_adapter_dir(checkpoint) else "full weights"
-            raise ConfigError(
-                f"--use_peft {str(c.use_peft).lower()}: checkpoint {checkpoint} holds {held}; resume with the "
-                f"run's own setting (--use_peft {str(not c.use_peft).lower()})"
-            )
-        if checkpoint is None and is_adapter_dir(self.base_model_path):  # --model is an adapter: train it on
-            if not c.use_peft:
-                raise ConfigError(
-                    f"--model {self.base_model_path} is a LoRA adapter: train it further with --use_peft, or "
-                    "give its merged weights (a run with --merge_lora writes them to RUN_DIR/merged/)"
-                )
-            refuse_ignored(
-                c, ["lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"], "to a new adapter, not to --model's"
-            )
-        if c.use_peft and not is_adapter_dir(self.base_model_path):
-            refuse_ignored(
-                c,
-                ["lora_reference"],
-                "when --model is a LoRA adapter (a new adapter's KL reference is the base, its first policy)",
-            )
-        if checkpoint is not None or not c.use_peft or is_adapter_dir(self.base_model_path):
-            return load_model_and_tokenizer(checkpoint or self.base_model_path, dtype, trainable_adapter=True)
-        model, tokenizer = load_model_and_tokenizer(self.base_model_path, dtype)
-        model = add_adapter(model, c.lora_options(), derived_seed(c.seed, 5_555_555))
-        set_adapter_base(model, c.model or self.base_model_path)
-        return model, tokenizer
-
-    def _lora_reference(self) -> str | None:
-        """With LoRA, what the KL reference is: 'adapter' (--model's adapter, frozen) or 'base' (the
-        model with its adapter disabled); --lora_reference, unset: 'adapter' when --model is an
-        adapter, else 'base' (a new adapter starts as the base). None without LoRA."""
-        if not self.config.use_peft:
-            return None
-        return self.config.lora_reference or ("adapter" if is_adapter_dir(self.base_model_path) else "base")
-
-    @contextlib.contextmanager
-    def _reference_model(self):
-        """The KL term's reference policy: the frozen copy of --model, or with LoRA the model itself
-        under its frozen REFERENCE adapter or with its adapter disabled (peft's disable_adapter, as
-        TRL does): no second copy of the base."""
-        if self.ref_model is not None:
-            yield self.ref_model
-        elif self.lora_reference == "adapter":
-            with reference_adapter(self.model):
-                yield self.model
-        else:
-            with self.model.disable_adapter():
-                yield self.model
-
     def _restore(self, checkpoint: Path, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -351,7 +234,10 @@ class Trainer:
         state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "data": self.problems.train.state_dict(),
+            # asynchronous: where the first wave not trained on began (a resumed run samples it again)
+            "data": self.async_rollouts.source_state(self.step)
+            if self.async_rollouts
+            else self.problems.train.state_dict(),
             "pending": self.pending.state_dict(),
             "zero_gradient_steps": self.zero_gradient_steps,
         }
@@ -360,7 +246,9 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Release the run directory (`train()` does it when it returns)."""
+        """Stop sampling and release the run directory (`train()` does both when it returns)."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
         self.lock.release()
 
     def _prompt_builder(self) -> PromptBuilder:
@@ -368,19 +256,6 @@ class Trainer:
             return PromptBuilder(self.tokenizer, self.config.prompt_config())
         except ValueError as err:
             raise ConfigError(f"{err} (model {self.base_model_path})") from None
-
-    def _check_prompts(self) -> None:
-        """Render and tokenize every prompt of the data (the held-out ones and a built-in task's
-        sample) before anything trains: a chat template that fails, or a prompt that with
-        max_new_tokens would run past the model's positions, is an error now, not mid-run."""
-        train = getattr(self.problems.train, "problems", [])  # a built-in task's are short and alike
-        for where, problems in (
-            ("--data problem" if train else "training problem", train),
-            ("held-out problem", self.problems.heldout),
-        ):
-            texts = [self.prompts(p.prompt) for p in problems]
-            lengths = [len(ids) for ids in self.tokenizer(texts)["input_ids"]] if texts else []
-            check_positions(self.model.config, lengths, self.config.max_new_tokens, where)
 
     # ------------------------------------------------------------------------------ rollout
     def rollout(self, step: int | None = None) -> tuple[Rollout | None, dict]:
@@ -419,7 +294,7 @@ class Trainer:
                 if old_full:
                     parts["logp_old_full"].append(pad_to(out.log_probs, width))
             if need_ref:
-                with self._reference_model() as reference:
+                with reference_model(self.model, self.ref_model, self.lora_reference) as reference:
                     ref = policy_outputs(
                         reference,
                         sub,
@@ -499,7 +374,7 @@ class Trainer:
         if grad_norm != 0 or not c.skip_zero_gradient_updates:  # skipped: nothing learned, no move by momentum
             self.optimizer.step()
             self.scheduler.step()
-            before, self.weight_norm = self.weight_norm, _total_norm(self.trainable)
+            before, self.weight_norm = self.weight_norm, total_norm(self.trainable)
             if not self.weight_norm <= WEIGHT_GROWTH_LIMIT * before:  # also catches nan and inf
                 self.diverged = (
                     f"optim/weight_norm went from {before:.4g} to {self.weight_norm:.4g} in one "
@@ -533,13 +408,19 @@ class Trainer:
         else:
             rollout = self.prepare(rollout)
             metrics.update(mismatch_metrics(rollout))
+            if rollout.versions is not None:  # asynchronous
+                metrics.update({**staleness_metrics(rollout, self.step), **mismatch_by_lag(rollout, self.step)})
             update_start = time.time()
             metrics.update(self.update(rollout))
             trained = rollout.response_mask.sum().item() * self.config.epochs
-            metrics["perf/train_tokens_per_s"] = trained / max(time.time() - update_start, 1e-9)
-        self.pending.wait()  # the background rollout, if any, is done with the rollout weights
-        if rollout is not None:
-            self.sync_rollout_weights()
+            metrics["perf/update_seconds"] = time.time() - update_start
+            metrics["perf/train_tokens_per_s"] = trained / max(metrics["perf/update_seconds"], 1e-9)
+        if self.async_rollouts is not None:  # the next version, loaded as soon as the engine allows
+            metrics.update(self.async_rollouts.publish(self.step + 1))
+        else:
+            self.pending.wait()  # the background rollout, if any, is done with the rollout weights
+            if rollout is not None:
+                self.sync_rollout_weights()
         self.step += 1
         metrics["perf/step_seconds"] = time.time() - start
         return metrics
@@ -547,7 +428,9 @@ class Trainer:
     def _next_rollout(self) -> tuple[Rollout | None, dict]:
         """The current step's batch: sampled now (on-policy), or taken from the queue of batches
         sampled ahead, after sampling those now due (the last one in the background when
-        rollouts overlap the update)."""
+        rollouts overlap the update), or the asynchronous worker's."""
+        if self.async_rollouts is not None:
+            return self.async_rollouts.take(self.step)
         if not self.config.off_policy_steps:
             return self.rollout()
         for target, background in self.pending.due(self.step):
@@ -559,21 +442,21 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
-        """Held-out accuracy: greedy, and sampled avg@k / pass@k with k = eval_samples."""
-        c = self.config
-        heldout = self.problems.heldout
-        verifier = self.problems.verifier or self.generator.reward_score
-        return evaluate_problems(
-            self.engine,
-            heldout,
-            verifier,
-            [self.prompts(p.prompt) for p in heldout],
-            c.eval_samples,
-            c.temperature,
-            c.max_new_tokens,
-            seed=derived_seed(c.seed, 7_777_777),
-            tokenizer=self.tokenizer,
-        )
+        """Held-out accuracy: greedy, and sampled avg@k / pass@k with k = eval_samples; asynchronous, once
+        the engine is free (it holds the weights of this step)."""
+        c, heldout = self.config, self.problems.heldout
+        with self.async_rollouts.gate.owned() if self.async_rollouts else contextlib.nullcontext():
+            return evaluate_problems(
+                self.engine,
+                heldout,
+                self.problems.verifier or self.generator.reward_score,
+                [self.prompts(p.prompt) for p in heldout],
+                c.eval_samples,
+                c.temperature,
+                c.max_new_tokens,
+                seed=derived_seed(c.seed, 7_777_777),
+                tokenizer=self.tokenizer,
+            )
 
     # ------------------------------------------------------------------------------ main loop
     def train(self, stop_after: int | None = None) -> dict | None:
@@ -586,19 +469,10 @@ class Trainer:
         try:
             return self._train(stop_after)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through gppo.cli: the step in flight is dropped
-            self.console.print(f"stopped during step {self.step + 1}; {self._continue_hint()}")
+            self.console.print(f"stopped during step {self.step + 1}; {continue_hint(self.run_dir)}")
             raise
         finally:
-            self.lock.release()
-
-    def _continue_hint(self) -> str:
-        checkpoint = latest_checkpoint(self.run_dir)
-        if checkpoint is None:
-            return (
-                f"no checkpoint was written yet: run the same command again (this attempt's files are then "
-                f"moved to {self.run_dir}/aborted/)"
-            )
-        return f"continue from {checkpoint.name} with `gppo train --resume {self.run_dir}`"
+            self.close()
 
     def _train(self, stop_after: int | None) -> dict | None:
         c = self.config
@@ -606,6 +480,8 @@ class Trainer:
             first = self.evaluate()
             self.log.write(0, first)
             self._print_eval(0, first)
+        if self.async_rollouts is not None:
+            self.async_rollouts.start(self.step)
         columns = [
             TextColumn("[bold]gppo[/] {task.description}"),
             BarColumn(),
@@ -621,17 +497,20 @@ class Trainer:
                 metrics = self.train_step()
                 if self.diverged:
                     self.log.write(self.step, metrics)
-                    raise self._unstable_error()
+                    raise UnstableTrainingError(
+                        f"step {self.step}: {self.diverged} (metrics.jsonl records the step; the learning rate may "
+                        f"be too high, or the rewards not finite); {resume_with_lower_lr(self.run_dir, c.lr)}"
+                    )
                 last = self.step == c.steps
                 if last or (c.eval_every and self.step % c.eval_every == 0):
                     evaluation = self.evaluate()
                     metrics.update(evaluation)
                     self._print_eval(self.step, evaluation, progress.console)
                 self.log.write(self.step, metrics)
-                progress.update(task, completed=self.step, info=_progress_info(metrics))
+                progress.update(task, completed=self.step, info=progress_info(metrics))
                 if piped:
                     self.console.print(
-                        f"step {self.step}/{c.steps} | {_progress_info(metrics)} | "
+                        f"step {self.step}/{c.steps} | {progress_info(metrics)} | "
                         f"{progress.tasks[0].elapsed or 0:.0f} s elapsed",
                         soft_wrap=True,
                         highlight=False,
@@ -641,24 +520,6 @@ class Trainer:
                 if stop_after is not None and self.step >= stop_after and not last:
                     return None
         return self.finish()
-
-    def _unstable_error(self) -> UnstableTrainingError:
-        lower = f"--lr {self.config.lr / 10:g}"
-        checkpoint = latest_checkpoint(self.run_dir)
-        if checkpoint is None:
-            then = (
-                f"no checkpoint was written yet: start the run again with a lower learning rate (e.g. {lower}); "
-                f"the files of this attempt are then moved to {self.run_dir}/aborted/"
-            )
-        else:
-            then = (
-                f"the last good checkpoint is {checkpoint}: resume from it with a lower learning rate, "
-                f"e.g. `gppo train --resume {self.run_dir} {lower}`"
-            )
-        return UnstableTrainingError(
-            f"step {self.step}: {self.diverged} (metrics.jsonl records the step; the "
-            f"learning rate may be too high, or the rewards not finite); {then}"
-        )
 
     def finish(self) -> dict:
         """Final model, curves and summary (accuracy before and after RL)."""
@@ -684,24 +545,7 @@ class Trainer:
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.config.keep_checkpoints == 0:  # the run is complete: its resume state is not needed
             shutil.rmtree(self.run_dir / "checkpoints", ignore_errors=True)
-        if evals:
-            self.console.print(
-                accuracy_summary(summary["before"], summary["after"], self.step, self.config.eval_samples),
-                soft_wrap=True,
-            )
-        if adapter:
-            self.console.print(
-                f"final/ holds a LoRA adapter of {adapter['parameters']:,} parameters "
-                f"({directory_size(self.run_dir / 'final') / 1e6:.1f} MB with the tokenizer) for the base "
-                f"{adapter['base_model']}, which loading it needs (gppo eval --model {self.run_dir / 'final'}, or "
-                f"peft's PeftModel.from_pretrained)"
-                + ("; merged/ holds base and adapter merged, a plain model" if self.config.merge_lora else ""),
-                soft_wrap=True,
-            )
-        self.console.print(
-            f"run directory: {self.run_dir} (metrics.jsonl, curves.png, final/): {storage_note(self.run_dir, 'the adapter' if adapter else 'the weights')}",
-            soft_wrap=True,
-        )
+        print_final_report(self.console, self.run_dir, summary, self.config.eval_samples, self.config.merge_lora)
         return summary
 
     def _print_eval(self, step: int, evaluation: dict, console: Console | None = None) -> None:
@@ -709,34 +553,3 @@ class Trainer:
             f"step {step:>4} | held-out greedy {evaluation['eval/greedy']:.3f} | sampled avg@"
             f"{self.config.eval_samples} {evaluation['eval/avg@k']:.3f}"
         )
-
-
-@torch.no_grad()
-def shuffled_groups(size: int, group_size: int, generator: torch.Generator) -> torch.Tensor:
-    """A random order of the rollout's rows that keeps each group's rows together (rows
-    g * group_size ... (g + 1) * group_size - 1 are the completions of prompt g), as verl's
-    mini-batches do: a micro-batch then holds whole groups, whose prompt the forward runs once."""
-    assert size % group_size == 0, f"a rollout of {size} rows is not made of groups of {group_size}"
-    groups = torch.randperm(size // group_size, generator=generator)
-    return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
-
-
-def _total_norm(parameters) -> float:
-    """||theta||_2 over all parameters."""
-    return torch.linalg.vector_norm(torch.stack([p.detach().float().norm() for p in parameters])).item()
-
-
-def _progress_info(m: dict) -> str:
-    parts = [
-        f"reward {m.get('rollout/reward_mean', float('nan')):.3f}",
-        f"acc {m.get('rollout/accuracy', float('nan')):.3f}",
-    ]
-    if "loss/masked_frac" in m:
-        parts.append(f"masked {m['loss/masked_frac']:.3f}")
-    if "loss/kl_ref" in m:
-        parts.append(f"kl {m['loss/kl_ref']:.4f}")
-    if "loss/entropy" in m:
-        parts.append(f"ent {m['loss/entropy']:.3f}")
-    if "perf/rollout_tokens_per_s" in m:
-        parts.append(f"{m['perf/rollout_tokens_per_s']:.0f} tok/s")
-    return " | ".join(parts)

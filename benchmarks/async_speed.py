@@ -1,0 +1,150 @@
+"""Steps per hour of `--async_rollouts` against the synchronous run at equal batch and equal total
+threads, with both idle fractions, peak RSS, and the gain projected to a GPU's balance.
+
+Each mode is a fresh `gppo train` in a subprocess under `/usr/bin/time -v` (peak RSS), modes
+alternating `--repeats` times so that load drifting during the benchmark moves all of them alike.
+A run's time per step is the mean of perf/step_seconds over its steps after the first (the first
+asynchronous step has nothing to overlap with); evaluations and start-up are excluded.
+
+Phase times come from the synchronous run: G = perf/rollout_seconds (generate and score) and U =
+perf/update_seconds (pi_old, reference and update), W = perf/weight_sync_seconds of the
+asynchronous run. Where generation takes a share g of a synchronous step (0.7 on a GPU, where
+decoding is memory-bound and an update compute-bound), perfect overlap takes the step from G + U to
+max(G, U) + W: the projected gain is 1 / (max(g, 1 - g) + w), w = W / (G + U) as measured here.
+
+    python benchmarks/async_speed.py                                  # embedded countdown, hf engine
+    python benchmarks/async_speed.py --modes sync async partial --steps 6
+    # the issue's setting, in vLLM's venv (docs/vllm.md): SmolLM2, word problems (GSM8K-like), 8 x 8 x 256
+    OMP_NUM_THREADS=1 python benchmarks/async_speed.py --engine vllm --modes sync async \\
+        --model smollm2 --task word-problems --max_new_tokens 256 --prompts_per_step 8 --group_size 8
+
+Flags it does not know go to `gppo train` as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODES = {  # mode -> the flags that make it
+    "sync": [],
+    "async": ["--async_rollouts", "true"],
+    "partial": ["--async_rollouts", "true", "--partial_rollouts", "true"],
+}
+GPU_GENERATION_SHARE = 0.7
+
+
+def run_mode(mode: str, args, out: Path) -> dict:
+    """One run: seconds per step after the first, its phase and idle means, its peak RSS (GB)."""
+    staleness = ["--max_staleness", str(args.max_staleness)] if mode != "sync" else []
+    command = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-m",
+        "gppo.cli",
+        "train",
+        "--engine",
+        args.engine,
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        *MODES[mode],
+        *staleness,
+        *args.train_flags,
+        "--eval_every",
+        "0",
+        "--eval_size",
+        "4",
+        "--eval_samples",
+        "1",
+        "--save_every",
+        "0",
+        "--keep_checkpoints",
+        "0",
+        "--progress",
+        "false",
+        "--output_dir",
+        str(out),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{mode} run failed ({' '.join(command)}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "perf/step_seconds" in r][1:]
+
+    def mean(key):
+        values = [r[key] for r in steps if key in r]
+        return statistics.mean(values) if values else float("nan")
+
+    return {
+        "step_s": mean("perf/step_seconds"),
+        "rollout_s": mean("perf/rollout_seconds"),
+        "update_s": mean("perf/update_seconds"),
+        "sync_s": mean("perf/weight_sync_seconds"),
+        "engine_idle": mean("staleness/engine_idle_frac"),
+        "trainer_idle": mean("staleness/trainer_idle_frac"),
+        "staleness": mean("staleness/token_mean"),
+        "rss_gb": rss_kb / 1e6,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=["sync", "async"], choices=list(MODES))
+    parser.add_argument("--engine", default="hf", help="rollout engine: hf or vllm")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--max_staleness", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2, help="total: async splits them between engine and trainer")
+    parser.add_argument("--repeats", type=int, default=1)
+    args, args.train_flags = parser.parse_known_args()
+    if "--task" not in args.train_flags:
+        args.train_flags += ["--task", "countdown"]
+    results = {mode: [] for mode in args.modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for mode in args.modes:
+                results[mode].append(run_mode(mode, args, Path(tmp) / f"{mode}-{repeat}"))
+                r = results[mode][-1]
+                print(
+                    f"{mode} #{repeat}: {r['step_s']:.1f} s/step, rss {r['rss_gb']:.2f} GB, "
+                    f"engine idle {r['engine_idle']:.2f}, trainer idle {r['trainer_idle']:.2f}",
+                    flush=True,
+                )
+    base = (
+        {k: statistics.median(r[k] for r in results["sync"]) for k in results["sync"][0]} if "sync" in results else None
+    )
+    print(f"\nengine {args.engine}, {args.steps} steps, {args.threads} threads, {' '.join(args.train_flags)}")
+    print(
+        "| mode | s/step | steps/hour | vs sync | engine idle | trainer idle | tokens behind | peak RSS GB | RSS vs sync |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, runs in results.items():
+        m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        ratio = base["step_s"] / m["step_s"] if base else float("nan")
+        rss = m["rss_gb"] / base["rss_gb"] if base else float("nan")
+        print(
+            f"| {mode} | {m['step_s']:.1f} | {3600 / m['step_s']:.0f} | {ratio:.2f}x | {m['engine_idle']:.2f} | "
+            f"{m['trainer_idle']:.2f} | {m['staleness']:.2f} | {m['rss_gb']:.2f} | {rss:.2f} |"
+        )
+    if base and "async" in results:
+        g, u = base["rollout_s"], base["update_s"]
+        w = statistics.median(r["sync_s"] for r in results["async"]) / (g + u)
+        share = GPU_GENERATION_SHARE
+        print(
+            f"\nsynchronous phases: generate {g:.1f} s ({g / (g + u):.0%}), update {u:.1f} s; weight sync {w:.1%} of a "
+            f"step. Ideal overlap here: {(g + u) / (max(g, u) + w * (g + u)):.2f}x; at a GPU's balance "
+            f"(generation {share:.0%} of a step): {1 / (max(share, 1 - share) + w):.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
