@@ -44,6 +44,16 @@
 #                   --cpu: on a CPU with vLLM's CPU build and SmolLM2, else SKIP (SmolLM2 in 16 tokens
 #                   calls no tool there: the row runs the loop; tests/test_verl_topk.py's scripted
 #                   multi-turn test checks the layout around tool turns).
+#   verl-async      verl's fully-async trainer (fully_async_policy: rollouter, trainer, message queue, partial
+#                   rollouts) through `python -m gppo.integrations.verl_async`, SmolLM2, float32, staleness 0,
+#                   one step per parameter sync, 2 steps, once per loss mode in $VERL_ASYNC_MODES (default
+#                   gppo_ppo gppo_dppo_topk_kl): 2 parameter syncs after the initial one, every step's gppo/
+#                   metrics finite and staleness/ metrics present, each step starting at pi = mu (|ratio - 1|
+#                   < 1e-3; the top-K mode's divergence/max < 1e-4). --cpu: on a CPU with vLLM's CPU build
+#                   and SmolLM2 (tests/verl_cpu_async.py: main_ppo's CPU set-up plus a file checkpoint
+#                   engine, since verl's engines all send over an accelerator), else SKIP. On GPUs: 2 of
+#                   them (a trainer and a rollout device; SKIP with fewer), the weights through verl's
+#                   nccl checkpoint engine.
 #
 # Logs and run folders: $GPU_CHECK_DIR (default /tmp/gppo-gpu-check). Each row has a time limit;
 # a row that fails prints FAIL and the log to read; the script still prints the whole table.
@@ -60,6 +70,7 @@ esac
 PY=${PYTHON:-python3}
 DIR=${GPU_CHECK_DIR:-/tmp/gppo-gpu-check}
 VERL_LOSS_MODE=${VERL_LOSS_MODE:-gppo_dppo_topk_kl}
+VERL_ASYNC_MODES=${VERL_ASYNC_MODES:-gppo_ppo gppo_dppo_topk_kl}
 mkdir -p "$DIR"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 ROWS=()
@@ -139,6 +150,36 @@ turns = re.search(r"num_turns/mean:(?:np\.float64\()?([0-9.]+)", line)  # messag
 turns = f", turns/mean {float(turns.group(1)):.2f}" if turns else ""
 print(f"{len(steps)} steps; last: pg_loss {get('actor/pg_loss'):.3g}, score {get('critic/score/mean'):.3f}, "
       f"masked_frac {masked:.3f}, divergence/mean {divergence:.2e}{exact}{turns}")
+EOF
+}
+
+verl_async_run() {  # verl_async_run COMMAND...: one 2-step fully-async run per mode of $VERL_ASYNC_MODES
+  local mode log    # (logs $DIR/verl-async-MODE.log), then checks on each run's steps
+  for mode in $VERL_ASYNC_MODES; do
+    log="$DIR/verl-async-$mode.log"
+    timeout 600 "$@" "actor_rollout_ref.actor.policy_loss.loss_mode=$mode" "hydra.run.dir=$DIR/verl-async-hydra-$mode" \
+      "trainer.experiment_name=$mode" >"$log" 2>&1 || { tail -50 "$log"; return 1; }
+  done
+  "$PY" - "$DIR" $VERL_ASYNC_MODES <<'EOF'
+import math, re, sys
+summary = []
+for mode in sys.argv[2:]:
+    text = open(f"{sys.argv[1]}/verl-async-{mode}.log").read()
+    steps = [line for line in re.findall(r"step:\d+ - .*", text) if "gppo/" in line]
+    syncs = {int(v) for v in re.findall(r"_fit_update_weights, .*current_param_version: (\d+)", text)}
+    assert len(steps) >= 2 and {1, 2} <= syncs, (mode, len(steps), syncs)
+    worst = divergence = 0.0
+    for line in steps:
+        values = {k: float(v) for k, v in re.findall(r"((?:gppo|staleness)/[^:]+):(?:np\.float64\()?([-0-9.e+naif]+)", line)}
+        assert all(math.isfinite(v) for k, v in values.items() if k.startswith("gppo/")), (mode, values)
+        assert 0 <= values["gppo/masked_frac"] < 1 and "staleness/token_max" in values, (mode, values)
+        assert values["staleness/sample_max"] == 0, (mode, values)  # staleness 0: the current version's samples
+        worst = max(worst, abs(values["gppo/ratio/min"] - 1), abs(values["gppo/ratio/max"] - 1))
+        divergence = max(divergence, values.get("gppo/divergence/max", 0.0))
+    assert worst < 1e-3 and divergence < 1e-4, (mode, worst, divergence)  # float32: each step starts at pi = mu
+    summary.append(f"{mode}: {len(steps)} steps, syncs {sorted(syncs)}, |ratio - 1| {worst:.1e}, "
+                   f"divergence/max {divergence:.1e}")
+print("; ".join(summary))
 EOF
 }
 
@@ -313,21 +354,61 @@ VERL_CPU_ARGS=(
   +ray_kwargs.ray_init.num_gpus=1 +ray_kwargs.ray_init.num_cpus=16
   transfer_queue.backend.SimpleStorage.num_data_storage_units=1
 )
+# verl's fully-async trainer (verl-async): its own config (the launcher's default) with gppo's loss, a
+# trainer and a rollout replica of one device each, staleness 0 and a parameter sync after every step,
+# so that each step trains on samples of the weights it starts from.
+VERL_ASYNC_ARGS=(
+  actor_rollout_ref.actor.policy_loss._target_=gppo.integrations.verl.GPPOPolicyLossConfig
+  '+actor_rollout_ref.actor.policy_loss.bypass_mode=${algorithm.rollout_correction.bypass_mode}'
+  '+actor_rollout_ref.actor.policy_loss.use_v1=${trainer.use_v1}'
+  "data.train_files=$DIR/verl-data/train.parquet" "data.val_files=$DIR/verl-data/val.parquet"
+  data.train_batch_size=0 data.max_prompt_length=128 data.max_response_length=64
+  actor_rollout_ref.hybrid_engine=false actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=4
+  actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.3
+  rollout.nnodes=1 rollout.n_gpus_per_node=1 rollout.total_rollout_steps=16
+  trainer.nnodes=1 trainer.n_gpus_per_node=1
+  async_training.staleness_threshold=0 async_training.trigger_parameter_sync_step=1
+  async_training.partial_rollout=true
+  actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
+  actor_rollout_ref.actor.use_kl_loss=false actor_rollout_ref.actor.optim.lr=1e-6
+  algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=false
+  "trainer.logger=[console]" trainer.val_before_train=false trainer.save_freq=-1
+  trainer.project_name=gppo-gpu-check "${VERL_FP32_ARGS[@]}"
+  # verl logs a step's metrics at the next parameter sync, and runs the sync after the last step only
+  # when current_param_version % test_freq != 0 (test_freq -1: never): no validation, last step logged
+  trainer.test_freq=1000
+)
+VERL_ASYNC_CPU_ARGS=(
+  data.max_response_length=16 actor_rollout_ref.rollout.n=2 rollout.total_rollout_steps=8
+  $ACTOR.ppo_mini_batch_size=4 $ACTOR.ppo_micro_batch_size_per_gpu=4
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.enforce_eager=true
+  actor_rollout_ref.rollout.agent.num_workers=1 +actor_rollout_ref.rollout.enable_sleep_mode=false
+  actor_rollout_ref.rollout.free_cache_engine=false $ACTOR.optim.lr=1e-4 $ACTOR.strategy=fsdp2
+  $ACTOR.use_torch_compile=false actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_file
+  actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=tests.verl_cpu_async
+  async_training.concurrent_samples_per_replica=4
+  "reward.custom_reward_function.path=$DIR/verl-reward.py" reward.num_workers=1
+  +ray_kwargs.ray_init.num_gpus=2 +ray_kwargs.ray_init.num_cpus=32
+)
 SMOL_DIR='<the HF copy of smollm2: gppo.rollout.vllm.vllm_model_dir>'
 smol_dir() {
   [[ $MODE == dry ]] \
     || SMOL_DIR=$("$PY" -c "from gppo.rollout.vllm import vllm_model_dir; print(vllm_model_dir('smollm2'))")
 }
-has flash_attn || VERL_ARGS+=(  # no flash-attn: sdpa on padded batches (packing needs flash-attn)
+has flash_attn || { VERL_ARGS+=(  # no flash-attn: sdpa on padded batches (packing needs flash-attn)
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false)
+  VERL_ASYNC_ARGS+=(+actor_rollout_ref.model.override_config.attn_implementation=sdpa
+    actor_rollout_ref.model.use_remove_padding=false); }
 if ! has verl; then
   skip verl-main-ppo "verl missing: pip install 'gppo[verl]' 'verl[vllm]==0.9.1'"; skip verl-lora "verl missing"
-  skip verl-tools "verl missing"
+  skip verl-tools "verl missing"; skip verl-async "verl missing"
 elif [[ $MODE == cpu ]] && { ! has vllm || ((SMOL_OK == 0)); }; then
   row verl-data 120 "tail -1" verl_data
   row verl-main-ppo 120 "tail -1" verl_validate "${VERL_ARGS[@]}"  # without vLLM: the set-up only
   skip verl-lora "needs vLLM's CPU build and SmolLM2 (verl's validate_config imports vLLM for the LoRA rank)"
   skip verl-tools "needs vLLM's CPU build and SmolLM2"
+  skip verl-async "needs vLLM's CPU build and SmolLM2"
 elif [[ $MODE == cpu ]]; then
   smol_dir; verl_data >/dev/null; verl_reward
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VERL_USE_EXTERNAL_MODULES=tests.verl_cpu_main_ppo \
@@ -340,12 +421,16 @@ elif [[ $MODE == cpu ]]; then
   row verl-tools 430 "tail -1" verl_topk_run verl-tools-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
     "${VERL_CPU_ARGS[@]}" "${VERL_TOOL_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" \
     "hydra.run.dir=$DIR/verl-tools-hydra"
+  VERL_USE_EXTERNAL_MODULES=tests.verl_cpu_async row verl-async 1230 "tail -1" verl_async_run \
+    "$PY" -m gppo.integrations.verl_async "${VERL_ASYNC_ARGS[@]}" "${VERL_ASYNC_CPU_ARGS[@]}" \
+    "actor_rollout_ref.model.path=$SMOL_DIR"
 elif ! has vllm || ((SMOL_OK == 0)); then
   skip verl-main-ppo "needs vllm and SmolLM2 (rows above)"; skip verl-lora "needs vllm and SmolLM2"
-  skip verl-tools "needs vllm and SmolLM2"
+  skip verl-tools "needs vllm and SmolLM2"; skip verl-async "needs vllm and SmolLM2"
 elif [[ $MODE != dry ]] && has trl; then
   skip verl-main-ppo "TRL is installed: verl 0.9.1's FSDP engine then fails to build (docs/verl.md); use a venv without trl"
   skip verl-lora "TRL is installed (verl-main-ppo)"; skip verl-tools "TRL is installed (verl-main-ppo)"
+  skip verl-async "TRL is installed (verl-main-ppo)"
 else
   smol_dir; [[ $MODE == dry ]] || verl_data >/dev/null
   row verl-main-ppo 430 "tail -1" verl_topk_run verl-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
@@ -355,6 +440,15 @@ else
     "hydra.run.dir=$DIR/verl-lora-hydra"
   row verl-tools 430 "tail -1" verl_topk_run verl-tools-run "$PY" -m gppo.integrations.verl_topk "${VERL_ARGS[@]}" \
     "${VERL_TOOL_ARGS[@]}" "actor_rollout_ref.model.path=$SMOL_DIR" "hydra.run.dir=$DIR/verl-tools-hydra"
+  # the fully-async trainer gives the trainer and the rollout a device each (trainer.n_gpus_per_node,
+  # rollout.n_gpus_per_node: separate Ray resource pools)
+  gpus=2; [[ $MODE == dry ]] || gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  if ((gpus < 2)); then
+    skip verl-async "verl's fully-async trainer puts the trainer and the rollout on separate GPUs: needs 2, found $gpus"
+  else
+    row verl-async 1230 "tail -1" verl_async_run "$PY" -m gppo.integrations.verl_async "${VERL_ASYNC_ARGS[@]}" \
+      "actor_rollout_ref.model.path=$SMOL_DIR"
+  fi
 fi
 
 [[ $MODE == dry ]] && exit 0

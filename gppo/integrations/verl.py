@@ -25,8 +25,8 @@ sizes in `global_batch_info`) and rollout_is_weights [B,T] or None; nothing else
   topp when the batch carries mu's top-K (policy_loss.topk_source=batch) and the actor's loss
   function is `topk_ppo_loss`, which gathers pi at those ids in the engine's logits processor:
   `python -m gppo.integrations.verl_topk` (verl's main_ppo with the rollout recording mu's top-K,
-  gppo/integrations/verl_topk.py) sets both up, or a caller that drives verl's TrainingWorker with
-  its own rollouts;
+  gppo/integrations/verl_topk.py) sets both up, as does `python -m gppo.integrations.verl_async` for
+  verl's fully-async trainer, or a caller that drives verl's TrainingWorker with its own rollouts;
 - aggregation, KL to the reference and entropy stay verl's: actor.loss_agg_mode and
   loss_scale_factor, actor.use_kl_loss / kl_loss_coef, actor.entropy_coeff.
 """
@@ -213,8 +213,9 @@ def check_startup(policy_loss: GPPOPolicyLossConfig, cfg: gppo.GPPOConfig) -> No
                 f"loss_mode={mode!r} uses estimator {cfg.estimator!r}, which needs mu's top-K token ids "
                 "and log-probs at every response position; verl 0.9's rollout records only the sampled "
                 "token's log-prob, and its ppo_loss passes a policy loss nothing more. Launch with "
-                "`python -m gppo.integrations.verl_topk` instead of `python -m verl.trainer.main_ppo` "
-                "(same config and overrides: its vLLM rollout records mu's top-K and the actor reads it), "
+                "`python -m gppo.integrations.verl_topk` instead of `python -m verl.trainer.main_ppo`, or "
+                "`python -m gppo.integrations.verl_async` instead of verl's fully_async_main (same config "
+                "and overrides: their vLLM rollout records mu's top-K and the actor reads it), "
                 f"or use an estimator among {' / '.join(runnable)}, e.g. loss_mode=gppo_dppo_binary_tv "
                 "instead of gppo_dppo_topk_tv (docs/verl.md)"
             )
@@ -335,7 +336,8 @@ def compute_policy_loss_gppo(
                 f"estimator {cfg.estimator!r} needs mu's top-K, which reaches the policy loss only "
                 "through gppo.integrations.verl.topk_ppo_loss (the actor's loss function in place of "
                 "verl's ppo_loss) with the batch carrying it: launch with `python -m "
-                "gppo.integrations.verl_topk`, not verl's main_ppo (docs/verl.md)"
+                "gppo.integrations.verl_topk`, not verl's main_ppo, or `python -m gppo.integrations.verl_async`, "
+                "not verl's fully_async_main (docs/verl.md)"
             )
         recorded = topk["topk_ids"].shape[-1]
         if cfg.top_k is not None and recorded < cfg.top_k:

@@ -33,12 +33,13 @@ import ray
 import torch
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
+from tensordict import TensorDict
 
 import gppo
 
 # first: the plugin refuses a verl outside the versions this module extends, naming the install line
 from gppo.integrations.verl import MODES, TOPK_IDS_KEY, TOPK_LOGPROBS_KEY, topk_ppo_loss
-from gppo.integrations.vllm_topk import TOPK_IDS_FIELD, TOPK_LOGPROBS_FIELD, TOPK_REQUEST
+from gppo.integrations.vllm_topk import TOKEN_VERSIONS_FIELD, TOPK_IDS_FIELD, TOPK_LOGPROBS_FIELD, TOPK_REQUEST
 
 try:
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
@@ -46,6 +47,7 @@ try:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, get_trainer_cls
+    from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass, validate_config
     from verl.utils.device import auto_set_device
     from verl.workers.rollout.replica import RolloutReplicaRegistry
@@ -74,17 +76,13 @@ def rollout_top_k(config: DictConfig) -> int:
         raise
 
 
-def prepare_config(config: DictConfig) -> int:
-    """Set a composed main_ppo config up for mu's top-K from verl's vLLM rollout and return K; with a
-    loss mode that needs no top-K, return 0 and leave the config as it is. Refuses what the rollout
-    side cannot serve, naming the setting and its fix."""
-    k = rollout_top_k(config)
-    if not k:
-        return 0
-    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
-    mode = actor.policy_loss.loss_mode
-    needs = {  # setting: (the values it may take, why)
-        "trainer.use_v1": ((True,), "the rollout's top-K reaches the actor through the v1 trainer's agent loop"),
+def refuse_unservable(config: DictConfig, k: int, needs: dict | None = None) -> None:
+    """Refuse the settings under which verl's vLLM rollout cannot record mu's top-K (K=`k`) for the
+    actor, naming the setting, its value and the fix; `needs`: more settings, as {field: (allowed
+    values, why)}."""
+    mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
+    needs = {
+        **(needs or {}),
         "actor_rollout_ref.rollout.name": (("vllm",), "only verl's vLLM server is extended"),
         "actor_rollout_ref.rollout.logprobs_mode": (
             ("processed_logprobs",),
@@ -115,8 +113,24 @@ def prepare_config(config: DictConfig) -> int:
             raise gppo.GPPOConfigError(
                 f"{field}={value!r}: loss_mode={mode!r} needs mu's top-K (K={k}) from the rollout, and "
                 f"{why}; set {field}={allowed[0]!r} or use a loss mode without a top-K estimator "
-                "(e.g. gppo_dppo_binary_kl) with verl's own main_ppo"
+                "(e.g. gppo_dppo_binary_kl)"
             )
+
+
+def prepare_config(config: DictConfig) -> int:
+    """Set a composed main_ppo config up for mu's top-K from verl's vLLM rollout and return K; with a
+    loss mode that needs no top-K, return 0 and leave the config as it is. Refuses what the rollout
+    side cannot serve, naming the setting and its fix."""
+    k = rollout_top_k(config)
+    if not k:
+        return 0
+    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    refuse_unservable(
+        config,
+        k,
+        {"trainer.use_v1": ((True,), "the rollout's top-K reaches the actor through the v1 trainer's agent loop")},
+    )
+    mode = actor.policy_loss.loss_mode
     if actor.policy_loss.get("topk_source") not in (None, "batch"):
         raise gppo.GPPOConfigError(
             f"policy_loss.topk_source={actor.policy_loss.topk_source!r}: this launcher puts mu's top-K "
@@ -144,19 +158,11 @@ def prepare_config(config: DictConfig) -> int:
     return k
 
 
-def teacher_layout(
-    prompt_length: int, response_ids: list[int], response_mask: list[int], turns: list[tuple]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sample's mu top-K as verl's teacher fields: [P + R, K] ids (int32) and log-probs (float32),
-    entry p holding the distribution that predicts token p + 1.
-
-    `turns`: (token_ids, topk_ids, topk_logprobs) of each generate call, in order. Each maximal run
-    of response_mask 1 is one call's tokens, a prefix of them (the response cut at response_length,
-    or a chat-template builder dropping a turn's last token); a call that left no token (all
-    dropped) is skipped. A run starting at response token s takes its call's top-K at entries
-    P - 1 + s onwards; the other entries (prompt, tool tokens, the last) hold id 0 and log-prob 0,
-    which the loss never reads (response_mask)."""
-    length = len(response_mask)
+def response_runs(response_ids: list[int], response_mask: list[int], turns: list[tuple]) -> list[tuple]:
+    """(start, stop, turn) for each maximal run of response_mask 1, matched in order to the generate
+    call (`turns`: tuples whose first entry is the call's token ids) whose tokens it starts with: a run
+    is one call's tokens, a prefix of them (the response cut at response_length, or a chat-template
+    builder dropping a turn's last token); a call that left no token (all dropped) is skipped."""
     runs, start = [], None
     for t, generated in enumerate([*response_mask, 0]):
         if generated and start is None:
@@ -164,10 +170,7 @@ def teacher_layout(
         elif not generated and start is not None:
             runs.append((start, t))
             start = None
-    k = next((len(ids[0]) for _, ids, _ in turns if ids), 0)
-    ids = torch.zeros(prompt_length + length, k, dtype=torch.int32)
-    logprobs = torch.zeros(prompt_length + length, k, dtype=torch.float32)
-    pending = iter(turns)
+    matched, pending = [], iter(turns)
     for start, stop in runs:
         run = list(response_ids[start:stop])
         for turn in pending:
@@ -178,17 +181,37 @@ def teacher_layout(
                 f"response tokens {start}..{stop - 1} (response_mask 1) are not the start of any remaining "
                 f"generate call's tokens ({len(turns)} calls recorded): mu's top-K is recorded per call, so every "
                 "generated token must come from one call (a request resumed after an abort, as in partial "
-                "rollouts, is not supported)"
+                "rollouts, counts as one call only under `python -m gppo.integrations.verl_async`, whose "
+                "client joins its parts)"
             )
-        _, topk_ids, topk_logprobs = turn
-        if len(topk_ids) < len(run):
+        matched.append((start, stop, turn))
+    return matched
+
+
+def teacher_layout(
+    prompt_length: int, response_ids: list[int], response_mask: list[int], turns: list[tuple]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample's mu top-K as verl's teacher fields: [P + R, K] ids (int32) and log-probs (float32),
+    entry p holding the distribution that predicts token p + 1.
+
+    `turns`: (token_ids, topk_ids, topk_logprobs, ...) of each generate call, in order, matched to the
+    response by `response_runs`. A run starting at response token s takes its call's top-K at entries
+    P - 1 + s onwards; the other entries (prompt, tool tokens, the last) hold id 0 and log-prob 0,
+    which the loss never reads (response_mask)."""
+    length = len(response_mask)
+    k = next((len(turn[1][0]) for turn in turns if turn[1]), 0)
+    ids = torch.zeros(prompt_length + length, k, dtype=torch.int32)
+    logprobs = torch.zeros(prompt_length + length, k, dtype=torch.float32)
+    for start, stop, turn in response_runs(response_ids, response_mask, turns):
+        topk_ids, topk_logprobs = turn[1], turn[2]
+        if topk_ids is None or len(topk_ids) < stop - start:
             raise gppo.GPPOInputError(
-                f"the rollout recorded mu's top-K for {len(topk_ids)} tokens of a {len(run)}-token generate "
-                "call; every generated token needs one"
+                f"the rollout recorded mu's top-K for {len(topk_ids or [])} tokens of a {stop - start}-token "
+                "generate call; every generated token needs one"
             )
         rows = slice(prompt_length - 1 + start, prompt_length - 1 + stop)
-        ids[rows] = torch.tensor(topk_ids[: len(run)], dtype=torch.int32)
-        logprobs[rows] = torch.tensor(topk_logprobs[: len(run)], dtype=torch.float32)
+        ids[rows] = torch.tensor(topk_ids[: stop - start], dtype=torch.int32)
+        logprobs[rows] = torch.tensor(topk_logprobs[: stop - start], dtype=torch.float32)
     return ids, logprobs
 
 
@@ -204,9 +227,10 @@ _turns: contextvars.ContextVar = contextvars.ContextVar("gppo_topk_turns", defau
 
 
 class TopKRecordingClient:
-    """verl's LLM server client as the agent loops use it, except that `generate` moves mu's top-K out
-    of each TokenOutput's extra_fields into the running trajectory's list of calls (`_turns`): verl's
-    tool agent keeps only the first call's extra_fields."""
+    """verl's LLM server client as the agent loops use it, except that `generate` moves mu's top-K (and,
+    where the client records them, the weight version of each token: TOKEN_VERSIONS_FIELD) out of each
+    TokenOutput's extra_fields into the running trajectory's list of calls (`_turns`): verl's tool
+    agent keeps only the first call's extra_fields."""
 
     def __init__(self, client):
         self._client = client
@@ -218,16 +242,17 @@ class TopKRecordingClient:
         output = await self._client.generate(*args, **kwargs)
         ids = output.extra_fields.pop(TOPK_IDS_FIELD, None)
         logprobs = output.extra_fields.pop(TOPK_LOGPROBS_FIELD, None)
+        versions = output.extra_fields.pop(TOKEN_VERSIONS_FIELD, None)
         turns = _turns.get()
-        if turns is not None and ids is not None:
-            turns.append((list(output.token_ids), ids, logprobs))
+        if turns is not None and (ids is not None or versions is not None):
+            turns.append((list(output.token_ids), ids, logprobs, versions))
         return output
 
 
-class TopKAgentLoopWorkerClass(AgentLoopWorkerTQ.__ray_actor_class__):
-    """verl's v1 agent-loop worker that asks the rollout for mu's top-K on training requests, keeps
-    each generate call's top-K (TopKRecordingClient) and stores it with each sample as the teacher
-    fields (`teacher_layout`)."""
+class TopKRecordingWorker:
+    """Over a verl agent-loop worker class: ask the rollout for mu's top-K on training requests (when
+    the loss mode reads it), keep each generate call's recording (TopKRecordingClient) and store it
+    with each sample (`store_recorded`: the teacher fields, by `teacher_layout`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -237,11 +262,11 @@ class TopKAgentLoopWorkerClass(AgentLoopWorkerTQ.__ray_actor_class__):
     async def _run_agent_loop(self, sampling_params, trajectory, **kwargs):
         if trajectory["validate"]:
             return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+        if self.rollout_top_k:
+            sampling_params = {**sampling_params, TOPK_REQUEST: self.rollout_top_k}
         token = _turns.set([])  # this trajectory's task: verl runs each in its own asyncio task
         try:
-            return await super()._run_agent_loop(
-                {**sampling_params, TOPK_REQUEST: self.rollout_top_k}, trajectory, **kwargs
-            )
+            return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
         finally:
             _turns.reset(token)
 
@@ -255,9 +280,17 @@ class TopKAgentLoopWorkerClass(AgentLoopWorkerTQ.__ray_actor_class__):
                 "server_manager.generate with its sampling_params unchanged (verl's single_turn_agent "
                 "and tool_agent do)"
             )
+        self.store_recorded(output, prompt_ids, response_ids, turns)
+
+    def store_recorded(self, output, prompt_ids, response_ids, turns) -> None:
+        """Put the trajectory's recording in the sample's extra_fields: mu's top-K as verl's teacher fields."""
         output.extra_fields[TOPK_IDS_KEY], output.extra_fields[TOPK_LOGPROBS_KEY] = teacher_layout(
             len(prompt_ids), response_ids, output.response_mask, turns
         )
+
+
+class TopKAgentLoopWorkerClass(TopKRecordingWorker, AgentLoopWorkerTQ.__ray_actor_class__):
+    """verl's v1 agent-loop worker that records mu's top-K (TopKRecordingWorker)."""
 
 
 # The actors are made with ray.remote(cls), the classes kept under names of their own: Ray's pickler
@@ -281,11 +314,16 @@ def flag_topk_updates(group) -> None:
     """Make the actor worker group's update_actor flag each batch `distillation_use_topk`: verl's FSDP
     engine then calls the loss function (topk_ppo_loss) on the logits first, to gather pi at mu's ids.
     The method is replaced on the group itself (verl binds its worker methods there), so the group
-    keeps its identity wherever verl compares it (a hybrid engine's reference shares it)."""
+    keeps its identity wherever verl compares it (a hybrid engine's reference shares it). The v1
+    trainer hands it a batch with `extra_info`; RayPPOTrainer._update_actor (which the fully-async
+    trainer runs) a TensorDict, whose non-tensor field it is."""
     update = group.update_actor
 
     def update_actor(batch):
-        batch.extra_info["distillation_use_topk"] = True
+        if isinstance(batch, TensorDict):
+            tu.assign_non_tensor(batch, distillation_use_topk=True)
+        else:
+            batch.extra_info["distillation_use_topk"] = True
         return update(batch)
 
     group.update_actor = update_actor
@@ -305,10 +343,15 @@ def topk_trainer(base: type) -> type:
     return TopKTrainer
 
 
+def install_topk_replica() -> None:
+    """In this process, make verl build vLLM replicas that record mu's top-K on request."""
+    RolloutReplicaRegistry.register("vllm", _load_topk_replica)
+
+
 def install(config: DictConfig) -> None:
     """In this process (the task runner's), make verl build vLLM replicas that record mu's top-K and
     the trainer of `trainer.v1.trainer_mode` with the top-K loss."""
-    RolloutReplicaRegistry.register("vllm", _load_topk_replica)
+    install_topk_replica()
     mode = config.trainer.v1.trainer_mode
     TRAINER_REGISTRY[mode] = topk_trainer(get_trainer_cls(mode))
 

@@ -10,6 +10,7 @@ from gppo.rollout.vllm import ranked_topk
 
 TOPK_REQUEST = "gppo_topk"  # key of a generate request's sampling_params: record mu's top-K with this K
 TOPK_IDS_FIELD, TOPK_LOGPROBS_FIELD = "gppo_topk_ids", "gppo_topk_logprobs"  # TokenOutput.extra_fields
+TOKEN_VERSIONS_FIELD = "gppo_token_versions"  # TokenOutput.extra_fields: the weight version of each token
 _recording: contextvars.ContextVar = contextvars.ContextVar("gppo_topk_recording", default=None)
 
 
