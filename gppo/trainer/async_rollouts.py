@@ -73,13 +73,13 @@ class EngineGate:
         finally:
             self.release()
 
-    def boundary(self) -> int:
-        """Between two decoding steps of the owner: load published weights, if any; the version the
-        next step samples with."""
+    def boundary(self, load: bool = True) -> int:
+        """Between two decoding steps of the owner: load published weights, if any and `load`
+        (partial rollouts); the version the next step samples with. Raises EngineClosed once closed."""
         with self.changed:
             if self.closed:
                 raise EngineClosed("the run stopped while this batch was sampled")
-            if self._pending is not None:
+            if load and self._pending is not None:
                 self._load_pending()
             return self.version
 
@@ -164,10 +164,11 @@ class AsyncRollouts:
                 try:
                     self._source_at[wave] = self.source.state_dict()
                     version = self.gate.version
-                    rollout, stats = self.sample(wave, self.gate.boundary if self.partial else None)
+                    # between decoding steps (hf engine): new weights with partial rollouts, and a stop
+                    rollout, stats = self.sample(wave, lambda: self.gate.boundary(load=self.partial))
                 finally:
                     self.gate.release()
-                if rollout is not None and rollout.versions is None:  # one version sampled the whole wave
+                if rollout is not None and rollout.versions is None:  # vLLM: one version sampled the whole wave
                     rollout = dataclasses.replace(rollout, versions=torch.full_like(rollout.token_ids, version))
                 with self.gate.changed:
                     self._done[wave] = (rollout, stats)
@@ -219,7 +220,7 @@ class AsyncRollouts:
             return self._source_at[step] if step in self._source_at else self.source.state_dict()
 
     def close(self) -> None:
-        """Stop sampling: a wave in flight ends (partial rollouts: at its next decoding step) and is dropped."""
+        """Stop sampling: a wave in flight is dropped at its next decoding step (vLLM: at its end)."""
         self.gate.close()
         if self._thread is not None:
             self._thread.join()

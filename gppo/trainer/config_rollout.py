@@ -144,8 +144,6 @@ class RolloutOptions:
         if not self.async_rollouts:
             refuse_ignored(self, ["max_staleness", "partial_rollouts"], "with --async_rollouts true")
             return
-        if self.max_staleness is None:
-            self.max_staleness = ASYNC_STALENESS
         if self.off_policy_steps or self.rollout_overlap:
             given = f"--off_policy_steps {self.off_policy_steps}" if self.off_policy_steps else "--rollout_overlap true"
             raise ConfigError(
@@ -166,9 +164,13 @@ class RolloutOptions:
                 "spans several versions: use --anchor old, another estimator, or --partial_rollouts false"
             )
 
+    def staleness_bound(self) -> int:
+        """`max_staleness`, its unset default resolved (asynchronous runs only)."""
+        return ASYNC_STALENESS if self.max_staleness is None else self.max_staleness
+
     def samples_while_training(self) -> bool:
         """Asynchronous with a staleness bound above 0: the engine samples while the trainer updates."""
-        return self.async_rollouts and self.max_staleness > 0
+        return self.async_rollouts and self.staleness_bound() > 0
 
     def sampling_dtype(self, device: torch.device) -> str:
         """The dtype the engine samples in: `rollout_dtype`; unset, bfloat16 for vLLM on a CUDA GPU

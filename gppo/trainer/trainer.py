@@ -179,7 +179,7 @@ class Trainer:
                 self.generator,
                 self.problems.train,
                 EngineGate(self.sync_rollout_weights),
-                config.max_staleness,
+                config.staleness_bound(),
                 config.partial_rollouts,
                 last=config.steps,
             )
