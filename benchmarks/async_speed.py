@@ -15,8 +15,9 @@ max(G, U) + W: the projected gain is 1 / (max(g, 1 - g) + w), w = W / (G + U) as
     python benchmarks/async_speed.py                                  # embedded countdown, hf engine
     python benchmarks/async_speed.py --modes sync async partial --steps 6
     # the issue's setting, in vLLM's venv (docs/vllm.md): SmolLM2, word problems (GSM8K-like), 8 x 8 x 256
-    OMP_NUM_THREADS=1 python benchmarks/async_speed.py --engine vllm --modes sync async \\
-        --model smollm2 --task word-problems --max_new_tokens 256 --prompts_per_step 8 --group_size 8
+    OMP_NUM_THREADS=1 python benchmarks/async_speed.py --engine vllm --modes sync async --steps 3 \\
+        --model smollm2 --task word-problems --max_new_tokens 256 --prompts_per_step 8 --group_size 8 \\
+        --mini_batch_size 32 --micro_batch_size 4   # micro-batches of 4: the update's activations fit in 24 GB
 
 Flags it does not know go to `gppo train` as they are.
 """
@@ -85,8 +86,11 @@ def run_mode(mode: str, args, out: Path) -> dict:
         values = [r[key] for r in steps if key in r]
         return statistics.mean(values) if values else float("nan")
 
+    trained = [r["perf/train_tokens_per_s"] * r["perf/update_seconds"] for r in steps if "perf/update_seconds" in r]
     return {
         "step_s": mean("perf/step_seconds"),
+        # lengths drift as the policy learns: wall time per 1,000 trained tokens compares runs that drift apart
+        "s_per_k": 1000 * sum(r["perf/step_seconds"] for r in steps) / max(sum(trained), 1.0),
         "rollout_s": mean("perf/rollout_seconds"),
         "update_s": mean("perf/update_seconds"),
         "sync_s": mean("perf/weight_sync_seconds"),
@@ -124,15 +128,18 @@ def main():
     )
     print(f"\nengine {args.engine}, {args.steps} steps, {args.threads} threads, {' '.join(args.train_flags)}")
     print(
-        "| mode | s/step | steps/hour | vs sync | engine idle | trainer idle | tokens behind | peak RSS GB | RSS vs sync |"
+        "| mode | s/step | steps/hour | vs sync | s per 1k trained tokens | vs sync | engine idle | trainer idle | "
+        "tokens behind | peak RSS GB | RSS vs sync |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, runs in results.items():
         m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         ratio = base["step_s"] / m["step_s"] if base else float("nan")
+        per_token = base["s_per_k"] / m["s_per_k"] if base else float("nan")
         rss = m["rss_gb"] / base["rss_gb"] if base else float("nan")
         print(
-            f"| {mode} | {m['step_s']:.1f} | {3600 / m['step_s']:.0f} | {ratio:.2f}x | {m['engine_idle']:.2f} | "
+            f"| {mode} | {m['step_s']:.1f} | {3600 / m['step_s']:.0f} | {ratio:.2f}x | {m['s_per_k']:.2f} | "
+            f"{per_token:.2f}x | {m['engine_idle']:.2f} | "
             f"{m['trainer_idle']:.2f} | {m['staleness']:.2f} | {m['rss_gb']:.2f} | {rss:.2f} |"
         )
     if base and "async" in results:

@@ -285,3 +285,30 @@ def test_partial_rollouts_are_refused_on_vllm(micro_model, tmp_path, monkeypatch
     )
     with pytest.raises(ConfigError, match="use --engine hf, or --partial_rollouts false"):
         micro_config(micro_model, tmp_path / "run", async_rollouts=True, partial_rollouts=True, engine="vllm")
+
+
+def test_lora_runs_asynchronously_and_the_engine_ends_with_the_trained_adapter(micro_model, tmp_path):
+    """--use_peft: the rollout copy takes the adapter in flight (the frozen base never changes); after
+    the last update the copy the engine samples from holds the trained adapter exactly."""
+    pytest.importorskip("peft")
+    trainer = Trainer(
+        micro_config(
+            micro_model,
+            tmp_path / "run",
+            steps=3,
+            eval_every=0,
+            save_every=0,
+            use_peft=True,
+            lr=1e-2,
+            async_rollouts=True,
+            max_staleness=1,
+            **LEARNS,
+        )
+    )
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    trained = dict(trainer.model.named_parameters())
+    copied = dict(trainer.rollout_policy.model.named_parameters())
+    assert any(not torch.equal(trained[n], initial[n]) for n in initial)  # the adapter moved
+    for name in initial:
+        assert torch.equal(copied[name], trained[name]), name

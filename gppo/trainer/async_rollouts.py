@@ -148,10 +148,6 @@ class AsyncRollouts:
         self._thread = threading.Thread(target=self._run, name="gppo-async-rollouts", daemon=True)
         self._thread.start()
 
-    @property
-    def started(self) -> bool:
-        return self._thread is not None
-
     def _run(self) -> None:
         try:
             for wave in range(self._next_wave, self.last):
@@ -162,7 +158,8 @@ class AsyncRollouts:
                 if not claimed:
                     return
                 try:
-                    self._source_at[wave] = self.source.state_dict()
+                    with self.gate.changed:  # what `source_state` reads, before the wave takes from the source
+                        self._source_at[wave] = self.source.state_dict()
                     version = self.gate.version
                     # between decoding steps (hf engine): new weights with partial rollouts, and a stop
                     rollout, stats = self.sample(wave, lambda: self.gate.boundary(load=self.partial))
@@ -216,7 +213,7 @@ class AsyncRollouts:
 
     def source_state(self, step: int) -> dict:
         """The data source's state at the start of wave `step`: where a resumed run starts sampling."""
-        with self.gate.changed:  # the worker records it, or has not begun that wave and reads nothing
+        with self.gate.changed:  # the worker has recorded it, or has not taken from the source since
             return self._source_at[step] if step in self._source_at else self.source.state_dict()
 
     def close(self) -> None:
