@@ -27,15 +27,15 @@ from pathlib import Path
 import hydra
 import numpy as np
 import ray
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 import gppo
 from gppo.integrations.verl import MODES, topk_ppo_loss
 from gppo.integrations.verl_topk import (
-    VLLM_DEFAULT_MAX_LOGPROBS,
     TopKRecordingWorker,
     flag_topk_updates,
     install_topk_replica,
+    put_topk_in_batch,
     refuse_unservable,
     response_runs,
     rollout_top_k,
@@ -271,22 +271,7 @@ def prepare_config(config: DictConfig) -> int:
             )
         },
     )
-    if actor.policy_loss.get("topk_source") not in (None, "batch"):
-        raise gppo.GPPOConfigError(
-            f"policy_loss.topk_source={actor.policy_loss.topk_source!r}: this launcher puts mu's top-K "
-            "in the batch (topk_source=batch); leave it null"
-        )
-    rollout = config.actor_rollout_ref.rollout
-    max_logprobs = (rollout.get("engine_kwargs", {}).get("vllm", {}) or {}).get("max_logprobs")
-    if max_logprobs is not None and max_logprobs < k:
-        raise gppo.GPPOConfigError(
-            f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={max_logprobs} is below the "
-            f"K={k} that loss_mode={mode!r} reads; set it to {k} or more (or leave it unset)"
-        )
-    with open_dict(config):
-        actor.policy_loss.topk_source = "batch"
-        if max_logprobs is None and k > VLLM_DEFAULT_MAX_LOGPROBS:
-            rollout.engine_kwargs.vllm.max_logprobs = k
+    put_topk_in_batch(config, k)
     return k
 
 

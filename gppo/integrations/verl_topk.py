@@ -124,18 +124,12 @@ def prepare_config(config: DictConfig) -> int:
     k = rollout_top_k(config)
     if not k:
         return 0
-    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    rollout = config.actor_rollout_ref.rollout
     refuse_unservable(
         config,
         k,
         {"trainer.use_v1": ((True,), "the rollout's top-K reaches the actor through the v1 trainer's agent loop")},
     )
-    mode = actor.policy_loss.loss_mode
-    if actor.policy_loss.get("topk_source") not in (None, "batch"):
-        raise gppo.GPPOConfigError(
-            f"policy_loss.topk_source={actor.policy_loss.topk_source!r}: this launcher puts mu's top-K "
-            "in the batch (topk_source=batch); leave it null"
-        )
     manager = f"{__name__}.{TopKAgentLoopManager.__qualname__}"
     chosen = rollout.get("agent", {}).get("agent_loop_manager_class")
     if chosen not in (None, manager):
@@ -143,19 +137,32 @@ def prepare_config(config: DictConfig) -> int:
             f"actor_rollout_ref.rollout.agent.agent_loop_manager_class={chosen!r}: the rollout's top-K "
             f"needs gppo's agent-loop manager ({manager}); leave the setting null"
         )
-    vllm_kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
-    max_logprobs = vllm_kwargs.get("max_logprobs")
+    put_topk_in_batch(config, k)
+    with open_dict(config):
+        rollout.agent.agent_loop_manager_class = manager
+    return k
+
+
+def put_topk_in_batch(config: DictConfig, k: int) -> None:
+    """Have the loss read mu's top-K from the batch (`policy_loss.topk_source=batch`) and vLLM return
+    K log-probs per token (`max_logprobs`, where K exceeds vLLM's default); refuses a topk_source
+    other than the batch and a max_logprobs below K, naming the setting and the fix."""
+    rollout, policy_loss = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor.policy_loss
+    if policy_loss.get("topk_source") not in (None, "batch"):
+        raise gppo.GPPOConfigError(
+            f"policy_loss.topk_source={policy_loss.topk_source!r}: this launcher puts mu's top-K "
+            "in the batch (topk_source=batch); leave it null"
+        )
+    max_logprobs = (rollout.get("engine_kwargs", {}).get("vllm", {}) or {}).get("max_logprobs")
     if max_logprobs is not None and max_logprobs < k:
         raise gppo.GPPOConfigError(
             f"actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs={max_logprobs} is below the "
-            f"K={k} that loss_mode={mode!r} reads; set it to {k} or more (or leave it unset)"
+            f"K={k} that loss_mode={policy_loss.loss_mode!r} reads; set it to {k} or more (or leave it unset)"
         )
     with open_dict(config):
-        actor.policy_loss.topk_source = "batch"
-        rollout.agent.agent_loop_manager_class = manager
+        policy_loss.topk_source = "batch"
         if max_logprobs is None and k > VLLM_DEFAULT_MAX_LOGPROBS:
             rollout.engine_kwargs.vllm.max_logprobs = k
-    return k
 
 
 def response_runs(response_ids: list[int], response_mask: list[int], turns: list[tuple]) -> list[tuple]:
