@@ -105,7 +105,8 @@ def smollm2(args) -> None:
 def calls(args) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from gppo.rewards.code import Limits, ProgramPool, run_program
+    from gppo.rewards.code import Limits, run_program
+    from gppo.rewards.pool import ProgramPool
 
     limits = Limits(timeout_s=10)
     print("| workers | run_program calls/s | ProgramPool calls/s | ratio | pool ms per call |\n|---|---|---|---|---|")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gppo.rewards import code as sandbox
+from gppo.rewards import verdicts
 from gppo.rewards.code import (
     AssertTest,
     CallTest,
@@ -28,6 +29,7 @@ from gppo.rewards.code import (
     run_test,
     score_code,
 )
+from gppo.rewards.pool import ProgramPool, _Server
 
 FAST = Limits(timeout_s=2)
 SUM = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -498,11 +500,11 @@ def test_atexit_handlers_neither_end_nor_vouch_for_the_test(handler, test):
 def test_monkeypatching_the_comparison_scores_zero(test):
     program = (
         "import json, sys, __main__\n"
-        "for name in ('_same_value', '_same_stdout', '_same_number', '_verdict', '_judge'):\n"
+        "for name in ('same_value', 'same_stdout', 'same_number', 'judge', '_verdict'):\n"
         "    setattr(__main__, name, lambda *a, **k: True)\n"
         "try:\n"
-        "    from gppo.rewards import code\n"
-        "    code._same_value = code._same_stdout = lambda *a, **k: True\n"
+        "    from gppo.rewards import code, verdicts\n"
+        "    verdicts.same_value = verdicts.same_stdout = code.judge = lambda *a, **k: True\n"
         "except ImportError:\n"
         "    pass\n"
         "json.dumps = lambda *a, **k: '2'\n"
@@ -924,7 +926,7 @@ def test_near_misses_score_zero(program, test):
     ],
 )
 def test_call_results_compare_by_type(got, expected, same):
-    assert sandbox._same_value(got, expected) is same
+    assert verdicts.same_value(got, expected) is same
 
 
 @pytest.mark.parametrize(
@@ -948,7 +950,7 @@ def test_call_results_compare_by_type(got, expected, same):
     ],
 )
 def test_stdio_numbers_take_the_tolerance_only_for_an_expected_float(got, expected, same):
-    assert sandbox._same_stdout(f"{got}\n", expected) is same
+    assert verdicts.same_stdout(f"{got}\n", expected) is same
 
 
 PLAIN = [
@@ -1104,7 +1106,7 @@ SCRIPT_LIMITS = Limits(timeout_s=2, memory_mb=512, max_output_bytes=1 << 16, max
 
 @pytest.fixture(scope="module")
 def program_pool():
-    with sandbox.ProgramPool(workers=2) as pool:
+    with ProgramPool(workers=2) as pool:
         yield pool
 
 
@@ -1151,7 +1153,7 @@ def test_the_pool_is_thread_safe_and_closes_cleanly():
     from concurrent.futures import ThreadPoolExecutor
 
     before = sandbox_processes()
-    with sandbox.ProgramPool(workers=3) as pool, ThreadPoolExecutor(8) as threads:
+    with ProgramPool(workers=3) as pool, ThreadPoolExecutor(8) as threads:
         outputs = list(
             threads.map(lambda i: pool.run(f"import time\ntime.sleep(0.05)\nprint({i} ** 2)", FAST), range(24))
         )
@@ -1167,13 +1169,13 @@ def test_the_pool_falls_back_to_run_program_when_a_server_fails(monkeypatch):
     def broken(self, files, backstop_s):
         raise OSError("no namespaces here")
 
-    monkeypatch.setattr(sandbox._Server, "call", broken)
-    with sandbox.ProgramPool(workers=2) as pool:
+    monkeypatch.setattr(_Server, "call", broken)
+    with ProgramPool(workers=2) as pool:
         with pytest.warns(RuntimeWarning, match="no namespaces here"):
             first = pool.run("print(6 * 7)", FAST)
         assert first.stdout == "42\n" and first.isolation == sandbox._isolation()[0] and pool.servers == 1
     with pytest.raises(ValueError, match="workers must be a positive int"):
-        sandbox.ProgramPool(workers=0)
+        ProgramPool(workers=0)
 
 
 def test_a_server_that_cannot_start_leaves_its_slot_to_run_program(monkeypatch):
@@ -1182,7 +1184,7 @@ def test_a_server_that_cannot_start_leaves_its_slot_to_run_program(monkeypatch):
     runner = sandbox._RUNNER
     monkeypatch.setattr(sandbox, "_RUNNER", "/nonexistent/_code_runner.py")
     with pytest.warns(RuntimeWarning, match="did not start: .*nonexistent"):
-        pool = sandbox.ProgramPool(workers=2)
+        pool = ProgramPool(workers=2)
     monkeypatch.setattr(sandbox, "_RUNNER", runner)
     with pool:
         assert pool.servers == 0 and pool.run("print(6 * 7)", FAST).stdout == "42\n"
@@ -1193,7 +1195,7 @@ def test_a_pool_without_root_leaves_every_call_to_run_program(monkeypatch):
     capabilities (no exec drops them): it starts no server, says why once, and still runs programs."""
     monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
     with pytest.warns(RuntimeWarning, match="not root"):
-        pool = sandbox.ProgramPool(workers=2)
+        pool = ProgramPool(workers=2)
     monkeypatch.undo()
     with pool:
         assert pool.servers == 0 and pool.run("print(6 * 7)", FAST).stdout == "42\n"

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from gppo.rewards import code as sandbox
-from gppo.rewards.code import CaseStatus, Limits, ProgramPool, run_program
+from gppo.rewards.code import CaseStatus, Limits, run_program
+from gppo.rewards.pool import ProgramPool
 from tests.test_code_sandbox import runtime_in_tmp
 
 FAST = Limits(timeout_s=5)

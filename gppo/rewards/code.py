@@ -5,15 +5,13 @@ private root: the Python runtime read-only and an empty working directory, no ne
 process IDs, resource limits, not root (bubblewrap where installed, else namespaces set up by
 the bootstrap; without namespaces, on the host's filesystem). That process (`_code_child.py`)
 gets the program and the test's inputs only; outputs cross back as plain data by value
-(`_wire.py`) and are compared here, and assert-style tests run in the bootstrap, calling the
-program through that boundary. The design, what each layer stops and its limits (the threat
+(`_wire.py`) and are judged in this process, and assert-style tests run in the bootstrap, calling
+the program through that boundary. The design, what each layer stops and its limits (the threat
 model): docs/sandbox.md.
 
-Outputs of stdin/stdout tests are compared token by token (any run of whitespace separates
-tokens, so trailing spaces and newlines do not matter); two numeric tokens also match when they
-are equal as decimals or, if the expected token is a float (has a fraction or exponent), within
-1e-6 (absolute or relative): see `_same_number`. Call results: see `_same_value`. Problems
-needing a special checker (several valid answers) are not supported.
+Here: running programs and scoring completions. The test cases, `Limits`, the outcomes and the
+verdict (`judge` and the output comparisons) are `verdicts.py`'s, imported here for callers;
+`ProgramPool`, which runs programs as `run_program` does on pre-started servers, is `pool.py`'s.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import pwd
 import re
@@ -34,86 +31,22 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from decimal import Context, Decimal, InvalidOperation, localcontext
-from enum import Enum
-from typing import Any
 
-from gppo.rewards import _wire
-
-
-@dataclass(frozen=True)
-class StdioTest:
-    """Feed `input` on stdin; stdout must match `output` token by token."""
-
-    input: str
-    output: str
-
-
-@dataclass(frozen=True)
-class CallTest:
-    """Call `fn_name(*args)` (a top-level function or a method of `class Solution`)."""
-
-    fn_name: str
-    args: list
-    expected: Any
-
-
-@dataclass(frozen=True)
-class AssertTest:
-    """Run `code` (e.g. `assert f(1) == 2`) after the program; it passes if nothing is raised."""
-
-    code: str
-
-
-CodeTest = StdioTest | CallTest | AssertTest
-
-
-class CaseStatus(str, Enum):
-    """The outcome of one test case."""
-
-    PASSED = "passed"
-    WRONG_ANSWER = "wrong_answer"
-    RUNTIME_ERROR = "runtime_error"
-    TIMEOUT = "timeout"
-    MEMORY = "memory"
-    OUTPUT_LIMIT = "output_limit"
-
-
-@dataclass(frozen=True)
-class CaseResult:
-    """The outcome of one test case; `isolation` is "bwrap", "namespaces" or "guard" (see
-    docs/sandbox.md)."""
-
-    status: CaseStatus
-    detail: str = ""
-    elapsed_s: float = 0.0
-    isolation: str = ""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-test-case limits. `timeout_s` bounds wall-clock time and, rounded up, CPU seconds;
-    `memory_mb` is address space (RLIMIT_AS); `max_processes` (RLIMIT_NPROC) counts the processes
-    and threads of the user the program runs as (its main thread is one): as root, each program
-    running at the same time runs as a uid of its own, so none can use up another's
-    (docs/sandbox.md, "Processes")."""
-
-    timeout_s: float = 6.0
-    memory_mb: int = 1024
-    max_output_bytes: int = 4 << 20
-    max_processes: int = 64
-    max_open_files: int = 64
-
-    def __post_init__(self):
-        for name in ("timeout_s", "memory_mb", "max_output_bytes", "max_processes", "max_open_files"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)!r}")
+from gppo.rewards.verdicts import (
+    AssertTest,
+    CallTest,
+    CaseResult,
+    CaseStatus,
+    CodeTest,
+    Limits,
+    SandboxError,
+    StdioTest,
+    judge,
+)
 
 
 @dataclass
@@ -131,10 +64,6 @@ class CodeResult:
         """All tests passed."""
         passed = sum(c.status is CaseStatus.PASSED for c in self.cases)
         return self.n_tests > 0 and passed == self.n_tests
-
-
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the program under test)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +138,6 @@ _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_code_runner
 # Debian's and Ubuntu's regular ones, inside the 65536 uids a container's user namespace maps).
 _PROGRAM_UIDS = range(60000, 61024)
 _GRACE_S = 5.0  # the caller's backstop beyond the bootstrap's own wall clock
-_START_S = 30.0  # for a pool's server to make its namespaces and start
 _ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
@@ -245,7 +173,7 @@ def _runtime() -> dict:
 
 def run_test(code: str, test: CodeTest, limits: Limits = Limits()) -> CaseResult:
     """Run `code` on one test case in a fresh sandboxed process and judge the outcome."""
-    return _sandboxed(code, test, limits, _judge)
+    return _sandboxed(code, test, limits, judge)
 
 
 @dataclass(frozen=True)
@@ -277,14 +205,14 @@ class ProgramRun:
 
 def run_program(code: str, limits: Limits = Limits()) -> ProgramRun:
     """Run `code` as a script with an empty stdin, in the sandbox of `run_test`, and return what
-    it printed (a code interpreter's output: `gppo.rollout.tools`). `ProgramPool` runs it the same
-    way at a fraction of the fixed cost."""
+    it printed (a code interpreter's output: `gppo.rollout.tools`). `gppo.rewards.pool.ProgramPool`
+    runs it the same way at a fraction of the fixed cost."""
     return _sandboxed(code, StdioTest("", ""), limits, _program_output)
 
 
 def _program_output(test: StdioTest, files: dict, limits: Limits, killed: bool, elapsed: float) -> ProgramRun:
-    """`_judge` against an empty expected output (any output counts as a normal exit), and the output."""
-    verdict = _judge(test, files, limits, killed, elapsed)
+    """`judge` against an empty expected output (any output counts as a normal exit), and the output."""
+    verdict = judge(test, files, limits, killed, elapsed)
     ran = verdict.status in (CaseStatus.PASSED, CaseStatus.WRONG_ANSWER)
     files["stdout"].seek(0)
     files["stderr"].seek(0)
@@ -400,168 +328,6 @@ def _sandboxed(code: str, test: CodeTest, limits: Limits, judge):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-class ProgramPool:
-    """Runs programs as `run_program` does, with the same isolation, at a fixed cost of a few
-    milliseconds instead of two interpreters' start-up (docs/sandbox.md, "The pool").
-
-    `workers` servers, one per slot, each started once in namespaces of its own (PID, mount,
-    network, IPC with System V IPC and message queues switched off, UTS) and a private root with a
-    read-only /proc, as a fresh interpreter; a call forks the program's process there, as its slot's
-    uid (as root), with the limits and the audit hook, and after it every other process of the
-    namespace is killed and the writable directories are emptied.
-    `run` is thread-safe: up to `workers` calls run at once; more wait for a free slot. Where a
-    server cannot run programs (no namespaces here), its calls fall back to `run_program`, with a
-    warning. Close it (`close`, or use it as a context manager) to end the servers; a pool does not
-    survive `fork`."""
-
-    def __init__(self, workers: int = 4):
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise ValueError(f"ProgramPool: workers must be a positive int, got {workers!r}")
-        self._directory = tempfile.mkdtemp(prefix="gppo-pool-")  # the servers' mount point: stays empty
-        self._changed = threading.Condition()
-        self._free: list[_Server | None] = []  # None: a slot whose calls go to run_program
-        self._size = self._fallen = 0  # slots, and those whose server failed
-        self._closed = self._warned = False
-        try:
-            for _ in range(workers):
-                self._free.append(self._start_server())
-                self._size += 1
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def servers(self) -> int:
-        """How many slots have a server (the others' calls go to `run_program`)."""
-        return self._size - self._fallen
-
-    def run(self, code: str, limits: Limits = Limits()) -> ProgramRun:
-        """`run_program(code, limits)`, in a free slot (waiting for one)."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._free or self._closed)
-            if self._closed:
-                raise RuntimeError("ProgramPool.run: the pool is closed")
-            server = self._free.pop()
-        try:
-            if server is not None:
-                try:
-                    return self._run_in(server, code, limits)
-                except (OSError, SandboxError) as error:  # the server failed, not the program: run it again
-                    server.close()
-                    server = None
-                    self._fall_back(error)
-            return run_program(code, limits)
-        finally:
-            with self._changed:
-                self._free.append(server)
-                self._changed.notify_all()
-
-    def close(self) -> None:
-        """Wait for the calls running, then end the servers; later calls raise."""
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-            self._changed.wait_for(lambda: len(self._free) == self._size)
-            servers, self._free, self._size = self._free, [], 0
-        for server in servers:
-            if server is not None:
-                server.close()
-        shutil.rmtree(self._directory, ignore_errors=True)
-
-    def __enter__(self) -> ProgramPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _start_server(self) -> _Server | None:
-        try:
-            if os.geteuid() != 0:
-                raise OSError(
-                    "not root: in a user namespace a forked program would keep the capabilities that made it "
-                    "(only an exec drops them); run as root for the pool"
-                )
-            return _Server(self._directory)
-        except OSError as error:
-            self._fall_back(error)
-            return None
-
-    def _fall_back(self, error: BaseException) -> None:
-        with self._changed:
-            self._fallen += 1
-            warn, self._warned = not self._warned, True
-        if warn:
-            warnings.warn(
-                f"ProgramPool: a sandbox server could not run programs ({str(error)[:300]}); its calls run "
-                "with run_program instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-    def _run_in(self, server: _Server, code: str, limits: Limits) -> ProgramRun:
-        test = StdioTest("", "")
-        with _call_files({"source": code}, test, self._directory) as files:  # the server never reads it
-            start = time.monotonic()
-            server.call(files, limits)
-            return _program_output(test, files, limits, False, time.monotonic() - start)
-
-
-class _Server:
-    """One slot of a `ProgramPool`: a server (started by `_code_runner.py serve`, running
-    `_code_server.py` in its own namespaces) on one end of a socket, and the uid its programs run as
-    (as root; held while the server lives). `OSError` when it cannot start."""
-
-    def __init__(self, directory: str):
-        self._held = contextlib.ExitStack()
-        self.uid = self._held.enter_context(_program_uid())
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._socket = self._held.enter_context(ours)
-        self._errors = self._held.enter_context(tempfile.TemporaryFile())  # why it could not start
-        config = json.dumps({"uid": self.uid, "env": _ENV, **_runtime()})
-        with theirs:
-            try:
-                self._process = subprocess.Popen(
-                    [sys.executable, "-I", "-B", "-S", _RUNNER, "serve", str(theirs.fileno()), config],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=self._errors,
-                    pass_fds=(theirs.fileno(),),
-                    cwd=directory,
-                    env=_ENV,
-                    start_new_session=True,
-                )
-            except BaseException:
-                self._held.close()
-                raise
-        self._socket.settimeout(_START_S)
-        try:
-            started = self._socket.recv(16) == b"ready"
-        except OSError:
-            started = False
-        if not started:
-            self._errors.seek(0)
-            errors = self._errors.read()[-300:].decode(errors="replace").strip()
-            self.close()
-            raise OSError(f"the sandbox server did not start: {errors or 'no answer'}")
-
-    def call(self, files: dict, limits: Limits) -> None:
-        """Run the call the files describe (the server writes its outcome to the status file)."""
-        fds = [files[name].fileno() for name in ("config", "status", "stdin", "stdout", "stderr")]
-        socket.send_fds(self._socket, [json.dumps(dataclasses.asdict(limits)).encode()], fds)
-        self._socket.settimeout(limits.timeout_s + _GRACE_S)  # past the server's own wall clock: it is stuck
-        if not self._socket.recv(16):
-            raise OSError(f"the sandbox server ended (exit status {self._process.poll()})")
-
-    def close(self) -> None:
-        self._socket.close()  # the server reads the end of its socket and exits
-        try:
-            self._process.wait(timeout=_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._process.pid, signal.SIGKILL)
-            self._process.wait()
-        self._held.close()
-
-
 def run_tests(
     code: str, tests: Sequence[CodeTest], limits: Limits = Limits(), fail_fast: bool = False
 ) -> list[CaseResult]:
@@ -624,125 +390,3 @@ def score_code(
         reward = float(passed == len(t)) if all_or_nothing else passed / len(t)
         results.append(CodeResult(code, cases, len(t), reward, error))
     return results
-
-
-def _judge(test: CodeTest, files: dict, limits: Limits, killed: bool, elapsed: float) -> CaseResult:
-    """The verdict, from what only the bootstrap writes (the status file) and the program's output."""
-    files["status"].seek(0)
-    info: dict = {}
-    for line in files["status"].read().splitlines():
-        try:
-            info.update(json.loads(line))
-        except ValueError:
-            pass  # cut short: the backstop killed the bootstrap while it wrote
-    isolation = info.get("setup", {}).get("isolation", "")
-
-    def result(status: CaseStatus, detail: str = "") -> CaseResult:
-        return CaseResult(status, detail[:300], round(elapsed, 3), isolation)
-
-    def stderr_tail() -> str:
-        files["stderr"].seek(0)
-        return files["stderr"].read()[-2000:].decode(errors="replace")
-
-    stdout_size = os.fstat(files["stdout"].fileno()).st_size
-    exit_info, outcome = info.get("exit"), info.get("outcome")
-    if killed or (exit_info and exit_info["timed_out"]):
-        return result(CaseStatus.TIMEOUT, f"wall-clock limit of {limits.timeout_s:g} s")
-    if stdout_size > limits.max_output_bytes:
-        return result(CaseStatus.OUTPUT_LIMIT, f"more than {limits.max_output_bytes} bytes of output")
-    if exit_info is None or "setup" not in info:  # the sandbox failed before the program ran
-        raise SandboxError(f"the sandbox could not start the program: {stderr_tail()}")
-    if isinstance(test, StdioTest):
-        if exit_info["code"] != 0:
-            return _failure(result, "", stderr_tail(), exit_info["code"], limits)
-        files["stdout"].seek(0)
-        got = files["stdout"].read(limits.max_output_bytes).decode(errors="replace")
-        if _same_stdout(got, test.output):
-            return result(CaseStatus.PASSED)
-        return result(CaseStatus.WRONG_ANSWER, f"expected {test.output[:100]!r}, got {got[:100]!r}")
-    if not isinstance(outcome, dict) or "error" in outcome:
-        error = outcome if isinstance(outcome, dict) else {}
-        message = f"{error.get('error', 'ProgramFailure')}: {error.get('message', 'no outcome')}"
-        if isinstance(test, AssertTest) and error.get("error") == "AssertionError":
-            return result(CaseStatus.WRONG_ANSWER, message)
-        return _failure(result, message, stderr_tail(), exit_info["code"], limits)
-    if isinstance(test, AssertTest):
-        return result(CaseStatus.PASSED) if outcome.get("passed") is True else result(CaseStatus.RUNTIME_ERROR)
-    try:
-        value = _wire.untag(outcome.get("value"))
-    except _wire.NotPlain as e:
-        return result(CaseStatus.RUNTIME_ERROR, f"the returned value could not be read: {e}")
-    if _same_value(value, test.expected):
-        return result(CaseStatus.PASSED)
-    return result(CaseStatus.WRONG_ANSWER, f"expected {str(test.expected)[:100]}, got {str(value)[:100]}")
-
-
-def _failure(result, message: str, stderr: str, exit_code: int, limits: Limits) -> CaseResult:
-    """A program that failed: out of memory, out of CPU time, or any other error."""
-    last_line = stderr.strip().rsplit("\n", 1)[-1]
-    if message.startswith("MemoryError") or last_line.startswith("MemoryError"):
-        return result(CaseStatus.MEMORY, f"memory limit of {limits.memory_mb} MB")
-    if exit_code in (-signal.SIGKILL, -signal.SIGXCPU):
-        return result(CaseStatus.TIMEOUT, f"CPU time limit of {math.ceil(limits.timeout_s)} s")
-    return result(CaseStatus.RUNTIME_ERROR, message or f"exit status {exit_code}: {stderr[-300:]}")
-
-
-def _same_stdout(got: str, expected: str) -> bool:
-    a, b = got.split(), expected.split()
-    return len(a) == len(b) and all(x == y or _same_number(x, y) for x, y in zip(a, b))
-
-
-_UNTRAPPED = Context(traps=[])
-
-
-def _same_number(got: str, expected: str) -> bool:
-    """Two numeric tokens match when equal as decimals, exactly (`2.0` or `2e0` for an expected `2`,
-    as Python's `2.0 == 2`), or within 1e-6 (absolute or relative) when the expected token is a
-    float (has a fraction or exponent). An expected integer takes no tolerance: `1000404.0` fails
-    for `1000405`."""
-    try:
-        x, y = Decimal(got), Decimal(expected)
-    except InvalidOperation:
-        return False
-    if not (x.is_finite() and y.is_finite()):
-        return False
-    if x == y:
-        return True
-    if not any(c in expected for c in ".eE"):
-        return False
-    with localcontext(_UNTRAPPED):  # a printed 1e9999999 overflows to infinity rather than raising
-        return abs(x - y) <= Decimal("1e-6") * max(Decimal(1), abs(y))
-
-
-def _same_value(got: Any, expected: Any) -> bool:
-    """A call's result (plain data, decoded here) against the expected value: a bool equals only
-    a bool; an expected int equals only the same number, exactly (an int, or a float such as
-    2.0 for 2); an expected float matches an int or float within 1e-6 (absolute or relative); a
-    list or tuple matches a list or tuple item by item; dict keys compare as JSON writes them
-    (`1` matches `"1"`); anything else only with the same type and `==`."""
-    if isinstance(got, bool) or isinstance(expected, bool):
-        return type(got) is bool and type(expected) is bool and got == expected
-    if type(got) in (int, float) and type(expected) in (int, float):
-        if type(expected) is int:
-            return got == expected  # exact, also for a float (Python compares int and float exactly)
-        try:
-            return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
-        except OverflowError:  # an int too large for a float
-            return False
-    if isinstance(expected, (list, tuple)):
-        return type(got) in (list, tuple) and len(got) == len(expected) and all(map(_same_value, got, expected))
-    if isinstance(expected, dict):
-        if not isinstance(got, dict):
-            return False
-        got_keys = {_json_key(k): k for k in got}
-        expected_keys = {_json_key(k): k for k in expected}
-        return (
-            len(got_keys) == len(got)
-            and got_keys.keys() == expected_keys.keys()
-            and all(_same_value(got[got_keys[k]], expected[expected_keys[k]]) for k in got_keys)
-        )
-    return type(got) is type(expected) and got == expected
-
-
-def _json_key(key: Any) -> Any:
-    return key if type(key) is str else json.dumps(key) if type(key) in (bool, int, float, type(None)) else key

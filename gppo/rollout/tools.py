@@ -78,9 +78,10 @@ class PythonTool:
     """Runs a block in the code sandbox (`gppo.rewards.code`: a fresh process in fresh namespaces,
     no network, a private file system, `timeout_s`, `memory_mb`) and answers with its stdout; a
     failure adds its reason (the exception's last line, the time, memory or output limit). Calls go
-    through a `ProgramPool` of `workers` pre-started sandbox servers (default: one per CPU core),
-    started at the first call, ended by `close` or when the tool is collected: a few milliseconds
-    a call where a fresh interpreter costs about 0.1 s (docs/sandbox.md, "The pool")."""
+    through a `ProgramPool` (`gppo.rewards.pool`) of `workers` pre-started sandbox servers
+    (default: one per CPU core), started at the first call, ended by `close` or when the tool is
+    collected: a few milliseconds a call where a fresh interpreter costs about 0.1 s
+    (docs/sandbox.md, "The pool")."""
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, workers: int | None = None):
         self.timeout_s, self.memory_mb, self.workers = timeout_s, memory_mb, default_workers(workers)
@@ -104,7 +105,7 @@ class PythonTool:
     def _programs(self):
         with self._starting:
             if self._pool is None:
-                from gppo.rewards.code import ProgramPool
+                from gppo.rewards.pool import ProgramPool
 
                 self._pool = ProgramPool(self.workers)
                 weakref.finalize(self, self._pool.close)
