@@ -274,9 +274,10 @@ def test_bad_async_settings_are_refused_with_the_flag_and_the_fix(micro_model, t
         micro_config(micro_model, tmp_path / "run", **changes)
 
 
-def test_partial_rollouts_are_refused_on_vllm(micro_model, tmp_path, monkeypatch):
-    """vLLM's generate runs a batch to its end, so it cannot take weights between decoding steps
-    (checked as if vLLM were installed: the refusal must not depend on it)."""
+def test_partial_rollouts_with_tools_are_refused_on_vllm(micro_model, tmp_path, monkeypatch):
+    """vLLM's tool rollouts resume completions as new requests and take no weights between engine
+    steps, so partial rollouts with tools are refused there (checked as if vLLM were installed: the
+    refusal must not depend on it)."""
     import importlib.util
 
     find_spec = importlib.util.find_spec
@@ -284,7 +285,9 @@ def test_partial_rollouts_are_refused_on_vllm(micro_model, tmp_path, monkeypatch
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
     )
     with pytest.raises(ConfigError, match="use --engine hf, or --partial_rollouts false"):
-        micro_config(micro_model, tmp_path / "run", async_rollouts=True, partial_rollouts=True, engine="vllm")
+        micro_config(
+            micro_model, tmp_path / "run", async_rollouts=True, partial_rollouts=True, engine="vllm", tools=["python"]
+        )
 
 
 def test_lora_runs_asynchronously_and_the_engine_ends_with_the_trained_adapter(micro_model, tmp_path):

@@ -39,11 +39,11 @@ class SamplingParams:
     # called with (the completion's index in the output, its code, its tokens so far) as soon as it
     # stops at a block (HF engine), so that the tool runs while the other completions decode
     on_code_block: Callable[[int, str, int], None] | None = field(default=None, compare=False, repr=False)
-    # Partial rollouts (gppo.trainer.async_rollouts), HF engine: called before every forward that
-    # gives tokens' logits, it returns the version of the weights that forward uses (after loading
-    # newer ones, if any). On a change the engine recomputes the completions' KV cache under the new
-    # weights, so that every recorded log-prob is exactly its version's; the versions are recorded
-    # per token in Generation.versions.
+    # Partial rollouts (gppo.trainer.async_rollouts): called before every forward (HF) or engine
+    # step (vLLM) that gives tokens' logits, it returns the version of the weights that forward uses
+    # (after loading newer ones, if any). On a change the engine recomputes the completions' KV cache
+    # under the new weights, so that every recorded log-prob is exactly its version's; the versions
+    # are recorded per token in Generation.versions.
     policy_version: Callable[[], int] | None = field(default=None, compare=False, repr=False)
     # Progress: called with (tokens generated since the last call, completions that ended since):
     # after each decoding step (HF engine) or each time a prompt's n completions end (vLLM).

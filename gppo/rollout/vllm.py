@@ -19,6 +19,12 @@ tied head). The CPU worker replaces `torch.set_num_threads` with a no-op for the
 the engine puts it back, so the trainer's `--threads` keeps working (vLLM samples with the
 thread count set when it was built).
 
+Partial rollouts (`SamplingParams.policy_version`, gppo.trainer.async_rollouts): the batch is
+decoded one engine step at a time, a request per completion returning its tokens so far at every
+step; a weight load between two steps preempts the running requests (`reset_prefix_cache` with
+`reset_running_requests`), so vLLM recomputes their KV cache under the new weights before their
+next token, and the tokens each completion had then are recorded as the old version's.
+
 A LoRA policy (a peft-wrapped model, `gppo.models.adapters`) reaches vLLM in one of two ways.
 Built with `lora_rank > 0`, vLLM serves adapters (`enable_lora`): `update_weights` saves the
 adapter and every later request names it (`LoRARequest`, a new id per update, so that vLLM loads
@@ -39,6 +45,7 @@ in one process, a test module), and that one refuses to sample afterwards.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -180,6 +187,7 @@ class VLLMEngine:
         self.serves_adapters = lora_rank > 0
         self.code_block_stops = code_block_stops
         self._adapter: tuple | None = None  # (LoRARequest, its directory) of the adapter now served
+        self._batches = itertools.count()  # numbers the request ids of partial-rollout batches
         VLLMEngine._live = weakref.ref(self)
 
     def close(self) -> None:
@@ -196,6 +204,8 @@ class VLLMEngine:
         encoded = encode(self.tokenizer, prompts)
         if any(len(ids) == 0 for ids in encoded):
             raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
+        if params.policy_version is not None:
+            return self._generate_in_flight(encoded, params, record_kept)
         # vLLM seeds each request's sampler: a request per prompt with a seed of its own (one shared
         # seed would give every prompt the same random stream), or a request per completion with its
         # row seed; (prompt index, completions, seed) per request
@@ -220,6 +230,65 @@ class VLLMEngine:
             for (i, _, _), out in zip(batch, outputs)
             for completion in out.outputs
         ]
+
+    def _generate_in_flight(self, encoded: list[list[int]], params: SamplingParams, record_kept: bool):
+        """`generate` one engine step at a time, for partial rollouts: before each step
+        `params.policy_version()` may load new weights (`update_weights`, which preempts the running
+        requests, so that vLLM recomputes their KV cache under the new weights before their next
+        token). A request per completion (`row_seeds`, or seed * completions + row); each
+        completion's tokens delivered before a change were sampled by the old version, the later
+        ones by the new (Generation.versions)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        rows = len(encoded) * params.n
+        check_row_seeds(params, len(encoded))
+        seeds = params.row_seeds or [None if params.seed is None else params.seed * rows + row for row in range(rows)]
+        sampling = [self._sampling(params, params.max_new_tokens, seed, params.stop_at_code_block) for seed in seeds]
+        for each in sampling:
+            each.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, at every step
+        version = params.policy_version()
+        # added to the engine itself: LLM.enqueue would make them FINAL_ONLY
+        batch = f"gppo-partial-{next(self._batches)}-"
+        ids = [
+            self.llm.llm_engine.add_request(
+                f"{batch}{row}", {"prompt_token_ids": encoded[row // params.n]}, each, lora_request=self._lora()
+            )
+            for row, each in enumerate(sampling)
+        ]
+        row_of = {f"{batch}{row}": row for row in range(rows)}  # outputs carry the id given
+        latest: dict[int, object] = {}  # row -> its CompletionOutput so far
+        switches: list[list[tuple[int, int]]] = [[(0, version)] for _ in range(rows)]  # (tokens then, version)
+        done: dict[int, object] = {}
+        try:
+            while len(done) < rows:
+                newer = params.policy_version()
+                if newer != version:
+                    version = newer
+                    for row in set(range(rows)) - set(done):
+                        switches[row].append((len(latest[row].token_ids) if row in latest else 0, version))
+                tokens, ended = 0, 0
+                for out in self.llm.llm_engine.step():
+                    row = row_of[out.request_id]
+                    [completion] = out.outputs
+                    tokens += len(completion.token_ids) - (len(latest[row].token_ids) if row in latest else 0)
+                    latest[row] = completion
+                    if out.finished:
+                        done[row], ended = completion, ended + 1
+                if params.on_step is not None:
+                    params.on_step(tokens, ended)
+        finally:  # a stop (EngineClosed) or an error: no request of this batch stays in the engine
+            unfinished = [ids[row] for row in range(rows) if row not in done]
+            if unfinished:
+                self.llm.llm_engine.abort_request(unfinished, internal=True)
+        generations = []
+        for row in range(rows):
+            g = _generation(
+                row // params.n, encoded[row // params.n], done[row], params.top_k_logprobs, self.tokenizer, record_kept
+            )
+            bounds = [start for start, _ in switches[row][1:]] + [len(g.completion_ids)]
+            g.versions = [v for (start, v), end in zip(switches[row], bounds) for _ in range(end - start)]
+            generations.append(g)
+        return generations
 
     def requests(self, params: SamplingParams) -> Requests:
         """A queue of single completions sampled with `params` that may join the running batch at
@@ -285,7 +354,8 @@ class VLLMEngine:
         )
         if self.tied_head:
             self.llm.apply_model(_retie_head if not self.on_cpu else _retie_and_repack_head)
-        self.llm.reset_prefix_cache()
+        # requests under way (partial rollouts) are preempted: vLLM recomputes their cache under the new weights
+        self.llm.reset_prefix_cache(reset_running_requests=True)
 
     def _serve_adapter(self, model) -> None:
         """Save `model`'s adapter and name it in every later request (a new LoRARequest id, which

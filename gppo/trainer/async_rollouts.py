@@ -161,11 +161,12 @@ class AsyncRollouts:
                     with self.gate.changed:  # what `source_state` reads, before the wave takes from the source
                         self._source_at[wave] = self.source.state_dict()
                     version = self.gate.version
-                    # between decoding steps (hf engine): new weights with partial rollouts, and a stop
+                    # between decoding steps: new weights with partial rollouts, and a stop
                     rollout, stats = self.sample(wave, lambda: self.gate.boundary(load=self.partial))
                 finally:
                     self.gate.release()
-                if rollout is not None and rollout.versions is None:  # vLLM: one version sampled the whole wave
+                # vLLM's tool rollouts record no versions: the wave was sampled by one
+                if rollout is not None and rollout.versions is None:
                     rollout = dataclasses.replace(rollout, versions=torch.full_like(rollout.token_ids, version))
                 with self.gate.changed:
                     self._done[wave] = (rollout, stats)
@@ -217,7 +218,7 @@ class AsyncRollouts:
             return self._source_at[step] if step in self._source_at else self.source.state_dict()
 
     def close(self) -> None:
-        """Stop sampling: a wave in flight is dropped at its next decoding step (vLLM: at its end)."""
+        """Stop sampling: a wave in flight is dropped at its next decoding step (engine step, vLLM)."""
         self.gate.close()
         if self._thread is not None:
             self._thread.join()

@@ -151,10 +151,10 @@ class RolloutOptions:
                 "--max_staleness updates old: use one of them (for a bound of k: --async_rollouts true "
                 "--max_staleness k)"
             )
-        if self.partial_rollouts and self.engine != "hf":
+        if self.partial_rollouts and self.engine == "vllm" and self.tools:
             raise ConfigError(
-                f"--partial_rollouts loads new weights between two decoding steps, which engine {self.engine!r} "
-                "cannot do here (vLLM's generate runs a batch to its end): use --engine hf, or --partial_rollouts "
+                "--partial_rollouts loads new weights between two engine steps, which vLLM's tool rollouts "
+                "(completions resumed after each call) do not do yet: use --engine hf, or --partial_rollouts "
                 "false (new weights then wait for the batch to end)"
             )
         if self.partial_rollouts and loss.anchor_distribution == "logp_behavior_full":
