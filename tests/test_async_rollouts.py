@@ -261,6 +261,7 @@ def test_tool_rollouts_run_asynchronously_with_their_mask(tmp_path):
         (dict(max_staleness=-1), "max_staleness"),
         (dict(max_staleness=2), "--max_staleness 2 would be ignored: it applies with --async_rollouts true"),
         (dict(partial_rollouts=True), "--partial_rollouts true would be ignored: it applies with --async_rollouts"),
+        (dict(vllm_own_process=True), "--vllm_own_process true would be ignored: it applies with --engine vllm"),
         (dict(async_rollouts=True, off_policy_steps=1), "--off_policy_steps 1 trains on .* use one of them"),
         (dict(async_rollouts=True, rollout_overlap=True), "--rollout_overlap true trains on"),
         (
@@ -274,19 +275,26 @@ def test_bad_async_settings_are_refused_with_the_flag_and_the_fix(micro_model, t
         micro_config(micro_model, tmp_path / "run", **changes)
 
 
-def test_partial_rollouts_with_tools_are_refused_on_vllm(micro_model, tmp_path, monkeypatch):
-    """vLLM's tool rollouts resume completions as new requests and take no weights between engine
-    steps, so partial rollouts with tools are refused there (checked as if vLLM were installed: the
-    refusal must not depend on it)."""
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        # vLLM's tool rollouts resume completions as new requests and take no weights between steps
+        (dict(tools=["python"]), "use --engine hf, or --partial_rollouts false"),
+        # a request keeps the adapter it was added with
+        (dict(use_peft=True, lora_sync="adapter"), "use --lora_sync merged, or --partial_rollouts false"),
+    ],
+)
+def test_partial_rollouts_vllm_cannot_serve_are_refused(micro_model, tmp_path, monkeypatch, changes, message):
+    """Checked as if vLLM were installed: the refusals must not depend on it."""
     import importlib.util
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
     )
-    with pytest.raises(ConfigError, match="use --engine hf, or --partial_rollouts false"):
+    with pytest.raises(ConfigError, match=message):
         micro_config(
-            micro_model, tmp_path / "run", async_rollouts=True, partial_rollouts=True, engine="vllm", tools=["python"]
+            micro_model, tmp_path / "run", async_rollouts=True, partial_rollouts=True, engine="vllm", **changes
         )
 
 

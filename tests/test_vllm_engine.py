@@ -172,6 +172,59 @@ def test_weight_updates_reach_vllm_tied_head_included(smollm2, smollm2_dir):
         assert sampled <= FP32_TOL and topk <= TOPK_TOL, (step, sampled, topk)
 
 
+def test_partial_rollouts_record_each_tokens_version_and_its_exact_mu(smollm2, smollm2_dir):
+    """Partial rollouts on vLLM: weights change twice while a batch decodes (before engine steps 4
+    and 9); vLLM preempts the running requests and recomputes their cache, so each token's recorded
+    mu equals a fresh float32 HF forward of the weights of its recorded version, the whole completion
+    as prefix (a token sampled before a change is not rescored by the new weights). The stale
+    weights would miss by > 1e-2."""
+    _, _, prompts, engine = smollm2
+    versions = [load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)[0] for _ in range(3)]
+    for v in (1, 2):
+        _perturb(versions[v], ("model.", "lm_head"), 0.05, seed=10 + v)
+    engine.update_weights(versions[0])  # whatever an earlier test left in the module's engine
+    calls, current = [], [0]
+
+    def policy_version() -> int:
+        calls.append(len(calls))
+        if len(calls) in (4, 9):
+            current[0] += 1
+            engine.update_weights(versions[current[0]])
+        return current[0]
+
+    try:
+        gens = engine.generate(
+            prompts,
+            SamplingParams(
+                temperature=T, max_new_tokens=16, n=2, top_k_logprobs=K, seed=3, policy_version=policy_version
+            ),
+        )
+    finally:
+        engine.update_weights(versions[0])  # the unperturbed weights again, for the tests after this one
+    assert [g.prompt_index for g in gens] == [0, 0, 1, 1, 2, 2]
+    spanning = [g for g in gens if len(set(g.versions)) == 3]
+    assert spanning, [g.versions for g in gens]
+    for g in gens:
+        assert len(g.versions) == len(g.completion_ids) and g.versions == sorted(g.versions)
+        refs = [hf_log_probs(model, g) for model in versions]
+        ids = torch.tensor(g.completion_ids)
+        for v in set(g.versions):
+            at = torch.tensor(g.versions) == v
+            mu = torch.tensor(g.logprobs)[at]
+            own = refs[v][torch.arange(len(ids)), ids][at]
+            assert (mu - own).abs().max() <= FP32_TOL, (v, (mu - own).abs().max())
+            top = refs[v].gather(1, torch.tensor(g.topk_ids))[at]
+            assert (torch.tensor(g.topk_logprobs)[at] - top).abs().max() <= TOPK_TOL
+    stale = max(
+        (torch.tensor(g.logprobs) - hf_log_probs(versions[0], g)[torch.arange(len(g.versions)), g.completion_ids])
+        .abs()
+        .max()
+        .item()
+        for g in spanning
+    )
+    assert stale > 1e-2, stale
+
+
 def test_torch_thread_count_stays_settable(smollm2):
     """vLLM's CPU worker turns torch.set_num_threads into a no-op for the whole process; the engine
     gives it back, so the trainer's --threads (and anything after the engine) still applies."""
@@ -384,7 +437,8 @@ def test_vllm_background_rollouts_give_the_same_run_as_sequential_ones(tmp_path)
 
 
 def test_vllm_partial_rollouts_hold_the_staleness_bound_and_mu_matches_its_version(tmp_path):
-    """gppo train --engine vllm --async_rollouts --partial_rollouts on the embedded model. At
+    """gppo train --engine vllm --async_rollouts --partial_rollouts on the embedded model, vLLM in
+    processes of its own (the asynchronous default: weights through shared memory). At
     max_staleness 0 every batch is sampled by the weights it trains, so pi_old, recomputed by the
     trainer, equals mu up to the kernels (< 1e-4 in probability) at every step. At max_staleness 2
     no token is more than 2 versions behind, lag-0 tokens match pi_old as closely, and the
@@ -402,6 +456,7 @@ def test_vllm_partial_rollouts_hold_the_staleness_bound_and_mu_matches_its_versi
             partial_rollouts=True,
             max_staleness=staleness,
         )
+        assert trainer.engine.own_process
         trainer.train()
         updates = [r for r in _metrics(tmp_path / name) if "loss/masked_frac" in r]
         assert len(updates) == 4
@@ -646,55 +701,3 @@ def test_gppo_train_with_tools_on_vllm(tmp_path):
     assert len(steps) == 2 and all(r["rollout/tool_call_frac"] > 0.2 for r in steps), steps
     updates = [r for r in _metrics(tmp_path / "tools") if "mismatch/prob_diff/max" in r]
     assert updates and all(r["mismatch/prob_diff/max"] < 1e-3 for r in updates), updates
-
-
-def test_partial_rollouts_record_each_tokens_version_and_its_exact_mu(smollm2, smollm2_dir):
-    """Partial rollouts on vLLM: weights change twice while a batch decodes (before engine steps 4
-    and 9); vLLM preempts the running requests and recomputes their cache, so each token's recorded
-    mu equals a fresh float32 HF forward of the weights of its recorded version, the whole completion
-    as prefix (a token sampled before a change is not rescored by the new weights). The stale
-    weights would miss by > 1e-2."""
-    _, _, prompts, engine = smollm2
-    versions = [load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)[0] for _ in range(3)]
-    for v in (1, 2):
-        _perturb(versions[v], ("model.", "lm_head"), 0.05, seed=10 + v)
-    calls, current = [], [0]
-
-    def policy_version() -> int:
-        calls.append(len(calls))
-        if len(calls) in (4, 9):
-            current[0] += 1
-            engine.update_weights(versions[current[0]])
-        return current[0]
-
-    try:
-        gens = engine.generate(
-            prompts,
-            SamplingParams(
-                temperature=T, max_new_tokens=16, n=2, top_k_logprobs=K, seed=3, policy_version=policy_version
-            ),
-        )
-    finally:
-        engine.update_weights(versions[0])  # the module's engine serves the unperturbed weights again
-    assert [g.prompt_index for g in gens] == [0, 0, 1, 1, 2, 2]
-    spanning = [g for g in gens if len(set(g.versions)) == 3]
-    assert spanning, [g.versions for g in gens]
-    for g in gens:
-        assert len(g.versions) == len(g.completion_ids) and g.versions == sorted(g.versions)
-        refs = [hf_log_probs(model, g) for model in versions]
-        ids = torch.tensor(g.completion_ids)
-        for v in set(g.versions):
-            at = torch.tensor(g.versions) == v
-            mu = torch.tensor(g.logprobs)[at]
-            own = refs[v][torch.arange(len(ids)), ids][at]
-            assert (mu - own).abs().max() <= FP32_TOL, (v, (mu - own).abs().max())
-            top = refs[v].gather(1, torch.tensor(g.topk_ids))[at]
-            assert (torch.tensor(g.topk_logprobs)[at] - top).abs().max() <= TOPK_TOL
-    stale = max(
-        (torch.tensor(g.logprobs) - hf_log_probs(versions[0], g)[torch.arange(len(g.versions)), g.completion_ids])
-        .abs()
-        .max()
-        .item()
-        for g in spanning
-    )
-    assert stale > 1e-2, stale

@@ -20,6 +20,7 @@ def make_engine(
     top_p_masks: bool = False,
     lora_rank: int = 0,
     code_block_stops: bool = False,
+    own_process: bool = False,
 ) -> RolloutEngine:
     """The engine called `name`. HF samples from `model` itself; vLLM loads `model_path` (the same
     weights) in `dtype` (default: `model`'s) and is synced from `model` by `update_weights`. The
@@ -45,6 +46,7 @@ def make_engine(
             seed=seed,
             lora_rank=lora_rank,
             code_block_stops=code_block_stops,
+            own_process=own_process,
         )
     raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
 

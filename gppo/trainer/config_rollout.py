@@ -66,6 +66,13 @@ class RolloutOptions:
         "group_size x max_new_tokens), where it pays off: docs/vllm.md",
         "rollout",
     )
+    vllm_own_process: bool | None = _opt(
+        None,
+        "run vLLM in a process of its own (engine vllm): new weights cross through a file in shared memory, "
+        "and the trainer keeps its torch threads; unset: with --async_rollouts, else vLLM runs in the trainer's "
+        "process (a weight update is then a memory copy): docs/vllm.md",
+        "rollout",
+    )
     rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(
         None,
         "dtype of the weights the engine samples from (default: --dtype, and bfloat16 for vllm on a CUDA GPU, as "
@@ -121,6 +128,8 @@ class RolloutOptions:
     def _check_rollout_knobs(self) -> None:
         """The mismatch knobs must fit together and with the engine (each field's own type and
         range is checked above)."""
+        if self.engine != "vllm":
+            refuse_ignored(self, ["vllm_own_process"], "with --engine vllm")
         if self.rollout_quantization != "none" and self.engine != "hf":
             raise ConfigError(
                 f"rollout_quantization fake-quantizes a rollout copy for the hf engine; engine "
@@ -157,6 +166,12 @@ class RolloutOptions:
                 "(completions resumed after each call) do not do yet: use --engine hf, or --partial_rollouts "
                 "false (new weights then wait for the batch to end)"
             )
+        if self.partial_rollouts and self.resolved_lora_sync() == "adapter":
+            raise ConfigError(
+                "--partial_rollouts with --lora_sync adapter: a vLLM request keeps the adapter it started with, "
+                "so new weights cannot reach the completions under way; use --lora_sync merged, or "
+                "--partial_rollouts false"
+            )
         if self.partial_rollouts and loss.anchor_distribution == "logp_behavior_full":
             raise ConfigError(
                 f"estimator {loss.estimator!r} anchored at mu needs mu's whole distribution at every token, computed "
@@ -186,6 +201,10 @@ class RolloutOptions:
         if self.vllm_compile is None:
             return self.steps * self.prompts_per_step * self.group_size * self.max_new_tokens > VLLM_COMPILE_TOKENS
         return self.vllm_compile
+
+    def vllm_in_own_process(self) -> bool:
+        """`vllm_own_process`, its unset default resolved: a process of its own for asynchronous runs."""
+        return self.async_rollouts if self.vllm_own_process is None else self.vllm_own_process
 
     def overlaps_rollouts(self) -> bool:
         """`rollout_overlap`, its unset default resolved: on where it measured faster (vLLM, off-policy;

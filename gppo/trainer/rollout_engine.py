@@ -46,6 +46,7 @@ def build_engine(
         top_p_masks=config.rollout_top_p < 1,
         lora_rank=adapter_rank(model) if config.resolved_lora_sync() == "adapter" else 0,
         code_block_stops=bool(config.tools),
+        own_process=config.engine == "vllm" and config.vllm_in_own_process(),
     )
     if config.use_peft:
         engine.update_weights(model)  # a resumed or given adapter (a no-op for the hf engine)
