@@ -1,8 +1,11 @@
 """Steps per hour of `--async_rollouts` against the synchronous run at equal batch and equal total
 threads, with both idle fractions, peak RSS, and the gain projected to a GPU's balance.
 
-Each mode is a fresh `gppo train` in a subprocess under `/usr/bin/time -v` (peak RSS), modes
-alternating `--repeats` times so that load drifting during the benchmark moves all of them alike.
+Each mode is a fresh `gppo train` in a subprocess, modes alternating `--repeats` times so that load
+drifting during the benchmark moves all of them alike. Peak RSS is that of the whole process tree
+(the run and every process it starts, summed, sampled every 0.2 s): asynchronous vLLM runs in
+processes of its own (`--vllm_own_process`), which a single process's peak would leave out.
+`async-in-process` keeps vLLM in the trainer's process (`--vllm_own_process false`, engine vllm).
 A run's time per step is the mean of perf/step_seconds over its steps after the first (the first
 asynchronous step has nothing to overlap with); evaluations and start-up are excluded.
 
@@ -26,18 +29,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 MODES = {  # mode -> the flags that make it
     "sync": [],
     "async": ["--async_rollouts", "true"],
     "partial": ["--async_rollouts", "true", "--partial_rollouts", "true"],
+    "async-in-process": ["--async_rollouts", "true", "--vllm_own_process", "false"],
 }
+RSS_POLL_S = 0.2
 GPU_GENERATION_SHARE = 0.7
 
 
@@ -45,8 +50,6 @@ def run_mode(mode: str, args, out: Path) -> dict:
     """One run: seconds per step after the first, its phase and idle means, its peak RSS (GB)."""
     staleness = ["--max_staleness", str(args.max_staleness)] if mode != "sync" else []
     command = [
-        "/usr/bin/time",
-        "-v",
         sys.executable,
         "-m",
         "gppo.cli",
@@ -75,10 +78,12 @@ def run_mode(mode: str, args, out: Path) -> dict:
         "--output_dir",
         str(out),
     ]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"{mode} run failed ({' '.join(command)}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+        peak = tree_rss_peak(process)
+        if process.returncode:
+            log.seek(0)
+            sys.exit(f"{mode} run failed ({' '.join(command)}):\n{log.read()[-6000:]}")
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "perf/step_seconds" in r][1:]
 
@@ -97,8 +102,25 @@ def run_mode(mode: str, args, out: Path) -> dict:
         "engine_idle": mean("staleness/engine_idle_frac"),
         "trainer_idle": mean("staleness/trainer_idle_frac"),
         "staleness": mean("staleness/token_mean"),
-        "rss_gb": rss_kb / 1e6,
+        "rss_gb": peak / 1e9,
     }
+
+
+def tree_rss_peak(process: subprocess.Popen) -> int:
+    """Wait for `process`; the largest sum of resident bytes of it and all its descendants seen."""
+    import psutil
+
+    root, peak = psutil.Process(process.pid), 0
+    while process.poll() is None:
+        total = 0
+        for each in [root, *root.children(recursive=True)]:
+            try:
+                total += each.memory_info().rss
+            except psutil.Error:  # ended between the listing and the reading
+                pass
+        peak = max(peak, total)
+        time.sleep(RSS_POLL_S)
+    return peak
 
 
 def main():
