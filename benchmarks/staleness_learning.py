@@ -18,7 +18,7 @@ is `grpo --anchor old`, a sweep of its own since `--anchor` applies to a whole s
     python benchmarks/staleness_learning.py ROOT
 
 Per (regime, S, method): final held-out avg@k and its AUC over the run (mean ± 95% t-interval over
-seeds), the end-of-run KL(μ‖π_old) and masked fraction, and the versions behind per token; then
+seeds), the end-of-run KL(μ‖π_old) and masked fraction, the versions behind per token and the versions per completion; then
 paired by seed: each method against grpo in the same cell, each method's asynchronous run against
 its fixed-lag run, and S = 8 against S = 1 within each regime. Finished runs only (summary.json);
 a cell with fewer seeds pairs on the seeds both sides have.
@@ -54,16 +54,20 @@ def runs_of(root: Path, regime: str, staleness: int, method: str) -> dict[int, P
     return found
 
 
-def behind(run: Path) -> float:
-    """Mean versions behind per trained token over the run (staleness/token_mean, or the fixed lag)."""
-    values = []
+def staleness(run: Path) -> dict:
+    """Over the run's steps: mean versions behind per trained token (staleness/token_mean, or the
+    fixed lag) and versions per completion (1 with a fixed lag)."""
+    behind, versions = [], []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "staleness/token_mean" in record:
-            values.append(record["staleness/token_mean"])
+            behind.append(record["staleness/token_mean"])
+            versions.append(record["staleness/versions_per_completion_mean"])
         elif "mismatch/policy_lag" in record:
-            values.append(record["mismatch/policy_lag"])
-    return float(np.mean(values)) if values else float("nan")
+            behind.append(record["mismatch/policy_lag"])
+            versions.append(1.0)
+    mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731
+    return {"behind": mean(behind), "versions": mean(versions)}
 
 
 def paired(a: dict[int, dict], b: dict[int, dict], key: str) -> str:
@@ -88,7 +92,7 @@ def main() -> None:
             for method in METHODS:
                 runs = runs_of(args.root, regime, s, method)
                 stats[regime, s, method] = {
-                    seed: {**run_stats(run, None), "behind": behind(run)} for seed, run in runs.items()
+                    seed: {**run_stats(run, None), **staleness(run)} for seed, run in runs.items()
                 }
 
     def cell(values: dict[int, dict], key: str, spec=".3f") -> str:
@@ -114,6 +118,7 @@ def main() -> None:
                         cell(values, "mismatch_kl"),
                         cell(values, "masked_frac", ".2f"),
                         cell(values, "behind", ".2f"),
+                        cell(values, "versions", ".3f"),
                     ]
                 )
     print("## Per cell (mean ± 95% CI over seeds)\n")
@@ -128,6 +133,7 @@ def main() -> None:
         "KL(μ‖π_old)",
         "masked",
         "behind",
+        "versions / completion",
     ]
     print(markdown_table(header, body))
 

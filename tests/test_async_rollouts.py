@@ -151,6 +151,30 @@ def test_no_sample_older_than_max_staleness_is_trained_on_with_a_slowed_trainer(
     assert any(k.startswith("staleness/mismatch_kl_k3/lag") for k in rows[-1])
 
 
+def test_at_its_bound_asynchronous_sampling_is_the_fixed_lag_bit_for_bit(micro_model, tmp_path):
+    """With the trainer slowed (0.3 s per update) the worker waits at the bound, so without partial
+    rollouts wave t is sampled by exactly version t - 2, from the same prompts and seeds as
+    --off_policy_steps 2 samples step t's batch: the two runs log the same rewards and end with the
+    same weights, bit for bit (one thread each: the asynchronous run would halve two)."""
+    runs = {}
+    for name, changes in (
+        ("fixed-lag", dict(off_policy_steps=2)),
+        ("async", dict(async_rollouts=True, max_staleness=2)),
+    ):
+        trainer = Trainer(
+            micro_config(
+                micro_model, tmp_path / name, steps=5, eval_every=0, save_every=0, threads=1, **changes, **LEARNS
+            )
+        )
+        record_trained(trainer, delay_s=0.3 if name == "async" else 0.0)
+        trainer.train()
+        rewards = [r["rollout/reward_mean"] for r in metrics_rows(tmp_path / name) if "rollout/reward_mean" in r]
+        runs[name] = (trainer.model, rewards)
+    for (key, a), b in zip(runs["fixed-lag"][0].named_parameters(), runs["async"][0].parameters()):
+        assert torch.equal(a, b), key
+    assert runs["fixed-lag"][1] == runs["async"][1] and len(runs["async"][1]) == 5
+
+
 def test_partial_rollouts_mix_versions_within_a_completion(micro_model, tmp_path):
     """With the engine slowed (10 ms per decoding step) the trainer's new weights land mid-batch:
     some trained completion holds tokens of two versions, each token's recorded version is one the
