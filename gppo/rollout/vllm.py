@@ -269,6 +269,10 @@ class VLLMEngine:
         latest: dict[int, object] = {}  # row -> its CompletionOutput so far
         switches: list[list[tuple[int, int]]] = [[(0, version)] for _ in range(rows)]  # (tokens then, version)
         done: dict[int, object] = {}
+
+        def so_far(row: int) -> int:
+            return len(latest[row].token_ids) if row in latest else 0
+
         try:
             while len(done) < rows:
                 newer = params.policy_version()
@@ -280,12 +284,12 @@ class VLLMEngine:
                         )
                     version = newer
                     for row in set(range(rows)) - set(done):
-                        switches[row].append((len(latest[row].token_ids) if row in latest else 0, version))
+                        switches[row].append((so_far(row), version))
                 tokens, ended = 0, 0
                 for out in self.llm.llm_engine.step():
                     row = row_of[out.request_id]
                     [completion] = out.outputs
-                    tokens += len(completion.token_ids) - (len(latest[row].token_ids) if row in latest else 0)
+                    tokens += len(completion.token_ids) - so_far(row)
                     latest[row] = completion
                     if out.finished:
                         done[row], ended = completion, ended + 1
