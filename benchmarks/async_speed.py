@@ -17,6 +17,7 @@ max(G, U) + W: the projected gain is 1 / (max(g, 1 - g) + w), w = W / (G + U) as
 
     python benchmarks/async_speed.py                                  # embedded countdown, hf engine
     python benchmarks/async_speed.py --modes sync async partial --steps 6
+    python benchmarks/async_speed.py --modes sync async async-waves --max_new_tokens 64  # long tails: refill pays
     # the setting, in vLLM's venv (docs/vllm.md): SmolLM2, word problems (GSM8K-like), 8 x 8 x 256
     OMP_NUM_THREADS=1 python benchmarks/async_speed.py --engine vllm --modes sync async --steps 3 \\
         --model smollm2 --task word-problems --max_new_tokens 256 --prompts_per_step 8 --group_size 8 \\
@@ -38,7 +39,8 @@ from pathlib import Path
 
 MODES = {  # mode -> the flags that make it
     "sync": [],
-    "async": ["--async_rollouts", "true"],
+    "async": ["--async_rollouts", "true"],  # continuous batching (--async_batching groups)
+    "async-waves": ["--async_rollouts", "true", "--async_batching", "waves"],  # a step's batch in one engine call
     "partial": ["--async_rollouts", "true", "--partial_rollouts", "true"],
     "async-in-process": ["--async_rollouts", "true", "--vllm_own_process", "false"],
 }

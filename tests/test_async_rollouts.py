@@ -193,17 +193,14 @@ def test_partial_rollouts_mix_versions_within_a_completion(micro_model, tmp_path
             **LEARNS,
         )
     )
-    workers = trainer.async_rollouts
-    sample = workers.sample
+    gate = trainer.async_rollouts.gate
+    boundary = gate.boundary
 
-    def slowly(step, policy_version):
-        def slow_version():
-            time.sleep(0.01)
-            return policy_version()
+    def slowly(load: bool = True) -> int:  # before every decoding step
+        time.sleep(0.01)
+        return boundary(load)
 
-        return sample(step, slow_version)
-
-    workers.sample = slowly
+    gate.boundary = slowly
     trained = record_trained(trainer)
     trainer.train()
     spans = [len(set(v[m.bool()].tolist())) for _, r in trained for v, m in zip(r.versions, r.response_mask)]
@@ -262,6 +259,7 @@ def test_tool_rollouts_run_asynchronously_with_their_mask(tmp_path):
                 async_rollouts=True,
                 max_staleness=1,
                 partial_rollouts=True,
+                async_batching="waves",
                 output_dir=str(tmp_path / "run"),
                 progress=False,
                 threads=1,
@@ -289,9 +287,17 @@ def test_tool_rollouts_run_asynchronously_with_their_mask(tmp_path):
         (dict(async_rollouts=True, off_policy_steps=1), "--off_policy_steps 1 trains on .* use one of them"),
         (dict(async_rollouts=True, rollout_overlap=True), "--rollout_overlap true trains on"),
         (
-            dict(async_rollouts=True, partial_rollouts=True, estimator="full", anchor="behavior"),
+            dict(
+                async_rollouts=True, partial_rollouts=True, estimator="full", anchor="behavior", async_batching="waves"
+            ),
             "spans several versions: use --anchor old",
         ),
+        (
+            dict(async_rollouts=True, estimator="full", anchor="behavior"),
+            "come from several versions: use --async_batching waves, --anchor old",
+        ),
+        (dict(async_rollouts=True, tools=["python"]), "tool rollouts .* use --async_batching waves"),
+        (dict(async_batching="waves"), "--async_batching waves would be ignored: it applies with --async_rollouts"),
     ],
 )
 def test_bad_async_settings_are_refused_with_the_flag_and_the_fix(micro_model, tmp_path, changes, message):
@@ -303,7 +309,7 @@ def test_bad_async_settings_are_refused_with_the_flag_and_the_fix(micro_model, t
     "changes,message",
     [
         # vLLM's tool rollouts resume completions as new requests and take no weights between steps
-        (dict(tools=["python"]), "use --engine hf, or --partial_rollouts false"),
+        (dict(tools=["python"], async_batching="waves"), "use --engine hf, or --partial_rollouts false"),
         # a request keeps the adapter it was added with
         (dict(use_peft=True, lora_sync="adapter"), "use --lora_sync merged, or --partial_rollouts false"),
     ],

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 
 from gppo.models.loading import load_model_and_tokenizer  # noqa: E402
-from gppo.rollout import SamplingParams, make_engine  # noqa: E402
+from gppo.rollout import GroupRequest, SamplingParams, make_engine  # noqa: E402
 from gppo.rollout.hf import eos_token_ids  # noqa: E402
 from gppo.rollout.vllm import VLLMEngine, vllm_model_dir  # noqa: E402
 from gppo.trainer import Trainer  # noqa: E402
@@ -223,6 +223,34 @@ def test_partial_rollouts_record_each_tokens_version_and_its_exact_mu(smollm2, s
         for g in spanning
     )
     assert stale > 1e-2, stale
+
+
+def test_groups_join_vllms_running_batch_with_exact_mu_and_their_own_draws(smollm2, smollm2_dir):
+    """Continuous batching on vLLM (`stream`): groups join at engine steps 0, 3 and 6; each token's mu
+    equals a fresh float32 HF forward, and each group draws what it draws alone with the same seeds."""
+    _, _, prompts, engine = smollm2
+    model = load_model_and_tokenizer(smollm2_dir, dtype=torch.float32)[0]
+    engine.update_weights(model)  # whatever an earlier test left in the module's engine
+    encoded = [engine.tokenizer(p)["input_ids"] for p in prompts]
+    steps, finished = [], {}
+
+    def feed(room: int) -> list[GroupRequest]:
+        steps.append(None)
+        due = {1: 0, 4: 1, 7: 2}.get(len(steps))
+        return [] if due is None else [GroupRequest(due, encoded[due], (7 * due, 7 * due + 1))]
+
+    params = SamplingParams(temperature=T, max_new_tokens=12, n=2, top_k_logprobs=K, policy_version=lambda: 0)
+    engine.stream(feed, params, finished.__setitem__)
+    assert sorted(finished) == [0, 1, 2]
+    for key, gens in finished.items():
+        alone = engine.generate(
+            [encoded[key]],
+            SamplingParams(temperature=T, max_new_tokens=12, n=2, top_k_logprobs=K, row_seeds=(7 * key, 7 * key + 1)),
+        )
+        for a, g in zip(alone, gens):
+            assert a.completion_ids == g.completion_ids and g.versions == [0] * len(g.completion_ids)
+            ref = hf_log_probs(model, g)[torch.arange(len(g.completion_ids)), torch.tensor(g.completion_ids)]
+            assert (torch.tensor(g.logprobs) - ref).abs().max() <= FP32_TOL
 
 
 def test_torch_thread_count_stays_settable(smollm2):

@@ -1,6 +1,6 @@
 """Rollout engines: one interface (`RolloutEngine`), HF transformers and vLLM implementations."""
 
-from gppo.rollout.base import Generation, RolloutEngine, SamplingParams
+from gppo.rollout.base import Generation, GroupRequest, RolloutEngine, SamplingParams
 
 ENGINES = ("hf", "vllm")
 
@@ -51,4 +51,4 @@ def make_engine(
     raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
 
 
-__all__ = ["ENGINES", "Generation", "RolloutEngine", "SamplingParams", "make_engine"]
+__all__ = ["ENGINES", "Generation", "GroupRequest", "RolloutEngine", "SamplingParams", "make_engine"]

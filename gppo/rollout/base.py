@@ -57,6 +57,16 @@ def check_row_seeds(params: SamplingParams, prompts: int) -> None:
         raise ValueError(f"row_seeds has {len(params.row_seeds)} seeds for {prompts * params.n} completions")
 
 
+@dataclass(frozen=True)
+class GroupRequest:
+    """A prompt whose `SamplingParams.n` completions join a running batch together (`stream`):
+    `key` names the group, and each completion draws from its own seed in `row_seeds`."""
+
+    key: object
+    prompt_ids: list[int]
+    row_seeds: tuple[int, ...]
+
+
 @dataclass
 class Generation:
     """One sampled completion of one prompt.
@@ -91,6 +101,17 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """Return `params.n` generations per prompt (text, or token ids taken as they are), grouped
         by prompt in prompt order."""
+        ...
+
+    def stream(
+        self,
+        feed: Callable[[int], Sequence[GroupRequest]],
+        params: SamplingParams,
+        done: Callable[[object, list[Generation]], None],
+    ) -> None:
+        """Continuous batching: before each decoding step `feed(k)` may give up to k groups to
+        start (k: what the free slots hold); `done(key, generations)` gets each group once its
+        completions have all ended. Returns when none runs and `feed` gives none."""
         ...
 
     def update_weights(self, model) -> None:

@@ -16,15 +16,17 @@ it emits an EOS token. The EOS token is kept as the last entry of `completion_id
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gppo.core import log_normalize_
-from gppo.rollout.base import Generation, SamplingParams, check_row_seeds
+from gppo.rollout.base import Generation, GroupRequest, SamplingParams, check_row_seeds
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -68,6 +70,66 @@ class HFEngine:
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[Generation]:
         """Return `params.n` generations per prompt, grouped by prompt in prompt order. The draws
         come from one random stream (`seed`), or one per completion (`row_seeds`)."""
+        self._check(params)
+        encoded = encode(self.tokenizer, prompts)
+        if any(len(ids) == 0 for ids in encoded):
+            raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
+        check_row_seeds(params, len(encoded))
+        rows = [
+            _Row(index, prompt, ids, None if params.row_seeds is None else self._generator(params.row_seeds[index]))
+            for index, (prompt, ids) in enumerate((i, ids) for i, ids in enumerate(encoded) for _ in range(params.n))
+        ]
+        shared = None
+        if params.row_seeds is None:  # one stream for the batch
+            shared = torch.Generator(self.device)
+            if params.seed is None:
+                shared.seed()
+            else:
+                shared.manual_seed(params.seed)
+        out: list[Generation | None] = [None] * len(rows)
+
+        def keep(row: _Row, generation: Generation) -> None:
+            out[row.index] = generation
+
+        with self._evaluating():
+            for start in range(0, len(rows), self.batch_size):  # each batch_size rows sampled together
+                chunk = [rows[start : start + self.batch_size]]
+                self._decode(lambda room, chunk=chunk: chunk.pop() if chunk else [], params, keep, shared)
+        return out
+
+    def stream(self, feed: Callable[[int], Sequence[GroupRequest]], params: SamplingParams, done) -> None:
+        """Continuous batching: before every decoding step `feed(groups)` may hand in up to `groups`
+        new groups (as many as free rows of `batch_size` allow), which join the running batch; each
+        group's `params.n` completions draw from their `row_seeds`, and `done(key, generations)` is
+        called as soon as the last of them ends. Returns once no completion runs and `feed` gives
+        none. With `params.policy_version` every token's version is recorded."""
+        self._check(params)
+        if params.stop_at_code_block:
+            raise ValueError("stream samples without tool calls: stop_at_code_block needs generate")
+        finished: dict[object, list[Generation | None]] = {}
+
+        def admit(room: int) -> list[_Row]:
+            rows = []
+            for group in feed(room // params.n):
+                if len(group.row_seeds) != params.n or not group.prompt_ids:
+                    raise ValueError(f"group {group.key!r} needs a prompt and {params.n} row seeds")
+                finished[group.key] = [None] * params.n
+                rows += [
+                    _Row(j, group.key, list(group.prompt_ids), self._generator(seed))
+                    for j, seed in enumerate(group.row_seeds)
+                ]
+            return rows
+
+        def keep(row: _Row, generation: Generation) -> None:
+            group = finished[row.prompt]
+            group[row.index] = generation
+            if all(g is not None for g in group):
+                done(row.prompt, finished.pop(row.prompt))
+
+        with self._evaluating():
+            self._decode(admit, params, keep, None)
+
+    def _check(self, params: SamplingParams) -> None:
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.n < 1 or params.max_new_tokens < 1:
             raise ValueError(
                 f"invalid SamplingParams {params}: need temperature >= 0, 0 < top_p <= 1, "
@@ -77,32 +139,16 @@ class HFEngine:
             raise ValueError(
                 f"top_k_logprobs={params.top_k_logprobs} exceeds the vocabulary size {self.max_top_k_logprobs}"
             )
-        encoded = encode(self.tokenizer, prompts)
-        if any(len(ids) == 0 for ids in encoded):
-            raise ValueError("a prompt is empty after tokenization; every prompt needs at least one token")
-        jobs = [(i, ids) for i, ids in enumerate(encoded) for _ in range(params.n)]
-        check_row_seeds(params, len(encoded))
-        if params.row_seeds is None:  # one stream for the batch
-            gen = torch.Generator(self.device)
-            if params.seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(params.seed)
-        else:
-            gen = [torch.Generator(self.device).manual_seed(seed) for seed in params.row_seeds]
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(seed % 2**63)
+
+    @contextlib.contextmanager
+    def _evaluating(self):
         was_training = self.model.training
         self.model.eval()
         try:
-            return [
-                g
-                for start in range(0, len(jobs), self.batch_size)
-                for g in self._generate_batch(
-                    jobs[start : start + self.batch_size],
-                    params,
-                    gen if params.row_seeds is None else gen[start : start + self.batch_size],
-                    start,
-                )
-            ]
+            yield
         finally:
             self.model.train(was_training)
 
@@ -121,108 +167,60 @@ class HFEngine:
         )
 
     @torch.inference_mode()
-    def _generate_batch(self, jobs, params: SamplingParams, gen, first: int = 0) -> list[Generation]:
-        """`gen`: the batch's generator, or one per row (`row_seeds`)."""
-        B, K = len(jobs), params.top_k_logprobs
+    def _decode(self, admit, params: SamplingParams, keep, shared: torch.Generator | None) -> None:
+        """The decoding loop. Before each step `admit(free rows)` returns rows to start (a prompt's
+        rows consecutive, their prompt prefilled once); each row draws from its own generator, or
+        all from `shared`. `keep(row, generation)` gets each completion as it ends."""
         record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
-        # Distinct prompts in job order (a prompt's n copies are consecutive): prefill each once.
-        starts = [row for row in range(B) if row == 0 or jobs[row][0] != jobs[row - 1][0]]
-        unique = [jobs[row][1] for row in starts]
-        L = max(len(ids) for ids in unique)
-        input_ids = torch.full((len(unique), L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(unique), L), dtype=torch.long)
-        for row, ids in enumerate(unique):
-            input_ids[row, L - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            mask[row, L - len(ids) :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        version = params.policy_version() if params.policy_version is not None else None
-        cache = self._new_cache(B, L + params.max_new_tokens)
-        logits = self._forward(input_ids, mask, positions, cache)
-        group_sizes = torch.tensor([b - a for a, b in zip(starts, [*starts[1:], B])], device=self.device)
-        expand = torch.repeat_interleave(torch.arange(len(unique), device=self.device), group_sizes)
-        cache.batch_select_indices(expand)  # every row of a group starts from its prompt's cache
-        logits, mask, step_pos = logits[expand], mask[expand], positions[expand][:, -1:]
-        sequences = input_ids[expand] if version is not None else None  # each row's ids, to recompute its cache
-
-        active = torch.arange(B, device=self.device)  # rows still generating
-        history = [[] for _ in range(B)] if params.stop_at_code_block else None  # tokens so far, per row
-        at_block = torch.zeros(B, dtype=torch.bool, device=self.device)
-        steps = []  # per step: (active rows, token, its log-prob, top-K ids, top-K log-probs, kept sets)
-        step_versions = []  # per step: the weights version that gave its logits (policy_version)
-        finished = torch.zeros(B, dtype=torch.bool, device=self.device)
-        token = None  # the previous step's sampled tokens
-        for step in range(params.max_new_tokens):
-            if step:
-                newer = version
-                if version is not None:
-                    sequences = torch.cat([sequences, token[:, None]], dim=-1)
-                    newer = params.policy_version()
-                if newer != version:  # new weights: every row's cache is recomputed under them
-                    version, cache = newer, self._new_cache(len(active), L + params.max_new_tokens)
-                    logits = self._forward(sequences, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
-                else:
-                    logits = self._forward(token[:, None], mask, step_pos, cache)
-            step_versions.append(version)
-            draws = gen if isinstance(gen, torch.Generator) else [gen[row] for row in active.tolist()]
+        batch = _Batch(self)
+        while True:
+            version = params.policy_version() if params.policy_version is not None else None
+            new = admit(self.batch_size - len(batch.rows)) if len(batch.rows) < self.batch_size else []
+            if not batch.rows and not new:
+                return
+            logits = batch.step(new, version, params.max_new_tokens)
+            draws = shared if shared is not None else [row.generator for row in batch.rows]
             token, lp_token, tk_ids, tk_lps, kept = self._sample(logits, params, draws, record_kept)
-            steps.append((active, token, lp_token, tk_ids, tk_lps, kept))
             done = torch.isin(token, self.eos_ids)
-            if history is not None:
-                done |= self._closes_code_block(active, token, history, params, first)
-                at_block[active[done & ~torch.isin(token, self.eos_ids)]] = True
-            finished[active[done]] = True
-            if params.on_step is not None:
-                last = step == params.max_new_tokens - 1
-                params.on_step(len(active), len(active) if last else int(done.sum()))
-            if done.all():
-                break
-            if done.any():
-                # Finished rows leave; the last live rows move into their slots (few rows copied).
-                keep = (~done).nonzero().squeeze(-1)
-                order = torch.arange(len(keep), device=self.device)
-                order[done[: len(keep)]] = keep[keep >= len(keep)]
-                cache.batch_select_indices(order)
-                active, token, mask, step_pos = active[order], token[order], mask[order], step_pos[order]
-                if sequences is not None:
-                    sequences = sequences[order]
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
-            step_pos = step_pos + 1
-
-        T = len(steps)
-        tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros((B, T), device=self.device)
-        topk_ids = torch.zeros((B, T, K), dtype=torch.long, device=self.device)
-        topk_lps = torch.zeros((B, T, K), device=self.device)
-        lengths = torch.zeros(B, dtype=torch.long, device=self.device)
-        kept_ids = [[] for _ in range(B)]
-        for t, (rows, token, lp_token, tk_ids, tk_lps, kept) in enumerate(steps):
-            tokens[rows, t], logprobs[rows, t], lengths[rows] = token, lp_token, t + 1
-            if K:
-                topk_ids[rows, t], topk_lps[rows, t] = tk_ids, tk_lps
+            for row, t, lp in zip(batch.rows, token.tolist(), lp_token.tolist()):
+                row.tokens.append(t)
+                row.logprobs.append(lp)
+                row.versions.append(version)
+            if params.top_k_logprobs:
+                for row, ids, lps in zip(batch.rows, tk_ids.tolist(), tk_lps.tolist()):
+                    row.topk_ids.append(ids)
+                    row.topk_logprobs.append(lps)
             if record_kept:
                 sizes, flat = kept
-                for row, ids in zip(rows.tolist(), flat.split(sizes.tolist())):
-                    kept_ids[row].append(ids.tolist())
-        tokens, logprobs, lengths, finished = tokens.tolist(), logprobs.tolist(), lengths.tolist(), finished.tolist()
-        topk_ids, topk_lps = (topk_ids.tolist(), topk_lps.tolist()) if K else (None, None)
-        completions = [tokens[row][:n] for row, n in enumerate(lengths)]
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return [
-            Generation(
-                prompt_index=i,
-                prompt_ids=list(ids),
-                completion_ids=completions[row],
-                text=texts[row],
-                logprobs=logprobs[row][:n],
-                topk_ids=topk_ids[row][:n] if K else None,
-                topk_logprobs=topk_lps[row][:n] if K else None,
-                finish_reason=("tool" if at_block[row] else "stop") if finished[row] else "length",
-                kept_ids=kept_ids[row] if record_kept else None,
-                versions=step_versions[:n] if version is not None else None,
-            )
-            for row, ((i, ids), n) in enumerate(zip(jobs, lengths))
-        ]
+                for row, ids in zip(batch.rows, flat.split(sizes.tolist())):
+                    row.kept_ids.append(ids.tolist())
+            if params.stop_at_code_block:
+                at_block = self._closes_code_block(batch.rows, token, params) & ~done
+                for i in at_block.nonzero().flatten().tolist():
+                    batch.rows[i].at_block = True
+                done |= at_block
+            ended = done | torch.tensor([len(row.tokens) == params.max_new_tokens for row in batch.rows])
+            if params.on_step is not None:
+                params.on_step(len(batch.rows), int(ended.sum()))
+            for i in ended.nonzero().flatten().tolist():
+                row = batch.rows[i]
+                keep(row, self._generation(row, bool(done[i]), params, record_kept, version is not None))
+            batch.drop(ended, token)
+
+    def _generation(self, row, stopped: bool, params: SamplingParams, record_kept: bool, versions: bool):
+        K = params.top_k_logprobs
+        return Generation(
+            prompt_index=row.prompt,
+            prompt_ids=row.prompt_ids,
+            completion_ids=row.tokens,
+            text=self.tokenizer.decode(row.tokens, skip_special_tokens=True),
+            logprobs=row.logprobs,
+            topk_ids=row.topk_ids if K else None,
+            topk_logprobs=row.topk_logprobs if K else None,
+            finish_reason=("tool" if row.at_block else "stop") if stopped else "length",
+            kept_ids=row.kept_ids if record_kept else None,
+            versions=row.versions if versions else None,
+        )
 
     def _new_cache(self, rows: int, capacity: int) -> DynamicCache:
         """An empty KV cache; in one preallocated buffer per layer (`InPlaceLayer`) when every layer
@@ -232,9 +230,9 @@ class HFEngine:
             cache.layers = [InPlaceLayer(rows, capacity) for _ in cache.layers]
         return cache
 
-    def _closes_code_block(self, active, token, history, params: SamplingParams, first: int) -> torch.Tensor:
-        """Which active rows' completions now end by closing a ```python block (`history` gets this
-        step's tokens). A block closes with a ``` line's newline, so only rows whose new token holds
+    def _closes_code_block(self, rows: list[_Row], token: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Which rows' completions (their tokens so far, this step's last) now end by closing a
+        ```python block. A block closes with a ``` line's newline, so only rows whose new token holds
         a backtick or a newline are decoded."""
         from gppo.tool_format import closed_code_block
 
@@ -242,15 +240,12 @@ class HFEngine:
             texts = self.tokenizer.batch_decode([[i] for i in range(self.max_top_k_logprobs)])
             fence = [i for i, t in enumerate(texts) if "`" in t or "\n" in t]
             self._fence_ids = torch.tensor(fence, dtype=torch.long, device=self.device)
-        for row, t in zip(active.tolist(), token.tolist()):
-            history[row].append(t)
-        closes = torch.zeros(len(active), dtype=torch.bool, device=self.device)
+        closes = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         for i in torch.isin(token, self._fence_ids).nonzero().flatten().tolist():
-            text = self.tokenizer.decode(history[int(active[i])], skip_special_tokens=True)
-            code = closed_code_block(text)
+            code = closed_code_block(self.tokenizer.decode(rows[i].tokens, skip_special_tokens=True))
             closes[i] = code is not None
             if code is not None and params.on_code_block is not None:  # the tool may start while others decode
-                params.on_code_block(first + int(active[i]), code, len(history[int(active[i])]))
+                params.on_code_block(rows[i].index, code, len(rows[i].tokens))
         return closes
 
     @staticmethod
@@ -350,6 +345,28 @@ class InPlaceLayer(DynamicLayer):
         self.values = self.value_buffer[: self.active, :, : self.length]
         return self.keys, self.values
 
+    def add_rows(self, keys: torch.Tensor, values: torch.Tensor, skip: int, room: int) -> None:
+        """Rows whose keys and values [b, heads, p, dim] end at the last position join the running
+        ones (their positions before are zeros, masked); the `skip` leading positions, masked in
+        every running row, go. The buffer is reallocated only when positions move or the rows, or
+        `room` more positions, do not fit."""
+        b, p = keys.shape[0], keys.shape[-2]
+        kept = self.length - skip
+        width, rows = max(kept, p), self.active + b
+        if skip or width > kept or rows > self.rows or width + room > self.capacity:
+            self.rows = self.rows if rows <= self.rows else max(rows, self.rows * 3 // 2)
+            self.capacity = max(width + room, self.capacity)
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(self, name)
+                new = old.new_zeros((self.rows, old.shape[1], self.capacity, old.shape[-1]))
+                new[: self.active, :, width - kept : width] = old[: self.active, :, skip : self.length]
+                setattr(self, name, new)
+        for buffer, states in ((self.key_buffer, keys), (self.value_buffer, values)):
+            buffer[self.active : rows, :, : width - p] = 0
+            buffer[self.active : rows, :, width - p : width] = states
+        self.active, self.length = rows, width
+        self._views()
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Row `indices[d]` becomes row d. Rows are copied one by one, in an order that reads each
         source before it is overwritten, so no temporary copy of the cache is made: descending d
@@ -372,3 +389,128 @@ class InPlaceLayer(DynamicLayer):
                 self.value_buffer[d, :, : self.length] = self.value_buffer[sources[d], :, : self.length]
         self.active = m
         self._views()
+
+
+@dataclass
+class _Row:
+    """One completion being decoded: `index` (its place in the output, or within its group),
+    `prompt` (the prompt's index, or the group's key: rows of one prompt share its prefill) and
+    what it has sampled so far."""
+
+    index: int
+    prompt: object
+    prompt_ids: list[int]
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+    kept_ids: list[list[int]] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    at_block: bool = False
+
+
+class _Batch:
+    """The rows under way and their KV cache, left-padded to one width: `mask` [rows, width],
+    `next_pos` (each row's position of the token it feeds next) and `token` (that token)."""
+
+    def __init__(self, engine: HFEngine):
+        self.engine, self.rows, self.cache, self.version = engine, [], None, None
+        self.mask = self.next_pos = self.token = None
+
+    def step(self, new: list[_Row], version, max_new_tokens: int) -> torch.Tensor:
+        """The logits of every row's next token, `new` rows appended: the running rows decode one
+        token and the new ones are prefilled beside them (their cache joins the running one), or,
+        after a change of weights (or with a cache that cannot take rows), every row is recomputed
+        from its ids under the current weights."""
+        e = self.engine
+        if not self.rows:
+            self.rows, self.version = new, version
+            ids, mask, logits = self._prefill(new, max_new_tokens, into_batch=True)
+            return logits
+        if version != self.version or (new and not self._in_place()):
+            self.rows, self.version = self.rows + new, version
+            return self._recompute(max_new_tokens)
+        logits = e._forward(self.token[:, None], self.mask, self.next_pos, self.cache)
+        if new:
+            logits = torch.cat([logits, self._join(new, max_new_tokens)])
+        return logits
+
+    def drop(self, ended: torch.Tensor, token: torch.Tensor) -> None:
+        """After a step that sampled `token`: the `ended` rows leave (the last live rows move into
+        their slots, so few rows are copied) and the others feed their token next."""
+        if ended.any():
+            keep = (~ended).nonzero().squeeze(-1)
+            order = torch.arange(len(keep))
+            order[ended[: len(keep)]] = keep[keep >= len(keep)]
+            self.rows = [self.rows[i] for i in order.tolist()]
+            if not self.rows:
+                self.cache = None
+                return
+            order = order.to(self.engine.device)
+            self.cache.batch_select_indices(order)
+            token, self.mask, self.next_pos = token[order], self.mask[order], self.next_pos[order]
+        self.token = token
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=-1)
+        self.next_pos = self.next_pos + 1
+
+    def _left_padded(self, sequences: list[list[int]]):
+        e = self.engine
+        width = max(len(ids) for ids in sequences)
+        ids = torch.full((len(sequences), width), e.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq) :] = 1
+        return ids.to(e.device), mask.to(e.device)
+
+    def _prefill(self, rows: list[_Row], max_new_tokens: int, into_batch: bool):
+        """Prefill each distinct prompt of `rows` once and repeat its cache over its rows: into a new
+        cache of the batch (`into_batch`), else a cache of their own; (cache, mask, logits) per row."""
+        e = self.engine
+        starts = [i for i in range(len(rows)) if i == 0 or rows[i].prompt != rows[i - 1].prompt]
+        ids, mask = self._left_padded([rows[i].prompt_ids for i in starts])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = e._new_cache(len(rows), ids.shape[1] + max_new_tokens) if into_batch else DynamicCache()
+        logits = e._forward(ids, mask, positions, cache)
+        sizes = torch.tensor([b - a for a, b in zip(starts, [*starts[1:], len(rows)])], device=e.device)
+        expand = torch.repeat_interleave(torch.arange(len(starts), device=e.device), sizes)
+        cache.batch_select_indices(expand)  # every row of a prompt starts from its cache
+        if into_batch:
+            self.cache, self.mask, self.next_pos = cache, mask[expand], positions[expand][:, -1:]
+        return cache, mask[expand], logits[expand]
+
+    def _recompute(self, max_new_tokens: int) -> torch.Tensor:
+        """A new cache of every row from its ids (prompt and tokens so far), under the current weights."""
+        e = self.engine
+        ids, self.mask = self._left_padded([row.prompt_ids + row.tokens for row in self.rows])
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache = e._new_cache(len(self.rows), ids.shape[1] + max_new_tokens)
+        self.next_pos = positions[:, -1:]
+        return e._forward(ids, self.mask, positions, self.cache)
+
+    def _in_place(self) -> bool:
+        return all(isinstance(layer, InPlaceLayer) for layer in self.cache.layers)
+
+    def _join(self, new: list[_Row], max_new_tokens: int) -> torch.Tensor:
+        """Prefill the `new` rows apart and put their cache beside the running rows', right-aligned at
+        the current position (the positions before them masked); leading positions masked in every
+        running row are dropped when they are half the width or the cache must grow anyway."""
+        cache, mask, logits = self._prefill(new, max_new_tokens, into_batch=False)
+        width, length = self.mask.shape[1], mask.shape[1]
+        leading = int((self.mask.cumsum(-1) == 0).all(0).sum())
+        layer = self.cache.layers[0]
+        grows = len(self.rows) + len(new) > layer.rows or max(width, length) + max_new_tokens > layer.capacity
+        skip = leading if grows or 2 * leading >= width else 0
+        for running, joining in zip(self.cache.layers, cache.layers):
+            running.add_rows(joining.keys, joining.values, skip, max_new_tokens)
+        joined = max(width - skip, length)
+        self.mask = torch.cat(
+            [
+                torch.nn.functional.pad(self.mask[:, skip:], (joined - (width - skip), 0)),
+                torch.nn.functional.pad(mask, (joined - length, 0)),
+            ]
+        )
+        self.next_pos = torch.cat([self.next_pos, mask.sum(-1, keepdim=True) - 1])
+        self.rows = self.rows + new
+        return logits

@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from gppo.rollout.base import Generation, SamplingParams, check_row_seeds
+from gppo.rollout.base import Generation, GroupRequest, SamplingParams, check_row_seeds
 from gppo.rollout.hf import encode
 from gppo.tool_format import STOP_STRINGS
 
@@ -242,40 +242,49 @@ class VLLMEngine:
         ]
 
     def _generate_in_flight(self, encoded: list[list[int]], params: SamplingParams, record_kept: bool):
-        """`generate` one engine step at a time, for partial rollouts: before each step
-        `params.policy_version()` may load new weights (`update_weights`, which preempts the running
-        requests, so that vLLM recomputes their KV cache under the new weights before their next
-        token). A request per completion (`row_seeds`, or seed * completions + row); each
-        completion's tokens delivered before a change were sampled by the old version, the later
-        ones by the new (Generation.versions)."""
+        """`generate` through `stream` (one engine step at a time, for partial rollouts), a group per
+        prompt and a seed per completion (`row_seeds`, or seed * completions + row)."""
+        check_row_seeds(params, len(encoded))
+        rows = len(encoded) * params.n
+        seeds = params.row_seeds or [None if params.seed is None else params.seed * rows + row for row in range(rows)]
+        groups = [
+            GroupRequest(i, ids, tuple(seeds[i * params.n : (i + 1) * params.n])) for i, ids in enumerate(encoded)
+        ]
+        out: dict[int, list[Generation]] = {}
+        self._stream(
+            lambda room: [groups.pop(0) for _ in range(min(room, len(groups)))], params, out.__setitem__, record_kept
+        )
+        return [g for i in range(len(encoded)) for g in out[i]]
+
+    def stream(self, feed, params: SamplingParams, done) -> None:
+        """Continuous batching (`RolloutEngine.stream`): groups join vLLM's running batch as its
+        `max_num_seqs` slots free, a request per completion with its row seed, decoded one engine step
+        at a time. With `params.policy_version`, before each step it may load new weights
+        (`update_weights` preempts the running requests, so that vLLM recomputes their KV cache under
+        them before their next token); each completion's tokens delivered before a change were
+        sampled by the old version, the later ones by the new (Generation.versions)."""
+        if params.stop_at_code_block:
+            raise ValueError("stream samples without tool calls: stop_at_code_block needs requests()")
+        self._stream(feed, params, done, self._check(params))
+
+    def _stream(self, feed, params: SamplingParams, done, record_kept: bool) -> None:
         from vllm.sampling_params import RequestOutputKind
 
-        rows = len(encoded) * params.n
-        check_row_seeds(params, len(encoded))
-        seeds = params.row_seeds or [None if params.seed is None else params.seed * rows + row for row in range(rows)]
-        sampling = [self._sampling(params, params.max_new_tokens, seed, params.stop_at_code_block) for seed in seeds]
-        for each in sampling:
-            each.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, at every step
-        version = params.policy_version()
-        # added to the engine itself: LLM.enqueue would make them FINAL_ONLY
-        batch = f"gppo-partial-{next(self._batches)}-"
-        ids = [
-            self.llm.llm_engine.add_request(
-                f"{batch}{row}", {"prompt_token_ids": encoded[row // params.n]}, each, lora_request=self._lora()
-            )
-            for row, each in enumerate(sampling)
-        ]
-        row_of = {f"{batch}{row}": row for row in range(rows)}  # outputs carry the id given
-        latest: dict[int, object] = {}  # row -> its CompletionOutput so far
-        switches: list[list[tuple[int, int]]] = [[(0, version)] for _ in range(rows)]  # (tokens then, version)
-        done: dict[int, object] = {}
+        engine, slots = self.llm.llm_engine, self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        version = params.policy_version() if params.policy_version is not None else None
+        prefix, numbers = f"gppo-stream-{next(self._batches)}-", itertools.count()
+        # request id (outputs carry the id given) -> (group key, row in group, prompt ids, vLLM's own id)
+        running: dict[str, tuple[object, int, list[int], str]] = {}
+        latest: dict[str, object] = {}  # request id -> its CompletionOutput so far
+        switches: dict[str, list[tuple[int, int]]] = {}  # request id -> (tokens then, version) at each change
+        groups: dict[object, list[Generation | None]] = {}
 
-        def so_far(row: int) -> int:
-            return len(latest[row].token_ids) if row in latest else 0
+        def so_far(request: str) -> int:
+            return len(latest[request].token_ids) if request in latest else 0
 
         try:
-            while len(done) < rows:
-                newer = params.policy_version()
+            while True:
+                newer = params.policy_version() if params.policy_version is not None else None
                 if newer != version:
                     if self.serves_adapters:  # a request keeps the LoRARequest it was added with
                         raise ValueError(
@@ -283,31 +292,48 @@ class VLLMEngine:
                             "per request (lora_rank > 0) cannot give: merge the adapter into the weights instead"
                         )
                     version = newer
-                    for row in set(range(rows)) - set(done):
-                        switches[row].append((so_far(row), version))
+                    for request in running:
+                        switches[request].append((so_far(request), version))
+                room = max((slots - len(running)) // params.n, 0 if running else 1)
+                for group in feed(room) if room else []:
+                    groups[group.key] = [None] * params.n
+                    for row, seed in enumerate(group.row_seeds):
+                        sampling = self._sampling(params, params.max_new_tokens, seed, False)
+                        sampling.output_kind = RequestOutputKind.CUMULATIVE  # the tokens so far, at every step
+                        request = f"{prefix}{next(numbers)}"
+                        # added to the engine itself: LLM.enqueue would make them FINAL_ONLY
+                        own = engine.add_request(
+                            request, {"prompt_token_ids": list(group.prompt_ids)}, sampling, lora_request=self._lora()
+                        )
+                        running[request], switches[request] = (
+                            (group.key, row, list(group.prompt_ids), own),
+                            [(0, version)],
+                        )
+                if not running:
+                    return
                 tokens, ended = 0, 0
-                for out in self.llm.llm_engine.step():
-                    row = row_of[out.request_id]
+                for out in engine.step():
                     [completion] = out.outputs
-                    tokens += len(completion.token_ids) - so_far(row)
-                    latest[row] = completion
+                    tokens += len(completion.token_ids) - so_far(out.request_id)
+                    latest[out.request_id] = completion
                     if out.finished:
-                        done[row], ended = completion, ended + 1
+                        ended += 1
+                        key, row, ids, _ = running.pop(out.request_id)
+                        g = _generation(
+                            key, ids, latest.pop(out.request_id), params.top_k_logprobs, self.tokenizer, record_kept
+                        )
+                        if version is not None:
+                            marks = switches.pop(out.request_id)
+                            bounds = [start for start, _ in marks[1:]] + [len(g.completion_ids)]
+                            g.versions = [v for (start, v), end in zip(marks, bounds) for _ in range(end - start)]
+                        groups[key][row] = g
+                        if all(each is not None for each in groups[key]):
+                            done(key, groups.pop(key))
                 if params.on_step is not None:
                     params.on_step(tokens, ended)
-        finally:  # a stop (EngineClosed) or an error: no request of this batch stays in the engine
-            unfinished = [ids[row] for row in range(rows) if row not in done]
-            if unfinished:
-                self.llm.llm_engine.abort_request(unfinished, internal=True)
-        generations = []
-        for row in range(rows):
-            g = _generation(
-                row // params.n, encoded[row // params.n], done[row], params.top_k_logprobs, self.tokenizer, record_kept
-            )
-            bounds = [start for start, _ in switches[row][1:]] + [len(g.completion_ids)]
-            g.versions = [v for (start, v), end in zip(switches[row], bounds) for _ in range(end - start)]
-            generations.append(g)
-        return generations
+        finally:  # a stop (EngineClosed) or an error: no request stays in the engine
+            if running:
+                engine.abort_request([own for *_, own in running.values()], internal=True)
 
     def requests(self, params: SamplingParams) -> Requests:
         """A queue of single completions sampled with `params` that may join the running batch at

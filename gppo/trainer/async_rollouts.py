@@ -43,6 +43,11 @@ class EngineGate:
         self._owned = False
         self._pending: int | None = None  # a version published and not loaded yet
 
+    @property
+    def pending(self) -> bool:
+        """Whether published weights wait to load (read under the lock)."""
+        return self._pending is not None
+
     def wait_for(self, ready: Callable[[], bool]) -> bool:
         """Wait until `ready()` (read under the gate's lock) or the gate closes; False if closed."""
         with self.changed:
@@ -158,7 +163,7 @@ class AsyncRollouts:
                 if not claimed:
                     return
                 try:
-                    with self.gate.changed:  # what `source_state` reads, before the wave takes from the source
+                    with self.gate.changed:  # what `checkpoint_state` reads, before the wave takes from the source
                         self._source_at[wave] = self.source.state_dict()
                     version = self.gate.version
                     # between decoding steps: new weights with partial rollouts, and a stop
@@ -212,10 +217,10 @@ class AsyncRollouts:
             "staleness/trainer_idle_frac": min((self._trainer_idle - trainer_then) / wall, 1.0),
         }
 
-    def source_state(self, step: int) -> dict:
-        """The data source's state at the start of wave `step`: where a resumed run starts sampling."""
+    def checkpoint_state(self, step: int) -> dict:
+        """The data source's state at the start of wave `step` ("data"): where a resumed run starts sampling."""
         with self.gate.changed:  # the worker has recorded it, or has not taken from the source since
-            return self._source_at[step] if step in self._source_at else self.source.state_dict()
+            return {"data": self._source_at[step] if step in self._source_at else self.source.state_dict()}
 
     def close(self) -> None:
         """Stop sampling: a wave in flight is dropped at its next decoding step (engine step, vLLM)."""

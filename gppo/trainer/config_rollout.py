@@ -125,6 +125,14 @@ class RolloutOptions:
         "rollout",
     )
 
+    async_batching: Literal["groups", "waves"] = _opt(
+        "groups",
+        "with async_rollouts: groups = continuous batching, groups start as the engine's slots free and a step "
+        "trains on the first prompts_per_step groups that finish (within the staleness bound); waves = a step "
+        "trains on one batch sampled for it, started when the bound allows (needed by tool rollouts)",
+        "rollout",
+    )
+
     def _check_rollout_knobs(self) -> None:
         """The mismatch knobs must fit together and with the engine (each field's own type and
         range is checked above)."""
@@ -151,7 +159,7 @@ class RolloutOptions:
 
     def _check_async_knobs(self, loss) -> None:
         if not self.async_rollouts:
-            refuse_ignored(self, ["max_staleness", "partial_rollouts"], "with --async_rollouts true")
+            refuse_ignored(self, ["max_staleness", "partial_rollouts", "async_batching"], "with --async_rollouts true")
             return
         if self.off_policy_steps or self.rollout_overlap:
             given = f"--off_policy_steps {self.off_policy_steps}" if self.off_policy_steps else "--rollout_overlap true"
@@ -159,6 +167,17 @@ class RolloutOptions:
                 f"{given} trains on batches exactly k updates old, --async_rollouts on batches at most "
                 "--max_staleness updates old: use one of them (for a bound of k: --async_rollouts true "
                 "--max_staleness k)"
+            )
+        if self.async_batching == "groups" and self.tools:
+            raise ConfigError(
+                "--async_batching groups starts and ends groups between two decoding steps, which tool rollouts "
+                "(completions paused for each call) do not do yet: use --async_batching waves"
+            )
+        if self.async_batching == "groups" and loss.anchor_distribution == "logp_behavior_full":
+            raise ConfigError(
+                f"estimator {loss.estimator!r} anchored at mu needs mu's whole distribution at every token, computed "
+                "from the weights that sampled the batch; with --async_batching groups the groups of one batch come "
+                "from several versions: use --async_batching waves, --anchor old, or another estimator"
             )
         if self.partial_rollouts and self.engine == "vllm" and self.tools:
             raise ConfigError(

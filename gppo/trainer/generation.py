@@ -30,7 +30,8 @@ from gppo.advantages import group_advantages, informative_groups
 from gppo.models.forward import policy_outputs
 from gppo.prompts import PromptBuilder
 from gppo.rewards.pipeline import RewardPipeline, load_function, model_tokens
-from gppo.rollout import Generation, RolloutEngine, SamplingParams
+from gppo.rollout import Generation, GroupRequest, RolloutEngine, SamplingParams
+from gppo.rollout.hf import encode
 from gppo.rollout.tools import tool_stats
 from gppo.trainer.batch import Rollout, on_device, pad_to, rollout_from_generations
 from gppo.trainer.config import TrainConfig
@@ -51,6 +52,26 @@ class SampledGroups:
     rounds: int = 0
     kept_generations: list[Generation] = field(default_factory=list)
     kept_rewards: list[torch.Tensor] = field(default_factory=list)  # per kept group: [group_size]
+
+    def add(self, gens: list[Generation], rewards: torch.Tensor, accuracy, warnings: int, keep: torch.Tensor) -> None:
+        """Groups sampled: their completions (group by group), rewards [groups, group_size], scores,
+        reward warnings, and which of them train (`keep`)."""
+        size = rewards.shape[1]
+        self.generations.extend(gens)
+        self.rewards.append(rewards)
+        self.accuracy.extend(accuracy)
+        self.reward_fn_warnings += warnings
+        for group in keep.nonzero().flatten().tolist():
+            self.kept_rewards.append(rewards[group])
+            self.kept_generations.extend(gens[group * size : (group + 1) * size])
+
+
+def group_seeds(seed: int, step: int, round_: int, group: int, size: int) -> tuple[int, ...]:
+    """The seeds of the `size` completions of group `group` of round `round_` of step `step`: each
+    completion draws from a random stream of its own, so that a group samples the same tokens
+    whichever groups share the engine's batch (synchronous, or streamed: gppo.trainer.group_stream)."""
+    base = derived_seed(derived_seed(seed, step) * 64 + round_, group)
+    return tuple((base * size + row) % 2**63 for row in range(size))
 
 
 def reward_pipeline(config: TrainConfig, verifier) -> RewardPipeline:
@@ -119,7 +140,12 @@ class RolloutGenerator:
         the engine may take new weights between decoding steps (SamplingParams.policy_version)."""
         start = time.time()
         sampled = self._sample_groups(step, policy_version)
-        stats = rollout_stats(sampled, time.time() - start)
+        return self.batch(step, sampled, time.time() - start)
+
+    def batch(self, step: int, sampled: SampledGroups, seconds: float) -> tuple[Rollout | None, dict]:
+        """The batch of the groups `sampled` kept (None when none was), with group-relative
+        advantages, and the rollout metrics of every group sampled, in `seconds`."""
+        stats = rollout_stats(sampled, seconds)
         self._warn_truncation(step, stats["rollout/truncated_frac"])
         if not sampled.kept_rewards:
             return None, stats
@@ -130,6 +156,54 @@ class RolloutGenerator:
         if self.loss_config.anchor_distribution == "logp_behavior_full":
             rollout = dataclasses.replace(rollout, logp_behavior_full=self._behavior_distribution(rollout))
         return rollout, stats
+
+    def score(self, problems: list, gens: list[Generation]) -> tuple[torch.Tensor, list[float], int]:
+        """Rewards [groups, group_size] of `gens` (group_size completions of each problem, in order),
+        the verifier's score of each, and the reward functions' warnings."""
+        scored = self.rewards(
+            [problems[g.prompt_index] for g in gens],
+            [g.text for g in gens],
+            [g.completion_ids for g in gens],
+            [g.tool_mask for g in gens],
+            self.tokenizer,
+        )
+        return (
+            torch.tensor(scored.rewards).view(len(problems), self.config.group_size),
+            scored.accuracy,
+            scored.warnings,
+        )
+
+    def informative(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Which groups of `rewards` [groups, group_size] train: every one, or with dynamic sampling
+        those whose rewards are not all equal."""
+        return (
+            informative_groups(rewards) if self.config.dynamic_sampling else torch.ones(len(rewards), dtype=torch.bool)
+        )
+
+    def request(self, problem, key: int) -> GroupRequest:
+        """Group `key` of a stream (gppo.trainer.group_stream): `problem`'s prompt with the row seeds of
+        group key % prompts_per_step of step key // prompts_per_step's first round, the seeds the
+        synchronous run gives that group."""
+        c = self.config
+        ids = encode(self.tokenizer, [self.prompts(problem.prompt)])[0]
+        step, group = divmod(key, c.prompts_per_step)
+        return GroupRequest(key, ids, group_seeds(c.seed, step, 0, group, c.group_size))
+
+    def sampling(self, seed: int | None, policy_version: Callable[[], int] | None, **row_seeds) -> SamplingParams:
+        """How rollouts are sampled: group_size completions per prompt, with mu's top-K log-probs
+        (and the top-p nucleus) when the estimator reads them."""
+        c = self.config
+        return SamplingParams(
+            temperature=c.temperature,
+            max_new_tokens=c.max_new_tokens,
+            n=c.group_size,
+            top_k_logprobs=self.top_k,
+            seed=seed,
+            top_p=c.rollout_top_p,
+            record_kept_ids=c.rollout_top_p < 1,
+            policy_version=policy_version,
+            **row_seeds,
+        )
 
     def _warn_truncation(self, step: int, truncated: float) -> None:
         """Once per run: most of a step's completions were cut at max_new_tokens (no answer, and
@@ -155,42 +229,18 @@ class RolloutGenerator:
         while True:
             need = c.prompts_per_step - len(sampled.kept_rewards)
             problems = self.source.take(need)
-            gens = self._generate(problems, derived_seed(c.seed, step) * 64 + sampled.rounds, policy_version)
-            repeated = [problems[g.prompt_index] for g in gens]
-            scored = self.rewards(
-                repeated,
-                [g.text for g in gens],
-                [g.completion_ids for g in gens],
-                [g.tool_mask for g in gens],
-                self.tokenizer,
+            seeds = [
+                seed for group in range(need) for seed in group_seeds(c.seed, step, sampled.rounds, group, c.group_size)
+            ]
+            params = self.sampling(
+                derived_seed(c.seed, step) * 64 + sampled.rounds, policy_version, row_seeds=tuple(seeds)
             )
-            sampled.reward_fn_warnings += scored.warnings
-            rewards = torch.tensor(scored.rewards).view(need, c.group_size)
-            sampled.rewards.append(rewards)
-            sampled.accuracy.extend(scored.accuracy)
-            sampled.generations.extend(gens)
-            keep = informative_groups(rewards) if c.dynamic_sampling else torch.ones(need, dtype=torch.bool)
-            for group in keep.nonzero().flatten().tolist():
-                sampled.kept_rewards.append(rewards[group])
-                sampled.kept_generations.extend(gens[group * c.group_size : (group + 1) * c.group_size])
+            gens = self.engine.generate([self.prompts(p.prompt) for p in problems], params)
+            rewards, accuracy, warnings_ = self.score(problems, gens)
+            sampled.add(gens, rewards, accuracy, warnings_, self.informative(rewards))
             sampled.rounds += 1
             if len(sampled.kept_rewards) == c.prompts_per_step or sampled.rounds > c.max_resample_rounds:
                 return sampled
-
-    def _generate(self, problems, seed: int, policy_version: Callable[[], int] | None) -> list[Generation]:
-        """group_size completions of each problem, with mu's top-K log-probs when the estimator reads them."""
-        c = self.config
-        params = SamplingParams(
-            temperature=c.temperature,
-            max_new_tokens=c.max_new_tokens,
-            n=c.group_size,
-            top_k_logprobs=self.top_k,
-            seed=seed,
-            top_p=c.rollout_top_p,
-            record_kept_ids=c.rollout_top_p < 1,
-            policy_version=policy_version,
-        )
-        return self.engine.generate([self.prompts(p.prompt) for p in problems], params)
 
     @torch.no_grad()
     def _behavior_distribution(self, rollout: Rollout) -> torch.Tensor:

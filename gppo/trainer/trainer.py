@@ -51,6 +51,7 @@ from gppo.trainer.checkpoint import (
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set, check_prompt_lengths, derived_seed
 from gppo.trainer.generation import RolloutGenerator, reward_pipeline
+from gppo.trainer.group_stream import GroupStream
 from gppo.trainer.logging import MetricsLog, plot_curves, print_final_report, progress_info
 from gppo.trainer.policy_loading import base_model_path, load_policy, lora_reference, reference_model
 from gppo.trainer.rollout_engine import build_engine
@@ -173,16 +174,22 @@ class Trainer:
             self.rollout_policy,
             self.device,
         )
-        self.async_rollouts = None
+        self.async_rollouts: AsyncRollouts | GroupStream | None = None
         if config.async_rollouts:  # started by train(), at the run's step
-            self.async_rollouts = AsyncRollouts(
-                self.generator,
-                self.problems.train,
-                EngineGate(self.sync_rollout_weights),
-                config.staleness_bound(),
-                config.partial_rollouts,
-                last=config.steps,
-            )
+            gate = EngineGate(self.sync_rollout_weights)
+            if config.async_batching == "groups":
+                self.async_rollouts = GroupStream(
+                    self.generator, gate, config.staleness_bound(), config.partial_rollouts
+                )
+            else:
+                self.async_rollouts = AsyncRollouts(
+                    self.generator,
+                    self.problems.train,
+                    gate,
+                    config.staleness_bound(),
+                    config.partial_rollouts,
+                    last=config.steps,
+                )
 
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, weight_decay=config.weight_decay)
         sequences = config.prompts_per_step * config.group_size
@@ -223,6 +230,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.problems.train.load_state_dict(state["data"])
+        if "stream" in state and isinstance(self.async_rollouts, GroupStream):
+            self.async_rollouts.restore(state["stream"])
         self.pending.load_state_dict(state.get("pending", []))
         self.zero_gradient_steps = state.get("zero_gradient_steps", 0)
         set_rng_state(state["rng"])
@@ -234,10 +243,12 @@ class Trainer:
         state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            # asynchronous: where the first wave not trained on began (a resumed run samples it again)
-            "data": self.async_rollouts.source_state(self.step)
-            if self.async_rollouts
-            else self.problems.train.state_dict(),
+            # asynchronous: where the first work not trained on began (a resumed run samples it again)
+            **(
+                self.async_rollouts.checkpoint_state(self.step)
+                if self.async_rollouts
+                else {"data": self.problems.train.state_dict()}
+            ),
             "pending": self.pending.state_dict(),
             "zero_gradient_steps": self.zero_gradient_steps,
         }
