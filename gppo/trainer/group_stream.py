@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
-from gppo.trainer.async_rollouts import EngineClosed, EngineGate
+from gppo.trainer.async_rollouts import AsyncRollouts, EngineClosed, EngineGate
 from gppo.trainer.batch import Rollout
+from gppo.trainer.config import TrainConfig
 from gppo.trainer.generation import RolloutGenerator, SampledGroups
 
 
@@ -50,10 +52,10 @@ class GroupStream:
     docstring); `take(step)` hands the trainer step `step`'s groups. Same interface as
     `AsyncRollouts`, its wave-by-wave counterpart."""
 
-    def __init__(self, generator: RolloutGenerator, gate: EngineGate, max_staleness: int, partial: bool):
+    def __init__(self, generator: RolloutGenerator, gate: EngineGate, max_staleness: int, partial: bool, last: int):
         c = generator.config
         self.generator, self.source, self.gate = generator, generator.source, gate
-        self.max_staleness, self.partial = max_staleness, partial
+        self.max_staleness, self.partial, self.last = max_staleness, partial, last
         self.per_step, self.budget = c.prompts_per_step, (1 + c.max_resample_rounds) * c.prompts_per_step
         self._step = 0  # the step whose groups the trainer takes next
         self._next_key: int | None = None  # set by `restore`, else by `start`
@@ -105,11 +107,12 @@ class GroupStream:
             self._engine_idle_since = None
 
     def _room(self) -> int:
-        """How many groups may start now (under the gate's lock)."""
+        """How many groups may start now (under the gate's lock): what steps `_step` .. version +
+        max_staleness (and before `last`) can train, less the groups running or not yet trained."""
         if not self.partial and self.gate.pending:  # new weights wait for the running groups to end
             return 0
         pending = len(self._problems) + len(self._ready)
-        return (self.gate.version + self.max_staleness + 1 - self._step) * self.per_step - pending
+        return (min(self.gate.version + self.max_staleness + 1, self.last) - self._step) * self.per_step - pending
 
     def _feed(self, most: int) -> list:
         """Up to `most` new groups, as the staleness bound allows (the engine's `feed`)."""
@@ -232,3 +235,18 @@ class GroupStream:
         self.gate.close()
         if self._thread is not None:
             self._thread.join()
+
+
+def sampling_worker(
+    config: TrainConfig, generator: RolloutGenerator, load: Callable[[], None]
+) -> GroupStream | AsyncRollouts | None:
+    """The asynchronous run's sampling worker (None for the other regimes): `GroupStream`, or
+    `AsyncRollouts` with --async_batching waves; `load` hands the engine the trainer's weights."""
+    if not config.async_rollouts:
+        return None
+    gate = EngineGate(load)
+    if config.async_batching == "groups":
+        return GroupStream(generator, gate, config.staleness_bound(), config.partial_rollouts, last=config.steps)
+    return AsyncRollouts(
+        generator, generator.source, gate, config.staleness_bound(), config.partial_rollouts, last=config.steps
+    )

@@ -33,7 +33,7 @@ from gppo.options import load_yaml
 from gppo.prompts import PromptBuilder
 from gppo.rollout.options import resolve_device
 from gppo.threads import default_threads
-from gppo.trainer.async_rollouts import AsyncRollouts, EngineGate, mismatch_by_lag, staleness_metrics
+from gppo.trainer.async_rollouts import mismatch_by_lag, staleness_metrics
 from gppo.trainer.batch import Rollout, on_device, pad_to, token_batch
 from gppo.trainer.checkpoint import (
     RunError,
@@ -51,7 +51,7 @@ from gppo.trainer.checkpoint import (
 from gppo.trainer.config import ConfigError, TrainConfig, from_dict
 from gppo.trainer.data import build_problem_set, check_prompt_lengths, derived_seed
 from gppo.trainer.generation import RolloutGenerator, reward_pipeline
-from gppo.trainer.group_stream import GroupStream
+from gppo.trainer.group_stream import GroupStream, sampling_worker
 from gppo.trainer.logging import MetricsLog, plot_curves, print_final_report, progress_info
 from gppo.trainer.policy_loading import base_model_path, load_policy, lora_reference, reference_model
 from gppo.trainer.rollout_engine import build_engine
@@ -174,22 +174,8 @@ class Trainer:
             self.rollout_policy,
             self.device,
         )
-        self.async_rollouts: AsyncRollouts | GroupStream | None = None
-        if config.async_rollouts:  # started by train(), at the run's step
-            gate = EngineGate(self.sync_rollout_weights)
-            if config.async_batching == "groups":
-                self.async_rollouts = GroupStream(
-                    self.generator, gate, config.staleness_bound(), config.partial_rollouts
-                )
-            else:
-                self.async_rollouts = AsyncRollouts(
-                    self.generator,
-                    self.problems.train,
-                    gate,
-                    config.staleness_bound(),
-                    config.partial_rollouts,
-                    last=config.steps,
-                )
+        # started by train(), at the run's step
+        self.async_rollouts = sampling_worker(config, self.generator, self.sync_rollout_weights)
 
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, weight_decay=config.weight_decay)
         sequences = config.prompts_per_step * config.group_size
