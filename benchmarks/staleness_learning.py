@@ -1,12 +1,13 @@
 """Which trust regions hold as staleness grows: the summary of a grid of `gppo sweep`s, each method
-asynchronous with partial rollouts at `--max_staleness S` and with today's fixed lag
-`--off_policy_steps S` (docs/results.md, "Staleness and trust regions").
+asynchronous with partial rollouts at `--max_staleness S` (wave by wave, and with continuous
+batching where its sweeps exist) and with today's fixed lag `--off_policy_steps S`
+(docs/results.md §21, §22).
 
 The grid, one sweep directory per regime and level under ROOT (grpo clipped at a recomputed π_old
 is `grpo --anchor old`, a sweep of its own since `--anchor` applies to a whole sweep):
 
     for S in 1 4 8; do
-      A="--async_rollouts true --partial_rollouts true --max_staleness $S"
+      A="--async_rollouts true --async_batching waves --partial_rollouts true --max_staleness $S"
       gppo sweep --task countdown --seeds 0 1 2 3 4 --presets dppo-binary-tv dppo-topk-kl cispo icepop \
           pg-is minirl $A --out ROOT/async-s$S
       gppo sweep --task countdown --seeds 0 1 2 3 4 --presets grpo --anchor old $A --out ROOT/async-s$S-grpo-old
@@ -15,12 +16,14 @@ is `grpo --anchor old`, a sweep of its own since `--anchor` applies to a whole s
       gppo sweep --task countdown --seeds 0 1 2 3 4 --presets grpo --anchor old --off_policy_steps $S \
           --out ROOT/off-$S-grpo-old
     done
+    # continuous batching (optional): as the async sweeps with --async_batching groups, into
+    # ROOT/groups-s$S and ROOT/groups-s$S-grpo-old
     python benchmarks/staleness_learning.py ROOT
 
 Per (regime, S, method): final held-out avg@k and its AUC over the run (mean ± 95% t-interval over
 seeds), the end-of-run KL(μ‖π_old) and masked fraction, the versions behind per token and the versions per completion; then
 paired by seed: each method against grpo in the same cell, each method's asynchronous run against
-its fixed-lag run, and S = 8 against S = 1 within each regime. Finished runs only (summary.json);
+its fixed-lag run, continuous batching against waves, and S = 8 against S = 1 within each regime. Finished runs only (summary.json);
 a cell with fewer seeds pairs on the seeds both sides have.
 """
 
@@ -37,7 +40,7 @@ from gppo.report import fmt, markdown_table
 from gppo.stats import mean_ci
 
 METHODS = ("grpo-old", "dppo-binary-tv", "dppo-topk-kl", "cispo", "icepop", "pg-is", "minirl")
-REGIMES = {"async": "async-s{s}", "fixed lag": "off-{s}"}
+REGIMES = {"async": "async-s{s}", "async groups": "groups-s{s}", "fixed lag": "off-{s}"}
 
 
 def runs_of(root: Path, regime: str, staleness: int, method: str) -> dict[int, Path]:
@@ -143,6 +146,8 @@ def main() -> None:
         row = [method]
         for s in args.staleness:
             row.append(paired(stats["async", s, method], stats["fixed lag", s, method], "auc"))
+        for s in args.staleness:
+            row.append(paired(stats["async groups", s, method], stats["async", s, method], "auc"))
         for regime in REGIMES:
             row.append(paired(stats[regime, high, method], stats[regime, low, method], "auc"))
         body.append(row)
@@ -150,6 +155,7 @@ def main() -> None:
     header = (
         ["method"]
         + [f"async − fixed lag, S={s}" for s in args.staleness]
+        + [f"groups − waves, S={s}" for s in args.staleness]
         + [f"{regime}: S={high} − S={low}" for regime in REGIMES]
     )
     print(markdown_table(header, body))

@@ -729,3 +729,26 @@ def test_gppo_train_with_tools_on_vllm(tmp_path):
     assert len(steps) == 2 and all(r["rollout/tool_call_frac"] > 0.2 for r in steps), steps
     updates = [r for r in _metrics(tmp_path / "tools") if "mismatch/prob_diff/max" in r]
     assert updates and all(r["mismatch/prob_diff/max"] < 1e-3 for r in updates), updates
+
+
+def test_vllm_threads_bind_vllms_own_worker_to_the_last_cores(tmp_path):
+    """--vllm_threads 1 with vLLM in its own process (asynchronous continuous batching): the threads
+    of vLLM's worker are bound to the last core this process may use, none of the trainer's is, and
+    the run trains."""
+    import os
+
+    import psutil
+
+    last = sorted(os.sched_getaffinity(0))[-1]
+    trainer = _embedded_run(
+        tmp_path, "threads", steps=2, save_every=0, off_policy_steps=0, async_rollouts=True, vllm_threads=1
+    )
+    assert trainer.engine.own_process
+
+    def bound(process) -> bool:
+        return any(os.sched_getaffinity(thread.id) == {last} for thread in process.threads())
+
+    assert any(bound(child) for child in psutil.Process().children(recursive=True))
+    assert not bound(psutil.Process())
+    trainer.train()
+    assert len([r for r in _metrics(tmp_path / "threads") if "staleness/buffer_depth" in r]) == 2

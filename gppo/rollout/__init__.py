@@ -21,6 +21,7 @@ def make_engine(
     lora_rank: int = 0,
     code_block_stops: bool = False,
     own_process: bool = False,
+    cpu_threads: int | None = None,
 ) -> RolloutEngine:
     """The engine called `name`. HF samples from `model` itself; vLLM loads `model_path` (the same
     weights) in `dtype` (default: `model`'s) and is synced from `model` by `update_weights`. The
@@ -47,6 +48,7 @@ def make_engine(
             lora_rank=lora_rank,
             code_block_stops=code_block_stops,
             own_process=own_process,
+            cpu_threads=cpu_threads,
         )
     raise ValueError(f"unknown engine {name!r}; choose one of {list(ENGINES)}")
 

@@ -12,6 +12,13 @@ prefilled once and its KV cache copied to the rows of its group (`n` completions
 group of 8 costs one prompt forward, not 8. A sequence leaves the batch (and the cache) as soon as
 it emits an EOS token. The EOS token is kept as the last entry of `completion_ids`/`logprobs`
 (the trainer must learn to stop) but not in `text`.
+
+Continuous batching (`stream`): groups join the running batch between two decoding steps. Their
+prompts are prefilled apart and their KV cache placed beside the running rows', right-aligned at
+the current position with the positions before it masked, so the running rows are not recomputed;
+leading positions masked in every row are dropped once they are half the cache's width. (A model
+whose cache is not one buffer per layer, e.g. with sliding-window layers, recomputes every row's
+cache from its ids instead, as after a change of weights.)
 """
 
 from __future__ import annotations
@@ -93,8 +100,8 @@ class HFEngine:
 
         with self._evaluating():
             for start in range(0, len(rows), self.batch_size):  # each batch_size rows sampled together
-                chunk = [rows[start : start + self.batch_size]]
-                self._decode(lambda room, chunk=chunk: chunk.pop() if chunk else [], params, keep, shared)
+                chunks = iter([rows[start : start + self.batch_size]])  # all of them at the first step
+                self._decode(lambda room, chunks=chunks: next(chunks, []), params, keep, shared)
         return out
 
     def stream(self, feed: Callable[[int], Sequence[GroupRequest]], params: SamplingParams, done) -> None:
@@ -199,7 +206,9 @@ class HFEngine:
                 for i in at_block.nonzero().flatten().tolist():
                     batch.rows[i].at_block = True
                 done |= at_block
-            ended = done | torch.tensor([len(row.tokens) == params.max_new_tokens for row in batch.rows])
+            ended = done | torch.tensor(
+                [len(row.tokens) == params.max_new_tokens for row in batch.rows], device=self.device
+            )
             if params.on_step is not None:
                 params.on_step(len(batch.rows), int(ended.sum()))
             for i in ended.nonzero().flatten().tolist():
@@ -441,13 +450,12 @@ class _Batch:
         their slots, so few rows are copied) and the others feed their token next."""
         if ended.any():
             keep = (~ended).nonzero().squeeze(-1)
-            order = torch.arange(len(keep))
+            order = torch.arange(len(keep), device=keep.device)
             order[ended[: len(keep)]] = keep[keep >= len(keep)]
             self.rows = [self.rows[i] for i in order.tolist()]
             if not self.rows:
                 self.cache = None
                 return
-            order = order.to(self.engine.device)
             self.cache.batch_select_indices(order)
             token, self.mask, self.next_pos = token[order], self.mask[order], self.next_pos[order]
         self.token = token

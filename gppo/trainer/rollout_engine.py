@@ -47,6 +47,7 @@ def build_engine(
         lora_rank=adapter_rank(model) if config.resolved_lora_sync() == "adapter" else 0,
         code_block_stops=bool(config.tools),
         own_process=config.engine == "vllm" and config.vllm_in_own_process(),
+        cpu_threads=config.vllm_threads,
     )
     if config.use_peft:
         engine.update_weights(model)  # a resumed or given adapter (a no-op for the hf engine)
