@@ -1,6 +1,9 @@
-"""Asynchronous rollouts (`--async_rollouts`): generation runs continuously in a thread of its own
-while the trainer updates, with the staleness bounded, weights handed to the engine in flight, and
-each token's sampling version recorded (docs/design.md, "Asynchronous training").
+"""Asynchronous rollouts (`--async_rollouts`): generation runs in a thread of its own while the
+trainer updates, with the staleness bounded, weights handed to the engine in flight, and each
+token's sampling version recorded (docs/design.md, "Asynchronous training"). This module holds
+what both ways of batching share (the engine's `EngineGate`, the `SamplingWorker` base, the
+staleness metrics) and the wave-by-wave worker (`--async_batching waves`); continuous batching,
+the default, is gppo.trainer.group_stream.
 
 Versions: version v is the policy after v steps, so step t trains with version t and publishes
 version t + 1. A batch ("wave") is what `RolloutGenerator(w)` samples for step w, with its seeds and
@@ -118,10 +121,92 @@ class EngineClosed(RuntimeError):
     """Raised inside a partial rollout's decoding loop when the run stops: the batch is dropped."""
 
 
-class AsyncRollouts:
-    """The sampling worker of an asynchronous run: waves `first`, `first + 1`, ... `last - 1`, each
-    `sample(w, policy_version)` (the RolloutGenerator) as soon as the gate allows, kept until the
-    trainer `take`s them. The data `source` is only read by the worker, between waves."""
+class SamplingWorker:
+    """What the two asynchronous workers share (`AsyncRollouts`, gppo.trainer.group_stream's
+    `GroupStream`): the engine's gate, a thread that runs `_sample` and hands its error to the
+    trainer, the weights it publishes, and the idle time of the engine (the worker waiting for the
+    gate) and of the trainer (waiting for work or for the engine to take new weights)."""
+
+    thread_name = "gppo-sampling"
+
+    def __init__(self, gate: EngineGate):
+        self.gate = gate
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._engine_idle = self._trainer_idle = 0.0  # seconds, in total
+        self._engine_idle_since: float | None = None  # since when the worker waits for the gate
+        self._last_take = (time.perf_counter(), 0.0, 0.0)  # (time, engine idle, trainer idle) then
+
+    def _launch(self) -> None:
+        self._last_take = (time.perf_counter(), 0.0, 0.0)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._sample()
+        except EngineClosed:
+            return
+        except BaseException as err:  # raised to the trainer by `_wait`
+            with self.gate.changed:
+                self._error = err
+                self.gate.changed.notify_all()
+        finally:
+            self._engine_idle_since = None
+
+    def _sample(self) -> None:
+        raise NotImplementedError
+
+    def _claim(self, ready: Callable[[], bool]) -> bool:
+        """`EngineGate.claim`, the wait counted as the engine's idle time."""
+        self._engine_idle_since = time.perf_counter()
+        claimed = self.gate.claim(ready)
+        self._engine_idle += time.perf_counter() - self._engine_idle_since
+        self._engine_idle_since = None
+        return claimed
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """The trainer waits until `ready()` (under the gate's lock), counted as its idle time; the
+        worker's error, if any, is raised here."""
+        start = time.perf_counter()
+        if not self.gate.wait_for(lambda: self._error is not None or ready()):
+            raise RuntimeError("the asynchronous rollout engine was closed")
+        if self._error is not None:
+            raise self._error
+        self._trainer_idle += time.perf_counter() - start
+
+    def _interval(self) -> tuple[float, dict]:
+        """Since the last take: the seconds the engine sampled, and both idle fractions."""
+        now = time.perf_counter()
+        engine = self._engine_idle + (now - self._engine_idle_since if self._engine_idle_since else 0.0)
+        then, engine_then, trainer_then = self._last_take
+        self._last_take = (now, engine, self._trainer_idle)
+        wall = max(now - then, 1e-9)
+        return wall - (engine - engine_then), {
+            "staleness/engine_idle_frac": min((engine - engine_then) / wall, 1.0),
+            "staleness/trainer_idle_frac": min((self._trainer_idle - trainer_then) / wall, 1.0),
+        }
+
+    def publish(self, version: int) -> dict:
+        """The trainer's weights of `version` to the engine (see `EngineGate.publish`)."""
+        loaded = self.gate.load_seconds
+        self._trainer_idle += self.gate.publish(version)
+        return {"perf/weight_sync_seconds": self.gate.load_seconds - loaded}
+
+    def close(self) -> None:
+        """Stop sampling: the work under way is dropped at the engine's next decoding step."""
+        self.gate.close()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class AsyncRollouts(SamplingWorker):
+    """The sampling worker of an asynchronous run wave by wave (--async_batching waves): waves `first`,
+    `first + 1`, ... `last - 1`, each `sample(w, policy_version)` (the RolloutGenerator) as soon as
+    the gate allows, kept until the trainer `take`s them. The data `source` is only read by the
+    worker, between waves."""
+
+    thread_name = "gppo-async-rollouts"
 
     def __init__(
         self,
@@ -132,101 +217,52 @@ class AsyncRollouts:
         partial: bool,
         last: int,
     ):
-        self.sample, self.source, self.gate = sample, source, gate
+        super().__init__(gate)
+        self.sample, self.source = sample, source
         self.max_staleness, self.partial, self.last = max_staleness, partial, last
         self._done: dict[int, tuple[Rollout | None, dict]] = {}
         self._source_at: dict[int, dict] = {}  # the source's state at the start of each wave begun
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
         self._next_wave = 0
-        # idle time: the engine's (worker waiting for the gate) and the trainer's (waiting for a wave
-        # or for the engine to take new weights), in seconds, and since when the worker waits
-        self._engine_idle = self._trainer_idle = 0.0
-        self._engine_idle_since: float | None = None
-        self._last_take = (time.perf_counter(), 0.0, 0.0)  # (time, engine idle, trainer idle) then
 
     def start(self, first: int) -> None:
         """Start sampling at wave `first` (the run's current step, after a resume too), whose weights
         the engine holds."""
         self.gate.version = self._next_wave = first
-        self._last_take = (time.perf_counter(), 0.0, 0.0)
-        self._thread = threading.Thread(target=self._run, name="gppo-async-rollouts", daemon=True)
-        self._thread.start()
+        self._launch()
 
-    def _run(self) -> None:
-        try:
-            for wave in range(self._next_wave, self.last):
-                self._engine_idle_since = time.perf_counter()
-                claimed = self.gate.claim(lambda w=wave: self.gate.version >= w - self.max_staleness)
-                self._engine_idle += time.perf_counter() - self._engine_idle_since
-                self._engine_idle_since = None
-                if not claimed:
-                    return
-                try:
-                    with self.gate.changed:  # what `checkpoint_state` reads, before the wave takes from the source
-                        self._source_at[wave] = self.source.state_dict()
-                    version = self.gate.version
-                    # between decoding steps: new weights with partial rollouts, and a stop
-                    rollout, stats = self.sample(wave, lambda: self.gate.boundary(load=self.partial))
-                finally:
-                    self.gate.release()
-                # vLLM's tool rollouts record no versions: the wave was sampled by one
-                if rollout is not None and rollout.versions is None:
-                    rollout = dataclasses.replace(rollout, versions=torch.full_like(rollout.token_ids, version))
-                with self.gate.changed:
-                    self._done[wave] = (rollout, stats)
-                    self.gate.changed.notify_all()
-        except EngineClosed:
-            return
-        except BaseException as err:  # raised to the trainer by `take`
+    def _sample(self) -> None:
+        for wave in range(self._next_wave, self.last):
+            if not self._claim(lambda w=wave: self.gate.version >= w - self.max_staleness):
+                return
+            try:
+                with self.gate.changed:  # what `checkpoint_state` reads, before the wave takes from the source
+                    self._source_at[wave] = self.source.state_dict()
+                version = self.gate.version
+                # between decoding steps: new weights with partial rollouts, and a stop
+                rollout, stats = self.sample(wave, lambda: self.gate.boundary(load=self.partial))
+            finally:
+                self.gate.release()
+            # vLLM's tool rollouts record no versions: the wave was sampled by one
+            if rollout is not None and rollout.versions is None:
+                rollout = dataclasses.replace(rollout, versions=torch.full_like(rollout.token_ids, version))
             with self.gate.changed:
-                self._error = err
+                self._done[wave] = (rollout, stats)
                 self.gate.changed.notify_all()
-        finally:
-            self._engine_idle_since = None
 
     def take(self, step: int) -> tuple[Rollout | None, dict]:
         """Wave `step` once sampled, with the staleness/ metrics of the interval since the last take."""
-        start = time.perf_counter()
-        if not self.gate.wait_for(lambda: step in self._done or self._error is not None):
-            raise RuntimeError("the asynchronous rollout engine was closed")
-        if self._error is not None:
-            raise self._error
+        self._wait(lambda: step in self._done)
         with self.gate.changed:
             rollout, stats = self._done.pop(step)
             depth = len(self._done)
             for wave in [w for w in self._source_at if w <= step]:
                 del self._source_at[wave]
-        self._trainer_idle += time.perf_counter() - start
-        return rollout, {**stats, "staleness/buffer_depth": depth, **self._idle_fractions()}
-
-    def publish(self, version: int) -> dict:
-        """The trainer's weights of `version` to the engine (see `EngineGate.publish`)."""
-        loaded = self.gate.load_seconds
-        self._trainer_idle += self.gate.publish(version)
-        return {"perf/weight_sync_seconds": self.gate.load_seconds - loaded}
-
-    def _idle_fractions(self) -> dict:
-        now = time.perf_counter()
-        engine = self._engine_idle + (now - self._engine_idle_since if self._engine_idle_since else 0.0)
-        then, engine_then, trainer_then = self._last_take
-        self._last_take = (now, engine, self._trainer_idle)
-        wall = max(now - then, 1e-9)
-        return {
-            "staleness/engine_idle_frac": min((engine - engine_then) / wall, 1.0),
-            "staleness/trainer_idle_frac": min((self._trainer_idle - trainer_then) / wall, 1.0),
-        }
+        return rollout, {**stats, "staleness/buffer_depth": depth, **self._interval()[1]}
 
     def checkpoint_state(self, step: int) -> dict:
         """The data source's state at the start of wave `step` ("data"): where a resumed run starts sampling."""
         with self.gate.changed:  # the worker has recorded it, or has not taken from the source since
             return {"data": self._source_at[step] if step in self._source_at else self.source.state_dict()}
-
-    def close(self) -> None:
-        """Stop sampling: a wave in flight is dropped at its next decoding step (engine step, vLLM)."""
-        self.gate.close()
-        if self._thread is not None:
-            self._thread.join()
 
 
 def staleness_metrics(rollout: Rollout, step: int) -> dict:

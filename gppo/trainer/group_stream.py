@@ -26,13 +26,11 @@ prompts and seeds, with the checkpoint's weights.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 
 import torch
 
-from gppo.trainer.async_rollouts import AsyncRollouts, EngineClosed, EngineGate
+from gppo.trainer.async_rollouts import AsyncRollouts, EngineClosed, EngineGate, SamplingWorker
 from gppo.trainer.batch import Rollout
 from gppo.trainer.config import TrainConfig
 from gppo.trainer.generation import RolloutGenerator, SampledGroups
@@ -47,14 +45,17 @@ class _Group:
         self.oldest = min((v for g in gens for v in (g.versions or [])), default=None)
 
 
-class GroupStream:
+class GroupStream(SamplingWorker):
     """The sampling worker of an asynchronous run with continuous batching (see the module
     docstring); `take(step)` hands the trainer step `step`'s groups. Same interface as
     `AsyncRollouts`, its wave-by-wave counterpart."""
 
+    thread_name = "gppo-group-stream"
+
     def __init__(self, generator: RolloutGenerator, gate: EngineGate, max_staleness: int, partial: bool, last: int):
+        super().__init__(gate)
         c = generator.config
-        self.generator, self.source, self.gate = generator, generator.source, gate
+        self.generator, self.source = generator, generator.source
         self.max_staleness, self.partial, self.last = max_staleness, partial, last
         self.per_step, self.budget = c.prompts_per_step, (1 + c.max_resample_rounds) * c.prompts_per_step
         self._step = 0  # the step whose groups the trainer takes next
@@ -66,11 +67,6 @@ class GroupStream:
         self._ready: list[_Group] = []  # finished groups that train, in finishing order
         self._filtered: list[_Group] = []  # finished groups of equal rewards since the last take
         self._dropped = 0  # completions dropped for staleness since the last take
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._engine_idle = self._trainer_idle = 0.0
-        self._engine_idle_since: float | None = None
-        self._last_take = (time.perf_counter(), 0.0, 0.0)  # (time, engine idle, trainer idle) then
 
     # ------------------------------------------------------------------------------ the worker
     def start(self, first: int) -> None:
@@ -79,32 +75,15 @@ class GroupStream:
         self.gate.version = self._step = first
         if self._next_key is None:  # a run's start, or a checkpoint of wave-by-wave sampling
             self._next_key = first * self.per_step
-        self._last_take = (time.perf_counter(), 0.0, 0.0)
-        self._thread = threading.Thread(target=self._run, name="gppo-group-stream", daemon=True)
-        self._thread.start()
+        self._launch()
 
-    def _run(self) -> None:
+    def _sample(self) -> None:
         params = self.generator.sampling(None, lambda: self.gate.boundary(load=self.partial))
-        try:
-            while True:
-                self._engine_idle_since = time.perf_counter()
-                claimed = self.gate.claim(lambda: self._room() > 0)
-                self._engine_idle += time.perf_counter() - self._engine_idle_since
-                self._engine_idle_since = None
-                if not claimed:
-                    return
-                try:
-                    self.generator.engine.stream(self._feed, params, self._finished)
-                finally:
-                    self.gate.release()
-        except EngineClosed:
-            return
-        except BaseException as err:  # raised to the trainer by `take`
-            with self.gate.changed:
-                self._error = err
-                self.gate.changed.notify_all()
-        finally:
-            self._engine_idle_since = None
+        while self._claim(lambda: self._room() > 0):
+            try:
+                self.generator.engine.stream(self._feed, params, self._finished)
+            finally:
+                self.gate.release()
 
     def _room(self) -> int:
         """How many groups may start now (under the gate's lock): what steps `_step` .. version +
@@ -161,11 +140,7 @@ class GroupStream:
     def take(self, step: int) -> tuple[Rollout | None, dict]:
         """Step `step`'s batch: the first prompts_per_step groups that finished within the staleness
         bound (in key order), with the rollout/ and staleness/ metrics since the last take."""
-        start = time.perf_counter()
-        if not self.gate.wait_for(lambda: self._error is not None or self._enough(step)):
-            raise RuntimeError("the asynchronous rollout engine was closed")
-        if self._error is not None:
-            raise self._error
+        self._wait(lambda: self._enough(step))
         with self.gate.changed:
             groups = sorted(self._ready[: self.per_step], key=lambda g: g.key)
             del self._ready[: self.per_step]
@@ -176,26 +151,14 @@ class GroupStream:
             self._step = step + 1
             depth = len(self._ready)
             self.gate.changed.notify_all()
-        self._trainer_idle += time.perf_counter() - start
         sampled = SampledGroups()
         for group in sorted(groups + filtered, key=lambda g: g.key):
             keep = torch.tensor([group in groups])
             sampled.add(group.gens, group.rewards[None], group.accuracy, group.warnings, keep)
         sampled.rounds = -(-len(groups + filtered) // self.per_step)
-        now = time.perf_counter()
-        then, engine_then, trainer_then = self._last_take
-        engine_idle = self._engine_idle + (now - self._engine_idle_since if self._engine_idle_since else 0.0)
-        self._last_take = (now, engine_idle, self._trainer_idle)
-        wall = max(now - then, 1e-9)
-        # the seconds the engine sampled since the last take
-        rollout, stats = self.generator.batch(step, sampled, wall - (engine_idle - engine_then))
-        return rollout, {
-            **stats,
-            "staleness/buffer_depth": depth,
-            "staleness/dropped_samples": dropped,
-            "staleness/engine_idle_frac": min((engine_idle - engine_then) / wall, 1.0),
-            "staleness/trainer_idle_frac": min((self._trainer_idle - trainer_then) / wall, 1.0),
-        }
+        sampling_seconds, idle = self._interval()
+        rollout, stats = self.generator.batch(step, sampled, sampling_seconds)
+        return rollout, {**stats, "staleness/buffer_depth": depth, "staleness/dropped_samples": dropped, **idle}
 
     def _enough(self, step: int) -> bool:
         """Under the lock: drop the finished groups too stale for `step`; whether step `step` can
@@ -208,12 +171,6 @@ class GroupStream:
         if stale:
             self.gate.changed.notify_all()  # their slots are free
         return len(self._ready) >= self.per_step or len(self._ready) + len(self._filtered) >= self.budget
-
-    def publish(self, version: int) -> dict:
-        """The trainer's weights of `version` to the engine (see `EngineGate.publish`)."""
-        loaded = self.gate.load_seconds
-        self._trainer_idle += self.gate.publish(version)
-        return {"perf/weight_sync_seconds": self.gate.load_seconds - loaded}
 
     # ------------------------------------------------------------------------------ checkpoints
     def checkpoint_state(self, step: int) -> dict:
@@ -229,12 +186,6 @@ class GroupStream:
     def restore(self, stream: dict) -> None:
         """Continue from a checkpoint's "stream" (`checkpoint_state`); the source is restored apart."""
         self._next_key, self._skip = stream["next_key"], set(stream["skip"])
-
-    def close(self) -> None:
-        """Stop sampling: the groups under way are dropped at the engine's next decoding step."""
-        self.gate.close()
-        if self._thread is not None:
-            self._thread.join()
 
 
 def sampling_worker(
