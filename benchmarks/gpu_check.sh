@@ -414,10 +414,10 @@ VERL_ASYNC_CPU_ARGS=(
   "reward.custom_reward_function.path=$DIR/verl-reward.py" reward.num_workers=1
   +ray_kwargs.ray_init.num_gpus=2 +ray_kwargs.ray_init.num_cpus=32
 )
-SMOL_DIR='<the HF copy of smollm2: gppo.rollout.vllm.vllm_model_dir>'
+SMOL_DIR='<the HF copy of smollm2: gppo.rollout.vllm_setup.vllm_model_dir>'
 smol_dir() {
   [[ $MODE == dry ]] \
-    || SMOL_DIR=$("$PY" -c "from gppo.rollout.vllm import vllm_model_dir; print(vllm_model_dir('smollm2'))")
+    || SMOL_DIR=$("$PY" -c "from gppo.rollout.vllm_setup import vllm_model_dir; print(vllm_model_dir('smollm2'))")
 }
 has flash_attn || { VERL_ARGS+=(  # no flash-attn: sdpa on padded batches (packing needs flash-attn)
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=false)

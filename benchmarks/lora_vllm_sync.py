@@ -38,7 +38,7 @@ def main() -> None:
     from gppo.models.adapters import LoraOptions, add_adapter
     from gppo.models.loading import load_model_and_tokenizer
     from gppo.rollout import SamplingParams, make_engine
-    from gppo.rollout.vllm import vllm_model_dir
+    from gppo.rollout.vllm_setup import vllm_model_dir
     from gppo.tasks import get_task
 
     base = vllm_model_dir("smollm2")

@@ -69,7 +69,7 @@ def serve(model_dir, requests, adapter=None):
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from gppo.rollout.vllm import _whole_prefills
+    from gppo.rollout.vllm_setup import whole_prefills
 
     server_class = import_server()
     lora = {} if adapter is None else {"enable_lora": True, "max_loras": 1, "max_lora_rank": LORA_RANK}
@@ -88,7 +88,7 @@ def serve(model_dir, requests, adapter=None):
                 max_model_len=256,
                 max_logprobs=20,
                 logprobs_mode="processed_logprobs",
-                **_whole_prefills(model_dir, 256),
+                **whole_prefills(model_dir, 256),
                 **lora,
             )
         )

@@ -20,7 +20,8 @@ pytest.importorskip("vllm")
 from gppo.models.loading import load_model_and_tokenizer  # noqa: E402
 from gppo.rollout import GroupRequest, SamplingParams, make_engine  # noqa: E402
 from gppo.rollout.hf import eos_token_ids  # noqa: E402
-from gppo.rollout.vllm import VLLMEngine, vllm_model_dir  # noqa: E402
+from gppo.rollout.vllm import VLLMEngine  # noqa: E402
+from gppo.rollout.vllm_setup import vllm_model_dir  # noqa: E402
 from gppo.trainer import Trainer  # noqa: E402
 from gppo.trainer.config import from_dict  # noqa: E402
 

@@ -69,7 +69,7 @@ _update_weights = _vllm_rollout_utils.vLLMColocateWorkerExtension._update_weight
 def _reload_weights(self, weights, peft_config, base_sync_done):
     """vLLMColocateWorkerExtension._update_weights for one bucket of (name, tensor), by vLLM's reload
     (checkpoint names); a LoRA adapter by verl's own path (vLLM's add_lora)."""
-    from gppo.rollout.vllm import _retie_and_repack_head
+    from gppo.rollout.vllm_worker import retie_and_repack_head
 
     if peft_config and base_sync_done:
         _update_weights(self, weights, peft_config, base_sync_done)
@@ -77,7 +77,7 @@ def _reload_weights(self, weights, peft_config, base_sync_done):
     weights = [(name.replace(".base_layer.", "."), tensor.detach().clone()) for name, tensor in weights]
     self.reload_weights(weights_iterator=weights)
     if getattr(self.model_runner.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
-        _retie_and_repack_head(self.model_runner.model)
+        retie_and_repack_head(self.model_runner.model)
 
 
 _distributed.initialize_global_process_group_ray = _init_gloo_process_group

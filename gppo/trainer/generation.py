@@ -157,9 +157,10 @@ class RolloutGenerator:
             rollout = dataclasses.replace(rollout, logp_behavior_full=self._behavior_distribution(rollout))
         return rollout, stats
 
-    def score(self, problems: list, gens: list[Generation]) -> tuple[torch.Tensor, list[float], int]:
-        """Rewards [groups, group_size] of `gens` (group_size completions of each problem, in order),
-        the verifier's score of each, and the reward functions' warnings."""
+    def score(self, problems, gens: list[Generation]) -> tuple[torch.Tensor, list[float], int]:
+        """Rewards [groups, group_size] of `gens` (group_size completions of each problem, in order;
+        `problems` is indexed by their prompt_index: a list, or a group's {key: problem}), the
+        verifier's score of each, and the reward functions' warnings."""
         scored = self.rewards(
             [problems[g.prompt_index] for g in gens],
             [g.text for g in gens],
@@ -189,9 +190,12 @@ class RolloutGenerator:
         step, group = divmod(key, c.prompts_per_step)
         return GroupRequest(key, ids, group_seeds(c.seed, step, 0, group, c.group_size))
 
-    def sampling(self, seed: int | None, policy_version: Callable[[], int] | None, **row_seeds) -> SamplingParams:
+    def sampling(
+        self, seed: int | None, policy_version: Callable[[], int] | None, row_seeds: tuple[int, ...] | None = None
+    ) -> SamplingParams:
         """How rollouts are sampled: group_size completions per prompt, with mu's top-K log-probs
-        (and the top-p nucleus) when the estimator reads them."""
+        (and the top-p nucleus) when the estimator reads them. `row_seeds` seed the completions,
+        `seed` the tool engine's resumed segments (gppo.rollout.tools)."""
         c = self.config
         return SamplingParams(
             temperature=c.temperature,
@@ -202,7 +206,7 @@ class RolloutGenerator:
             top_p=c.rollout_top_p,
             record_kept_ids=c.rollout_top_p < 1,
             policy_version=policy_version,
-            **row_seeds,
+            row_seeds=row_seeds,
         )
 
     def _warn_truncation(self, step: int, truncated: float) -> None:
