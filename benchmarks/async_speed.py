@@ -5,7 +5,8 @@ Each mode is a fresh `gppo train` in a subprocess, modes alternating `--repeats`
 drifting during the benchmark moves all of them alike. Peak RSS is that of the whole process tree
 (the run and every process it starts, summed, sampled every 0.2 s): asynchronous vLLM runs in
 processes of its own (`--vllm_own_process`), which a single process's peak would leave out.
-`async-in-process` keeps vLLM in the trainer's process (`--vllm_own_process false`, engine vllm).
+`async-in-process` keeps vLLM in the trainer's process (`--vllm_own_process false`, engine vllm);
+`async-server` samples through vLLM's own OpenAI-compatible server (`--vllm_server true`).
 A run's time per step is the mean of perf/step_seconds over its steps after the first (the first
 asynchronous step has nothing to overlap with); evaluations and start-up are excluded.
 
@@ -43,6 +44,7 @@ MODES = {  # mode -> the flags that make it
     "async-waves": ["--async_rollouts", "true", "--async_batching", "waves"],  # a step's batch in one engine call
     "partial": ["--async_rollouts", "true", "--partial_rollouts", "true"],
     "async-in-process": ["--async_rollouts", "true", "--vllm_own_process", "false"],
+    "async-server": ["--async_rollouts", "true", "--vllm_server", "true"],  # vLLM's OpenAI server, over HTTP
 }
 RSS_POLL_S = 0.2
 GPU_GENERATION_SHARE = 0.7
@@ -153,9 +155,9 @@ def main():
     print(f"\nengine {args.engine}, {args.steps} steps, {args.threads} threads, {' '.join(args.train_flags)}")
     print(
         "| mode | s/step | steps/hour | vs sync | s per 1k trained tokens | vs sync | engine idle | trainer idle | "
-        "tokens behind | peak RSS GB | RSS vs sync |"
+        "tokens behind | weight sync s | peak RSS GB | RSS vs sync |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, runs in results.items():
         m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         ratio = base["step_s"] / m["step_s"] if base else float("nan")
@@ -164,7 +166,7 @@ def main():
         print(
             f"| {mode} | {m['step_s']:.1f} | {3600 / m['step_s']:.0f} | {ratio:.2f}x | {m['s_per_k']:.2f} | "
             f"{per_token:.2f}x | {m['engine_idle']:.2f} | "
-            f"{m['trainer_idle']:.2f} | {m['staleness']:.2f} | {m['rss_gb']:.2f} | {rss:.2f} |"
+            f"{m['trainer_idle']:.2f} | {m['staleness']:.2f} | {m['sync_s']:.2f} | {m['rss_gb']:.2f} | {rss:.2f} |"
         )
     if base and "async" in results:
         g, u = base["rollout_s"], base["update_s"]

@@ -39,7 +39,8 @@
 #                   a CPU with vLLM's CPU build and SmolLM2, else SKIP (verl's validate_config then
 #                   imports vLLM to check the LoRA rank).
 #   async-speed     benchmarks/async_speed.py: gppo train --async_rollouts (max_staleness 1), continuous
-#                   batching and wave by wave, against the synchronous run, SmolLM2 with vLLM on the GPU,
+#                   batching, wave by wave and through vLLM's own OpenAI server (--vllm_server), against
+#                   the synchronous run, SmolLM2 with vLLM on the GPU,
 #                   word problems, 8 x 8 x 256, 4 steps each:
 #                   steps per hour, both idle fractions, peak RSS, and the synchronous phase times (the
 #                   GPU's own balance of generation and update). --cpu: the embedded model on countdown
@@ -268,7 +269,7 @@ fi
 
 # ---- async: steps per hour of gppo train --async_rollouts against the synchronous run
 async_summary() {  # the table's rows and the phase line of benchmarks/async_speed.py
-  grep -E '^\| (sync|async|async-waves) \||^synchronous phases' "$1" | tr -s ' '
+  grep -E '^\| (sync|async|async-waves|async-server) \||^synchronous phases' "$1" | tr -s ' '
 }
 if [[ $MODE == cpu ]]; then  # the embedded model, gppo's own engine: checks the script and the flags
   row async-speed 600 async_summary "$PY" benchmarks/async_speed.py --steps 4 --task countdown
@@ -277,8 +278,8 @@ elif ! has vllm; then
 elif ((SMOL_OK == 0)); then
   skip async-speed "SmolLM2 missing"
 else  # the setting: SmolLM2, vLLM on the GPU, 8 x 8 x 256; the phase line gives the GPU's balance
-  row async-speed 600 async_summary "$PY" benchmarks/async_speed.py --engine vllm --steps 4 --model smollm2 \
-    --modes sync async async-waves \
+  row async-speed 900 async_summary "$PY" benchmarks/async_speed.py --engine vllm --steps 4 --model smollm2 \
+    --modes sync async async-waves async-server \
     --task word-problems --max_new_tokens 256 --prompts_per_step 8 --group_size 8 --mini_batch_size 32 \
     --micro_batch_size 16 --vllm_kv_cache_gb 4 --device "$DEVICE"
 fi

@@ -296,7 +296,10 @@ def test_tool_rollouts_run_asynchronously_with_their_mask(tmp_path):
             dict(async_rollouts=True, estimator="full", anchor="behavior"),
             "come from several versions: use --async_batching waves, --anchor old",
         ),
-        (dict(async_rollouts=True, tools=["python"]), "tool rollouts .* use --async_batching waves"),
+        (
+            dict(async_rollouts=True, tools=["python"]),
+            "the hf engine resumes them in rounds: use --async_batching waves",
+        ),
         (dict(async_batching="waves"), "--async_batching waves would be ignored: it applies with --async_rollouts"),
     ],
 )

@@ -647,6 +647,49 @@ def test_vllm_stops_a_segment_where_the_fence_rule_says():
     vllm.close()
 
 
+def test_tool_rollouts_stream_in_groups_each_drawing_what_it_draws_alone():
+    """Continuous batching with tool calls (`ToolEngine.stream` over vLLM's request queue): groups of
+    the multiplication warm start join at different engine steps, and their completions call the
+    tool and resume one by one. Each group draws what it draws streamed alone (first segment: its
+    row seed; each resumed one: row seed and tokens so far). mu at the model's tokens equals a float32
+    HF forward, tool tokens carry 0, and every token carries the stream's version."""
+    from gppo.models.assets import embedded_checkpoint
+    from gppo.rollout.tools import PythonTool, ToolEngine
+    from gppo.tasks import get_task, heldout_problems
+
+    base = embedded_checkpoint("multiplication")
+    model, tokenizer = load_model_and_tokenizer(base, dtype=torch.float32)
+    vllm = make_engine("vllm", model, tokenizer, model_path=base, kv_cache_gb=KV_GB, code_block_stops=True)
+    engine = ToolEngine(vllm, tokenizer, PythonTool())
+    encoded = [tokenizer(p.prompt)["input_ids"] for p in heldout_problems(get_task("multiplication"), 6)]
+    params = SamplingParams(temperature=T, max_new_tokens=64, n=4, policy_version=lambda: 3)
+
+    def run(due: dict[int, int]) -> dict:
+        looks, out = [], {}
+
+        def feed(room: int) -> list[GroupRequest]:
+            looks.append(room)
+            key = due.get(len(looks))
+            return [] if key is None else [GroupRequest(key, encoded[key], tuple(11 * key + r for r in range(4)))]
+
+        engine.stream(feed, params, out.__setitem__)
+        return out
+
+    together = run({1: 0, 3: 1, 6: 2, 7: 3, 9: 4, 12: 5})
+    assert sorted(together) == list(range(6))
+    gens = [g for key in range(6) for g in together[key]]
+    assert sum(g.tool_calls > 0 for g in gens) >= 4, [g.tool_calls for g in gens]
+    for key in range(6):
+        assert [g.completion_ids for g in run({1: key})[key]] == [g.completion_ids for g in together[key]]
+    for g in gens:
+        ref, ids = hf_log_probs(model, g), torch.tensor(g.completion_ids)
+        mine = torch.tensor(g.tool_mask, dtype=torch.bool)
+        gap = (torch.tensor(g.logprobs) - ref[torch.arange(len(ids)), ids]).abs()
+        assert gap[mine].max() <= FP32_TOL and (torch.tensor(g.logprobs)[~mine] == 0).all()
+        assert g.versions == [3] * len(g.completion_ids)
+    vllm.close()
+
+
 class _FirstCallWaitsForAResume:
     """A python tool whose first call answers only once some completion has resumed after its own
     call and ended (or after 120 s): with requests that resume independently it never waits long;

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import os
 import threading
 import weakref
@@ -53,6 +54,8 @@ from dataclasses import dataclass, field
 
 from gppo.rollout.base import Generation, SamplingParams
 from gppo.tool_format import ToolTurn, closed_code_block, output_block
+
+TOOL_POLL_S = 0.05  # how long a stream waits for a tool's answer before it asks for new groups again
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,8 @@ class _Completion:
     failures: int = 0
     finish: str = "stop"
     call: Future | None = None  # the tool's output, when its call started while the engine decoded
+    seed: int | None = None  # a streamed completion's row seed (`ToolEngine.stream`)
+    key: object = None  # a streamed completion's group
 
     def add_model(self, g: Generation) -> None:
         self.ids += g.completion_ids
@@ -273,45 +278,120 @@ class ToolEngine:
         return [self._generation(c, params.top_k_logprobs, record_kept) for c in done]
 
     def _independently(self, pool, encoded: list[list[int]], params: SamplingParams) -> list[_Completion]:
-        """Each completion is a request of its own; a stopped one waits for its tool, then joins the
-        running batch with its whole sequence as the prompt (vLLM's prefix cache holds the part it
-        has seen), seeded by `_seed`."""
-        requests = self.engine.requests(dataclasses.replace(params, n=1, on_step=None, stop_at_code_block=True))
+        """Each completion is a request of its own (`_through_requests`), seeded by `_seed`."""
         done = [
             _Completion(number, number // params.n, encoded[number // params.n])
             for number in range(len(encoded) * params.n)
         ]
+        waiting = list(done)
+
+        def ended(c: _Completion) -> None:
+            if params.on_step is not None:
+                params.on_step(len(c.ids), 1)
+
+        def start(_active: int) -> list[_Completion]:
+            started, waiting[:] = list(waiting), []
+            return started
+
+        self._through_requests(pool, params, start, lambda c: self._seed(params, c, len(done)), ended)
+        return done
+
+    def stream(self, feed, params: SamplingParams, done) -> None:
+        """Continuous batching with tool calls (`RolloutEngine.stream`) on an engine with a request
+        queue (vLLM's `requests`): up to the engine's `slots` completions at once, whether decoding
+        or waiting for a tool; a group starts as they free, and `done(key, generations)` gets it once
+        its completions have all ended. A completion's first segment draws from its row seed, each
+        resumed one from (row seed, tokens so far), so a group samples what it samples alone."""
+        if not hasattr(self.engine, "requests"):
+            raise ValueError(
+                "continuous batching with tool calls needs an engine whose completions resume one by one "
+                "(vLLM's request queue); the hf engine resumes them in rounds: sample in waves"
+            )
+        version = params.policy_version() if params.policy_version is not None else None
+        record_kept = params.record_kept_ids and params.top_p < 1 and params.temperature > 0
+        groups: dict[object, list[_Completion]] = {}
+        finished: dict[object, int] = {}
+        numbers = itertools.count()
+
+        def start(active: int) -> list[_Completion]:
+            room = max((self.engine.slots - active) // params.n, 0 if active else 1)
+            started = []
+            for group in feed(room) if room else []:
+                rows = [
+                    _Completion(next(numbers), group.key, list(group.prompt_ids), seed=seed, key=group.key)
+                    for seed in group.row_seeds
+                ]
+                groups[group.key], finished[group.key] = rows, 0
+                started += rows
+            return started
+
+        def seed_of(c: _Completion) -> int | None:
+            return c.seed if not c.ids or c.seed is None else (c.seed * params.max_new_tokens + len(c.ids)) % 2**63
+
+        def ended(c: _Completion) -> None:
+            if params.policy_version is not None and params.policy_version() != version:
+                raise RuntimeError(
+                    "new weights reached the engine while tool rollouts were under way (partial rollouts), "
+                    "which they do not record per token"
+                )
+            finished[c.key] += 1
+            if finished[c.key] == params.n:
+                del finished[c.key]
+                gens = [self._generation(each, params.top_k_logprobs, record_kept) for each in groups.pop(c.key)]
+                for g in gens if version is not None else []:
+                    g.versions = [version] * len(g.completion_ids)
+                done(c.key, gens)
+            if params.on_step is not None:
+                params.on_step(len(c.ids), 1)
+
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            self._through_requests(pool, params, start, seed_of, ended)
+
+    def _through_requests(self, pool, params: SamplingParams, start, seed_of, ended) -> None:
+        """Run completions through the engine's request queue until none is left: `start(active)`
+        gives new ones (asked at every turn, `active` of them under way); a stopped one waits for its
+        tool, then joins the running batch with its whole sequence as the prompt (vLLM's prefix
+        cache holds the part it has seen), seeded by `seed_of`; `ended(c)` hears of each that ends."""
+        requests = self.engine.requests(dataclasses.replace(params, n=1, on_step=None, stop_at_code_block=True))
+        active: dict[int, _Completion] = {}  # number -> a completion under way
+        calls: dict[Future, _Completion] = {}
 
         def submit(c: _Completion) -> None:
             room = params.max_new_tokens - len(c.ids)
-            seed = self._seed(params, c, len(done))
-            requests.add(c.number, c.prompt_index, c.prompt_ids + c.ids, room, seed, self._calls_open(c.calls, room))
+            requests.add(
+                c.number, c.prompt_index, c.prompt_ids + c.ids, room, seed_of(c), self._calls_open(c.calls, room)
+            )
 
-        for c in done:
-            submit(c)
-        calls: dict[Future, _Completion] = {}
-        while requests.pending or calls:
+        def after(c: _Completion) -> None:
+            if c.finish == "pending":
+                submit(c)
+            else:
+                del active[c.number]
+                ended(c)
+
+        while True:
+            for c in start(len(active)):
+                active[c.number] = c
+                submit(c)
+            if not active:
+                return
             for number, g in requests.step() if requests.pending else []:
-                c = done[number]
+                c = active[number]
                 c.add_model(g)
                 code = self._call(c, params)
                 if code is not None:
                     calls[pool.submit(self.tool, code)] = c
-                elif c.finish == "pending":
-                    submit(c)
-                elif params.on_step is not None:
-                    params.on_step(len(c.ids), 1)
+                else:
+                    after(c)
             answered = (
-                [f for f in calls if f.done()] if requests.pending else wait(calls, return_when=FIRST_COMPLETED).done
+                [f for f in calls if f.done()]
+                if requests.pending
+                else wait(calls, timeout=TOOL_POLL_S, return_when=FIRST_COMPLETED).done
             )
             for call in answered:
                 c = calls.pop(call)
                 self._answer(c, call.result(), params)
-                if c.finish == "pending":
-                    submit(c)
-                elif params.on_step is not None:
-                    params.on_step(len(c.ids), 1)
-        return done
+                after(c)
 
     def _in_rounds(self, pool, encoded: list[list[int]], params: SamplingParams) -> list[_Completion]:
         """Sample every completion until it stops; run the calls (started while decoding where the

@@ -64,7 +64,7 @@ import torch
 from gppo.rollout.base import Generation, GroupRequest, SamplingParams, check_row_seeds
 from gppo.rollout.hf import encode
 from gppo.rollout.vllm_setup import bound_cpus, served_rank, vllm_model_dir, whole_prefills
-from gppo.rollout.vllm_worker import retie_and_repack_head, retie_head
+from gppo.rollout.vllm_worker import retie_and_repack_head, retie_head, weights_in_shared_memory
 from gppo.tool_format import STOP_STRINGS
 
 DEFAULT_KV_CACHE_GB = 1.0
@@ -165,6 +165,11 @@ class VLLMEngine:
         self._batches = itertools.count()  # numbers the request ids of partial-rollout batches
         VLLMEngine._live = weakref.ref(self)
 
+    @property
+    def slots(self) -> int:
+        """Completions decoded together at most (vLLM's `max_num_seqs`)."""
+        return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
     def close(self) -> None:
         """Shut vLLM down now (its engine core and parallel state), not whenever it is collected."""
         if not self.closed:
@@ -235,7 +240,7 @@ class VLLMEngine:
     def _stream(self, feed, params: SamplingParams, done, record_kept: bool) -> None:
         from vllm.sampling_params import RequestOutputKind
 
-        engine, slots = self.llm.llm_engine, self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        engine, slots = self.llm.llm_engine, self.slots
         version = params.policy_version() if params.policy_version is not None else None
         prefix, numbers = f"gppo-stream-{next(self._batches)}-", itertools.count()
         # request id (outputs carry the id given) -> (group key, row in group, prompt ids, vLLM's own id)
@@ -371,19 +376,9 @@ class VLLMEngine:
         self.llm.reset_prefix_cache(reset_running_requests=True)
 
     def _load_through_file(self, weights) -> None:
-        """Weights to vLLM's own process: one safetensors file in shared memory (/dev/shm where it
-        exists), read there by gppo's worker extension (gppo.rollout.vllm_worker), then deleted."""
-        from safetensors.torch import save_file
-
-        tensors = {name: p.detach().to("cpu").contiguous() for name, p in weights}
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        handle, path = tempfile.mkstemp(prefix="gppo-weights-", suffix=".safetensors", dir=shm)
-        os.close(handle)
-        try:
-            save_file(tensors, path)
+        """Weights to vLLM's own process through a file in shared memory (gppo.rollout.vllm_worker)."""
+        with weights_in_shared_memory(weights) as path:
             self.llm.collective_rpc("gppo_load_weights", args=(path, self.tied_head, self.on_cpu))
-        finally:
-            os.unlink(path)
 
     def _serve_adapter(self, model) -> None:
         """Save `model`'s adapter and name it in every later request (a new LoRARequest id, which

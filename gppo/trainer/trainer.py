@@ -162,6 +162,11 @@ class Trainer:
             self.device,
             model_path,
         )
+        if config.engine == "vllm" and config.vllm_server:
+            self.console.print(
+                f"vLLM's server samples this run: {self.engine.base_url}, model {self.engine.served_model!r} "
+                f"(log: {self.engine.log_path})"
+            )
         check_prompt_lengths(self.problems, self.prompts, self.tokenizer, self.model.config, config.max_new_tokens)
         self.generator = RolloutGenerator(
             config,
@@ -246,6 +251,8 @@ class Trainer:
         """Stop sampling and release the run directory (`train()` does both when it returns)."""
         if self.async_rollouts is not None:
             self.async_rollouts.close()
+        if self.config.engine == "vllm" and self.config.vllm_server:
+            self.engine.close()  # the server process does not outlive its run
         self.lock.release()
 
     def _prompt_builder(self) -> PromptBuilder:
