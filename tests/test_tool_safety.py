@@ -2,7 +2,8 @@
 printed "<|im_end|>" is characters, never the special token), it is cut before it is wrapped (the
 closing fence or the template's closing turn is always there, and a failure's reason too), and a
 block the budget cannot answer is not run. Each rule holds on both of `ToolEngine`'s paths: the HF
-engine's rounds and vLLM's request queue (simulated, `StopStringEngine`).
+engine's rounds and vLLM's request queue (simulated, `StopStringEngine`), called for a batch or
+under continuous batching (`ToolEngine.stream`).
 """
 
 import copy
@@ -10,7 +11,7 @@ import copy
 import pytest
 
 from gppo.models.embedded import build_model, build_tokenizer
-from gppo.rollout import SamplingParams
+from gppo.rollout import GroupRequest, SamplingParams
 from gppo.rollout.tools import ToolEngine, template_tool_turn
 from gppo.tool_format import output_block
 from tests.test_tools import (
@@ -32,14 +33,25 @@ def special_ids(tokenizer) -> set[int]:
 
 def rollout(path, model, tokenizer, monkeypatch, script, tool, budget, **settings):
     """One completion of "go " whose model tokens are `script`, with `tool`, on `path` ("hf": the HF
-    engine, a generate call per round; "requests": vLLM's request queue, simulated)."""
+    engine, a generate call per round; "requests": vLLM's request queue, simulated; "stream": the
+    same queue under continuous batching, `ToolEngine.stream`, a group of one)."""
     if path == "hf":
         engine = scripted_engine(model, tokenizer, monkeypatch, script)
     else:
         engine = StopStringEngine(tokenizer, script, vllm_stop_strings())
-    (g,) = ToolEngine(engine, tokenizer, tool, **settings).generate(
-        ["go "], SamplingParams(max_new_tokens=budget, seed=0)
-    )
+    tools = ToolEngine(engine, tokenizer, tool, **settings)
+    if path != "stream":
+        (g,) = tools.generate(["go "], SamplingParams(max_new_tokens=budget, seed=0))
+        return g
+    engine.slots, waiting, out = 4, [GroupRequest("go", tokenizer("go ")["input_ids"], (0,))], {}
+
+    def feed(room: int) -> list[GroupRequest]:
+        given = waiting[:room]
+        del waiting[:room]
+        return given
+
+    tools.stream(feed, SamplingParams(max_new_tokens=budget), out.__setitem__)
+    (g,) = out["go"]
     return g
 
 
@@ -75,7 +87,8 @@ def any_tokenizer(request):
     return tokenizer, template_tool_turn(tokenizer)
 
 
-def test_a_printed_special_token_is_plain_text(any_tokenizer, monkeypatch):
+@pytest.mark.parametrize("path", ["hf", "requests", "stream"])
+def test_a_printed_special_token_is_plain_text(any_tokenizer, monkeypatch, path):
     """A program prints every special token's string (EOS, <|im_end|>, <|im_start|>, ...): the tool
     tokens hold the turn as it is written (a template's role markers are special tokens) and, in
     between, the output with no special id in it, decoding to exactly what was printed."""
@@ -84,7 +97,7 @@ def test_a_printed_special_token_is_plain_text(any_tokenizer, monkeypatch):
     printed = " ".join(sorted(tokenizer.decode([i]) for i in special))
     model = build_model(tokenizer, seed=0, hidden=16, layers=1, heads=2).eval()
     tool = Recording(answer(printed + "\n"))
-    g = rollout("hf", model, tokenizer, monkeypatch, BLOCK, tool, 240, output_tokens=200, tool_turn=turn)
+    g = rollout(path, model, tokenizer, monkeypatch, BLOCK, tool, 240, output_tokens=200, tool_turn=turn)
     assert g.tool_calls == 1
     ids = tool_tokens(g)
     before, after = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (turn.before, turn.after))
@@ -111,7 +124,7 @@ def test_a_tokenizer_that_keeps_printed_special_tokens_is_refused(chat):
         ToolEngine(object(), KeepsSpecials(), Recording())
 
 
-@pytest.mark.parametrize("path", ["hf", "requests"])
+@pytest.mark.parametrize("path", ["hf", "requests", "stream"])
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "template"])
 def test_the_output_is_cut_before_it_is_wrapped(chat, monkeypatch, path, fenced):
     """The output's own tokens are cut (to output_tokens, then to the room the turn leaves), then
@@ -139,7 +152,7 @@ def test_the_output_is_cut_before_it_is_wrapped(chat, monkeypatch, path, fenced)
     assert g.finish_reason == "length" and len(g.completion_ids) == budget
 
 
-@pytest.mark.parametrize("path", ["hf", "requests"])
+@pytest.mark.parametrize("path", ["hf", "requests", "stream"])
 @pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "template"])
 def test_a_block_the_budget_cannot_answer_is_not_run(chat, monkeypatch, path, fenced):
     """A block is run only when the room left after it holds the turn and at least one token of

@@ -57,6 +57,12 @@ def check_row_seeds(params: SamplingParams, prompts: int) -> None:
         raise ValueError(f"row_seeds has {len(params.row_seeds)} seeds for {prompts * params.n} completions")
 
 
+def groups_room(slots: int, running: int, n: int) -> int:
+    """How many groups of `n` completions a stream may start with `running` of its `slots` taken:
+    those that fit, and one when none runs (a group larger than the batch still starts)."""
+    return max((slots - running) // n, 0 if running else 1)
+
+
 @dataclass(frozen=True)
 class GroupRequest:
     """A prompt whose `SamplingParams.n` completions join a running batch together (`stream`):

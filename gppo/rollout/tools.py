@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from gppo.rollout.base import Generation, SamplingParams
+from gppo.rollout.base import Generation, SamplingParams, groups_room
 from gppo.tool_format import ToolTurn, closed_code_block, output_block
 
 TOOL_POLL_S = 0.05  # how long a stream waits for a tool's answer before it asks for new groups again
@@ -197,7 +197,6 @@ class _Completion:
     finish: str = "stop"
     call: Future | None = None  # the tool's output, when its call started while the engine decoded
     seed: int | None = None  # a streamed completion's row seed (`ToolEngine.stream`)
-    key: object = None  # a streamed completion's group
 
     def add_model(self, g: Generation) -> None:
         self.ids += g.completion_ids
@@ -314,12 +313,11 @@ class ToolEngine:
         numbers = itertools.count()
 
         def start(active: int) -> list[_Completion]:
-            room = max((self.engine.slots - active) // params.n, 0 if active else 1)
+            room = groups_room(self.engine.slots, active, params.n)
             started = []
             for group in feed(room) if room else []:
                 rows = [
-                    _Completion(next(numbers), group.key, list(group.prompt_ids), seed=seed, key=group.key)
-                    for seed in group.row_seeds
+                    _Completion(next(numbers), group.key, list(group.prompt_ids), seed=seed) for seed in group.row_seeds
                 ]
                 groups[group.key], finished[group.key] = rows, 0
                 started += rows
@@ -334,13 +332,15 @@ class ToolEngine:
                     "new weights reached the engine while tool rollouts were under way (partial rollouts), "
                     "which they do not record per token"
                 )
-            finished[c.key] += 1
-            if finished[c.key] == params.n:
-                del finished[c.key]
-                gens = [self._generation(each, params.top_k_logprobs, record_kept) for each in groups.pop(c.key)]
+            finished[c.prompt_index] += 1
+            if finished[c.prompt_index] == params.n:
+                del finished[c.prompt_index]
+                gens = [
+                    self._generation(each, params.top_k_logprobs, record_kept) for each in groups.pop(c.prompt_index)
+                ]
                 for g in gens if version is not None else []:
                     g.versions = [version] * len(g.completion_ids)
-                done(c.key, gens)
+                done(c.prompt_index, gens)
             if params.on_step is not None:
                 params.on_step(len(c.ids), 1)
 

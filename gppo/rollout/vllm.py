@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from gppo.rollout.base import Generation, GroupRequest, SamplingParams, check_row_seeds
+from gppo.rollout.base import Generation, GroupRequest, SamplingParams, check_row_seeds, groups_room
 from gppo.rollout.hf import encode
 from gppo.rollout.vllm_setup import bound_cpus, served_rank, vllm_model_dir, whole_prefills
 from gppo.rollout.vllm_worker import retie_and_repack_head, retie_head, weights_in_shared_memory
@@ -264,7 +264,7 @@ class VLLMEngine:
                     version = newer
                     for request in running:
                         switches[request].append((so_far(request), version))
-                room = max((slots - len(running)) // params.n, 0 if running else 1)
+                room = groups_room(slots, len(running), params.n)
                 for group in feed(room) if room else []:
                     groups[group.key] = [None] * params.n
                     for row, seed in enumerate(group.row_seeds):

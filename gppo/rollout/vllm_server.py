@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from gppo.rollout.base import Generation, SamplingParams, check_row_seeds
+from gppo.rollout.base import Generation, SamplingParams, check_row_seeds, groups_room
 from gppo.rollout.hf import encode
 from gppo.rollout.vllm_setup import bound_cpus, vllm_model_dir, whole_prefills
 from gppo.rollout.vllm_worker import weights_in_shared_memory
@@ -203,7 +203,7 @@ class VLLMServerEngine:
         groups: dict[object, list[Generation | None]] = {}
         try:
             while True:
-                room = max((SLOTS - len(running)) // params.n, 0 if running else 1)
+                room = groups_room(SLOTS, len(running), params.n)
                 for group in feed(room) if room else []:
                     groups[group.key] = [None] * params.n
                     for row, seed in enumerate(group.row_seeds):
