@@ -248,8 +248,7 @@ def test_a_block_never_closed_is_cut_at_the_budget(scripted, monkeypatch):
 @pytest.mark.parametrize(
     "code,says",
     [
-        # the wall clock's 1 s limit, or under load the CPU time's (also 1 s), whichever fires first
-        ("while True:\n    pass", "timeout: "),
+        ("while True:\n    pass", "timeout: wall-clock limit of 1 s"),
         ("raise ValueError('bad input')", "ValueError: bad input"),
         ("import os\nwhile True:\n    os.fork()", ""),  # a fork bomb: stopped by the process limit or the clock
         ("import socket\nsocket.create_connection(('93.184.216.34', 80), timeout=1)", "Error"),

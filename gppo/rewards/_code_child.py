@@ -135,9 +135,8 @@ def _guard_interpreter(site_packages: list[str]) -> None:
 def set_limits(limits: dict) -> None:
     """The resource limits of the program's process, from `Limits`' fields (the bootstrap sets them
     before it starts that process, a pool's server in its fork)."""
-    cpu = max(1, -(-limits["timeout_s"] // 1))  # soft = hard: SIGKILL, which even a PID 1 obeys
     for limit, value in (
-        (resource.RLIMIT_CPU, int(cpu)),
+        (resource.RLIMIT_CPU, _wire.cpu_seconds(limits["timeout_s"])),  # soft = hard: SIGKILL, which even a PID 1 obeys
         (resource.RLIMIT_AS, limits["memory_mb"] << 20),
         (resource.RLIMIT_NPROC, limits["max_processes"]),
         (resource.RLIMIT_FSIZE, limits["max_output_bytes"] + 1),

@@ -21,6 +21,14 @@ PRELUDE = "from typing import *\nimport collections, heapq, bisect, math, iterto
 MAX_DEPTH = 200
 
 
+def cpu_seconds(timeout_s: float) -> int:
+    """The program's CPU-time limit (RLIMIT_CPU) under a wall-clock limit of `timeout_s`: a backstop
+    a whole second past it. The program's process spends CPU time before its clock starts (a pool
+    server's fork sets up first), so with equal limits a busy loop was sometimes stopped by the CPU
+    limit instead, and said so."""
+    return int(-(-timeout_s // 1)) + 1  # ceil in integers: `math.ceil` was missing on the sandboxed side
+
+
 class NotPlain(TypeError):
     """A value outside the plain-data format."""
 

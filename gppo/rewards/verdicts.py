@@ -157,7 +157,7 @@ def _failure(result, message: str, stderr: str, exit_code: int, limits: Limits) 
     if message.startswith("MemoryError") or last_line.startswith("MemoryError"):
         return result(CaseStatus.MEMORY, f"memory limit of {limits.memory_mb} MB")
     if exit_code in (-signal.SIGKILL, -signal.SIGXCPU):
-        return result(CaseStatus.TIMEOUT, f"CPU time limit of {math.ceil(limits.timeout_s)} s")
+        return result(CaseStatus.TIMEOUT, f"CPU time limit of {_wire.cpu_seconds(limits.timeout_s)} s")
     return result(CaseStatus.RUNTIME_ERROR, message or f"exit status {exit_code}: {stderr[-300:]}")
 
 
